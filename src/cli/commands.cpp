@@ -1,0 +1,148 @@
+#include "cli/commands.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <numeric>
+
+#include "core/error.h"
+#include "core/npy.h"
+#include "model/deepseek_v4.h"
+#include "model/random_init.h"
+
+namespace dsv4::cli {
+namespace {
+
+// The embedded default model: the tiny preset with seed-0 random weights, built in memory.
+constexpr uint64_t kDefaultModelSeed = 0;
+
+DeepseekV4Model load_model(const std::string& model_dir) {
+  if (model_dir.empty()) {
+    ModelConfig config = ModelConfig::preset("tiny");
+    return DeepseekV4Model(config, ModelWeights::from_tensors(config, random_tensors(config, kDefaultModelSeed)));
+  }
+  namespace fs = std::filesystem;
+  check(fs::exists(model_dir), "model '" + model_dir + "' does not exist");
+  const fs::path dir = fs::is_directory(model_dir) ? fs::path(model_dir) : fs::path(model_dir).parent_path();
+  ModelConfig config = ModelConfig::from_file((dir / "config.json").string());
+  return DeepseekV4Model(config, ModelWeights::load(config, model_dir));
+}
+
+std::vector<int32_t> to_token_ids(const std::vector<int64_t>& values, int64_t vocab_size) {
+  std::vector<int32_t> ids;
+  for (const int64_t value : values) {
+    check(value >= 0 && value < vocab_size,
+          "token id " + std::to_string(value) + " is outside the vocabulary [0, " + std::to_string(vocab_size) + ")");
+    ids.push_back(static_cast<int32_t>(value));
+  }
+  return ids;
+}
+
+}  // namespace
+
+std::vector<int64_t> parse_int_list(const std::string& text, const std::string& what) {
+  std::vector<int64_t> values;
+  size_t pos = 0;
+  while (pos <= text.size()) {
+    const size_t comma = std::min(text.find(',', pos), text.size());
+    const std::string item = text.substr(pos, comma - pos);
+    size_t used = 0;
+    int64_t value = 0;
+    try {
+      value = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    check(!item.empty() && used == item.size(), what + ": '" + item + "' is not an integer (in \"" + text + "\")");
+    values.push_back(value);
+    pos = comma + 1;
+  }
+  return values;
+}
+
+int init_random(const InitRandomOptions& options) {
+  check(options.preset.empty() != options.config_path.empty(), "init-random: give exactly one of --preset or --config");
+  const ModelConfig config =
+      options.preset.empty() ? ModelConfig::from_file(options.config_path) : ModelConfig::preset(options.preset);
+  check(options.dtype == "f32" || options.dtype == "bf16", "--dtype '" + options.dtype + "': must be f32 or bf16");
+  const StorageDType dtype = options.dtype == "f32" ? StorageDType::kF32 : StorageDType::kBF16;
+  int64_t params = 0;
+  for (const auto& spec : checkpoint_tensors(config)) params += Tensor::count(spec.shape);
+  // The writer holds the checkpoint in memory; full-size presets need a config with fewer experts or layers.
+  const double gib = static_cast<double>(params) * (dtype == StorageDType::kF32 ? 4 : 2) / (1 << 30);
+  check(gib <= 16.0, "init-random: " + std::to_string(params) + " parameters (" + std::to_string(gib) +
+                         " GiB) is more than this writer handles (16 GiB); use --config with fewer experts or layers");
+  write_random_model(config, options.seed, dtype, options.out_dir, options.tokenizer_path);
+  std::printf("wrote %s: %lld parameters, %s, seed %llu\n", options.out_dir.c_str(), static_cast<long long>(params),
+              options.dtype.c_str(), static_cast<unsigned long long>(options.seed));
+  return 0;
+}
+
+int forward(const ForwardOptions& options) {
+  DeepseekV4Model model = load_model(options.model_dir);
+  const std::vector<int32_t> ids = to_token_ids(parse_int_list(options.ids, "--ids"), model.config().vocab_size);
+  std::vector<int64_t> chunks = {static_cast<int64_t>(ids.size())};
+  if (!options.chunks.empty()) chunks = parse_int_list(options.chunks, "--chunks");
+  for (const int64_t length : chunks) check(length > 0, "--chunks: every chunk must be positive");
+  const int64_t total = std::accumulate(chunks.begin(), chunks.end(), int64_t{0});
+  check(total == static_cast<int64_t>(ids.size()), "--chunks sum to " + std::to_string(total) + " but --ids has " +
+                                                       std::to_string(ids.size()) + " tokens");
+  // Successive chunks through one sequence state, as HF does with a DynamicCache.
+  auto state = model.new_sequence_state();
+  const int64_t vocab = model.config().vocab_size;
+  std::vector<float> logits;
+  logits.reserve(ids.size() * static_cast<size_t>(vocab));
+  int64_t offset = 0;
+  for (const int64_t length : chunks) {
+    const SequenceChunk chunk{state.get(), std::span<const int32_t>(ids).subspan(offset, length)};
+    const Tensor step = model.forward(std::span(&chunk, 1), LogitsMode::kAllPositions);
+    logits.insert(logits.end(), step.data.begin(), step.data.end());
+    offset += length;
+  }
+  if (!options.dump_logits.empty())
+    write_npy_f32(options.dump_logits, logits.data(), {static_cast<int64_t>(ids.size()), vocab});
+  // A short summary: the greedy next token at every position.
+  std::printf("forward: %zu tokens in %zu chunks; argmax:", ids.size(), chunks.size());
+  for (size_t t = 0; t < ids.size(); ++t) {
+    const float* row = logits.data() + t * static_cast<size_t>(vocab);
+    std::printf("%s%ld", t ? "," : " ", static_cast<long>(std::max_element(row, row + vocab) - row));
+  }
+  std::printf("\n");
+  return 0;
+}
+
+int generate(const GenerateOptions& options) {
+  DeepseekV4Model model = load_model(options.model_dir);
+  const ModelConfig& config = model.config();
+  std::vector<int32_t> prompt = to_token_ids(parse_int_list(options.ids, "--ids"), config.vocab_size);
+  check(options.max_tokens >= 0, "--max-tokens must be >= 0");
+  auto state = model.new_sequence_state();
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  double first_token_seconds = 0;
+  std::vector<int32_t> generated;
+  std::vector<int32_t> next = prompt;
+  std::printf("prompt: %zu tokens\ngenerated:", prompt.size());
+  std::fflush(stdout);
+  while (static_cast<int64_t>(generated.size()) < options.max_tokens) {
+    const SequenceChunk chunk{state.get(), next};
+    const Tensor logits = model.forward(std::span(&chunk, 1), LogitsMode::kLastPerSequence);
+    const auto token = static_cast<int32_t>(std::max_element(logits.data.begin(), logits.data.end()) - logits.data.begin());
+    if (generated.empty()) first_token_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    generated.push_back(token);
+    std::printf(" %d", token);
+    std::fflush(stdout);
+    const bool eos = std::find(config.eos_token_ids.begin(), config.eos_token_ids.end(), token) != config.eos_token_ids.end();
+    if (eos && !options.ignore_eos) break;
+    next = {token};
+  }
+  const double total = std::chrono::duration<double>(Clock::now() - start).count();
+  const double decode_rate = generated.size() > 1 ? (generated.size() - 1) / (total - first_token_seconds) : 0.0;
+  std::printf("\nTTFT %.1f ms, %zu tokens, decode %.1f tokens/s\n", first_token_seconds * 1e3, generated.size(),
+              decode_rate);
+  return 0;
+}
+
+}  // namespace dsv4::cli

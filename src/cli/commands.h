@@ -1,0 +1,30 @@
+// The subcommands of the `dsv4` binary (docs/CLI.md). Each returns the process exit code.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dsv4::cli {
+
+struct InitRandomOptions {
+  std::string preset, config_path, out_dir, tokenizer_path, dtype = "bf16";
+  uint64_t seed = 0;
+};
+int init_random(const InitRandomOptions& options);
+
+struct ForwardOptions {
+  std::string model_dir, ids, chunks, dump_logits;
+};
+int forward(const ForwardOptions& options);
+
+struct GenerateOptions {
+  std::string model_dir, ids;
+  int64_t max_tokens = 16;
+  bool ignore_eos = false;
+};
+int generate(const GenerateOptions& options);
+
+// "5,17,3" -> {5, 17, 3}; throws dsv4::Error naming `what` on a malformed list.
+std::vector<int64_t> parse_int_list(const std::string& text, const std::string& what);
+
+}  // namespace dsv4::cli

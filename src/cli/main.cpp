@@ -1,0 +1,48 @@
+// `dsv4`: the command-line entry point. Subcommands live in cli/commands.cpp.
+#include <CLI/CLI.hpp>
+#include <cstdio>
+
+#include "cli/commands.h"
+#include "core/error.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"dsv4: a serving engine for DeepSeek-V4 hybrid-attention models"};
+  app.require_subcommand(1);
+
+  dsv4::cli::InitRandomOptions init;
+  auto* init_cmd = app.add_subcommand("init-random", "Write a random-weight HF model directory");
+  init_cmd->add_option("--preset", init.preset, "v4-flash, v4-pro or tiny");
+  init_cmd->add_option("--config", init.config_path, "config.json to use instead of a preset");
+  init_cmd->add_option("--out", init.out_dir, "output directory")->required();
+  init_cmd->add_option("--seed", init.seed, "random seed");
+  init_cmd->add_option("--dtype", init.dtype, "f32 or bf16 (storage dtype)");
+  init_cmd->add_option("--tokenizer", init.tokenizer_path, "tokenizer.json (or its directory) to copy in");
+
+  dsv4::cli::ForwardOptions fwd;
+  auto* forward_cmd = app.add_subcommand("forward", "Logits of every position for a list of token ids");
+  forward_cmd->add_option("--model", fwd.model_dir, "HF model directory (default: the embedded tiny model)");
+  forward_cmd->add_option("--ids", fwd.ids, "comma-separated token ids")->required();
+  forward_cmd->add_option("--chunks", fwd.chunks, "comma-separated chunk lengths fed through the cache in turn");
+  forward_cmd->add_option("--dump-logits", fwd.dump_logits, "write float32 [T, vocab] logits as .npy");
+
+  dsv4::cli::GenerateOptions gen;
+  auto* generate_cmd = app.add_subcommand("generate", "Greedy generation from token ids");
+  generate_cmd->add_option("--model", gen.model_dir, "HF model directory (default: the embedded tiny model)");
+  generate_cmd->add_option("--ids", gen.ids, "comma-separated prompt token ids")->required();
+  generate_cmd->add_option("--max-tokens", gen.max_tokens, "tokens to generate");
+  generate_cmd->add_flag("--ignore-eos", gen.ignore_eos, "keep going past the end-of-sequence token");
+
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (*init_cmd) return dsv4::cli::init_random(init);
+    if (*forward_cmd) return dsv4::cli::forward(fwd);
+    if (*generate_cmd) return dsv4::cli::generate(gen);
+  } catch (const dsv4::Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+  return 2;
+}

@@ -1,0 +1,52 @@
+// The DeepSeek-V4 forward pass over a batch of requests (docs/MODEL.md, transformers DeepseekV4ForCausalLM):
+// what is computed, layer by layer. The math lives in ops/cpu; per-request state in SequenceState.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "core/tensor.h"
+#include "model/model_config.h"
+#include "model/sequence_state.h"
+#include "model/weights.h"
+#include "ops/cpu/rope.h"
+
+namespace dsv4 {
+
+// One request's slice of a forward step: `token_ids` are appended at positions state->num_tokens() onwards.
+struct SequenceChunk {
+  SequenceState* state = nullptr;
+  std::span<const int32_t> token_ids;
+};
+
+enum class LogitsMode {
+  kAllPositions,     // [sum of chunk lengths, vocab]
+  kLastPerSequence,  // [batch, vocab]: the next-token distribution of every request
+};
+
+class DeepseekV4Model {
+ public:
+  DeepseekV4Model(ModelConfig config, ModelWeights weights);
+
+  const ModelConfig& config() const { return config_; }
+  std::unique_ptr<SequenceState> new_sequence_state() const;
+
+  // One step for several requests at different positions; each state advances by its chunk length.
+  // Throws dsv4::Error for an out-of-vocabulary id or an empty chunk (nothing is modified then).
+  Tensor forward(std::span<const SequenceChunk> batch, LogitsMode mode);
+
+ private:
+  struct StepLayout;  // token -> request / position bookkeeping of one step
+  void attention(int64_t layer, const StepLayout& step, std::span<const SequenceChunk> batch, const float* x,
+                 float* out);
+  void compress(int64_t layer, EntryKind kind, const StepLayout& step, std::span<const SequenceChunk> batch,
+                const float* x);
+  void moe(int64_t layer, const StepLayout& step, const float* x, float* out);
+
+  ModelConfig config_;
+  ModelWeights weights_;
+  ops::cpu::RopeTable rope_main_, rope_compress_;
+};
+
+}  // namespace dsv4

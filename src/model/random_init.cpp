@@ -1,0 +1,134 @@
+#include "model/random_init.h"
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+
+#include <nlohmann/json.hpp>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "model/safetensors.h"
+
+namespace dsv4 {
+namespace {
+
+// SplitMix64: a tiny, portable generator (std::normal_distribution differs between standard libraries).
+struct Random {
+  uint64_t state;
+  uint64_t next() {
+    uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  double uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }  // [0, 1)
+  double normal() {  // Box-Muller
+    const double u1 = 1.0 - uniform(), u2 = uniform();
+    return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2);
+  }
+};
+
+uint64_t hash_name(const std::string& name, uint64_t seed) {
+  uint64_t h = 1469598103934665603ull ^ seed;  // FNV-1a
+  for (const unsigned char ch : name) h = (h ^ ch) * 1099511628211ull;
+  return h;
+}
+
+Tensor random_tensor(const ModelConfig& config, const TensorSpec& spec, uint64_t seed) {
+  Random random{hash_name(spec.name, seed)};
+  Tensor tensor(spec.shape);
+  auto normal = [&](double stddev, double mean = 0.0) {
+    for (float& value : tensor.data) value = static_cast<float>(mean + stddev * random.normal());
+  };
+  switch (spec.role) {
+    case TensorRole::kLinear: normal(1.0 / std::sqrt(static_cast<double>(spec.shape.back()))); break;
+    case TensorRole::kEmbedding: normal(1.0); break;
+    case TensorRole::kNormWeight: normal(0.1, 1.0); break;
+    case TensorRole::kHcFn: normal(1.0 / std::sqrt(static_cast<double>(spec.shape.back()))); break;
+    case TensorRole::kHcBase: normal(0.5); break;
+    case TensorRole::kHcScale:
+      for (float& value : tensor.data) value = static_cast<float>(0.5 + random.uniform());
+      break;
+    case TensorRole::kSink: normal(0.5); break;
+    case TensorRole::kPositionBias: normal(0.5); break;
+    case TensorRole::kRouterBias: normal(0.1); break;
+    case TensorRole::kHashTable: {
+      // Each row: top_k distinct experts (a partial Fisher-Yates shuffle).
+      const int64_t experts = config.n_routed_experts, top_k = spec.shape[1];
+      std::vector<int32_t> ids(static_cast<size_t>(experts));
+      for (int64_t row = 0; row < spec.shape[0]; ++row) {
+        std::iota(ids.begin(), ids.end(), 0);
+        for (int64_t k = 0; k < top_k; ++k) {
+          const auto pick = k + static_cast<int64_t>(random.next() % static_cast<uint64_t>(experts - k));
+          std::swap(ids[k], ids[pick]);
+          tensor.data[row * top_k + k] = static_cast<float>(ids[k]);
+        }
+      }
+      break;
+    }
+  }
+  return tensor;
+}
+
+void copy_tokenizer(const std::string& tokenizer_path, const std::filesystem::path& out_dir) {
+  namespace fs = std::filesystem;
+  const fs::path source(tokenizer_path);
+  const fs::path dir = fs::is_directory(source) ? source : source.parent_path();
+  const fs::path json = fs::is_directory(source) ? dir / "tokenizer.json" : source;
+  check(fs::is_regular_file(json), "tokenizer '" + json.string() + "' not found");
+  fs::copy_file(json, out_dir / "tokenizer.json", fs::copy_options::overwrite_existing);
+  if (fs::is_regular_file(dir / "tokenizer_config.json"))
+    fs::copy_file(dir / "tokenizer_config.json", out_dir / "tokenizer_config.json", fs::copy_options::overwrite_existing);
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, Tensor>> random_tensors(const ModelConfig& config, uint64_t seed) {
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  for (const auto& spec : checkpoint_tensors(config)) tensors.emplace_back(spec.name, random_tensor(config, spec, seed));
+  return tensors;
+}
+
+void write_random_model(const ModelConfig& config, uint64_t seed, StorageDType dtype, const std::string& out_dir,
+                        const std::string& tokenizer_path) {
+  namespace fs = std::filesystem;
+  fs::create_directories(out_dir);
+  ModelConfig saved = config;
+  saved.torch_dtype = dtype == StorageDType::kBF16 ? "bfloat16" : "float32";
+  {
+    std::ofstream out(fs::path(out_dir) / "config.json");
+    check(out.good(), "cannot write " + (fs::path(out_dir) / "config.json").string());
+    out << saved.to_json().dump(2) << "\n";
+  }
+  std::vector<TensorToWrite> files;
+  for (const auto& spec : checkpoint_tensors(config)) {
+    const Tensor tensor = random_tensor(config, spec, seed);
+    TensorToWrite entry{spec.name, DType::kF32, spec.shape, {}};
+    if (spec.role == TensorRole::kHashTable) {  // int64, as HF keeps tid2eid
+      entry.dtype = DType::kI64;
+      entry.bytes.resize(tensor.data.size() * sizeof(int64_t));
+      for (size_t i = 0; i < tensor.data.size(); ++i) {
+        const auto id = static_cast<int64_t>(tensor.data[i]);
+        std::memcpy(&entry.bytes[i * sizeof(int64_t)], &id, sizeof id);
+      }
+    } else if (dtype == StorageDType::kBF16) {
+      entry.dtype = DType::kBF16;
+      entry.bytes.resize(tensor.data.size() * 2);
+      for (size_t i = 0; i < tensor.data.size(); ++i) {
+        const uint16_t bits = f32_to_bf16(tensor.data[i]);
+        std::memcpy(&entry.bytes[i * 2], &bits, 2);
+      }
+    } else {
+      entry.bytes.resize(tensor.data.size() * sizeof(float));
+      std::memcpy(entry.bytes.data(), tensor.data.data(), entry.bytes.size());
+    }
+    files.push_back(std::move(entry));
+  }
+  write_safetensors((fs::path(out_dir) / "model.safetensors").string(), files);
+  if (!tokenizer_path.empty()) copy_tokenizer(tokenizer_path, out_dir);
+}
+
+}  // namespace dsv4

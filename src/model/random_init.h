@@ -1,0 +1,26 @@
+// Random-weight DeepSeek-V4 models: the embedded default model and `dsv4 init-random`. Every tensor gets a
+// random value, also those HF initialises to zero or one (sinks, position bias, router bias, mHC base/scale),
+// so tests exercise every term; hash tables get distinct experts per row.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/tensor.h"
+#include "model/model_config.h"
+#include "model/weights.h"
+
+namespace dsv4 {
+
+// Tensors keyed by on-disk name, deterministic in (config, seed) on every platform.
+std::vector<std::pair<std::string, Tensor>> random_tensors(const ModelConfig& config, uint64_t seed);
+
+enum class StorageDType { kF32, kBF16 };
+
+// Writes an HF model directory: config.json and model.safetensors (on-disk names), plus tokenizer.json /
+// tokenizer_config.json copied from `tokenizer_path` (a tokenizer.json file or a directory holding it) if given.
+void write_random_model(const ModelConfig& config, uint64_t seed, StorageDType dtype, const std::string& out_dir,
+                        const std::string& tokenizer_path = "");
+
+}  // namespace dsv4

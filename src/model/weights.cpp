@@ -1,0 +1,311 @@
+#include "model/weights.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <set>
+
+#include "core/error.h"
+#include "model/safetensors.h"
+
+namespace dsv4 {
+namespace {
+
+bool starts_with(const std::string& s, const std::string& prefix) { return s.rfind(prefix, 0) == 0; }
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+std::string shape_string(const std::vector<int64_t>& shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
+}
+
+// Lists at most `limit` names, then "... and N more".
+std::string list_names(const std::vector<std::string>& names, size_t limit = 12) {
+  std::string out;
+  for (size_t i = 0; i < names.size() && i < limit; ++i) out += "\n    " + names[i];
+  if (names.size() > limit) out += "\n    ... and " + std::to_string(names.size() - limit) + " more";
+  return out;
+}
+
+// FP4 e2m1 code -> value (docs research/model_spec.md §2.1; low nibble is the even element).
+constexpr float kFp4Values[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                  -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+// Reads one checkpoint tensor as fp32 with the logical shape `expected`, dequantizing block-scaled FP8
+// ([out, in] e4m3 with [ceil(out/128), ceil(in/128)] scales) and packed FP4 ([out, in/2] bytes with
+// [out, in/32] scales).
+Tensor read_tensor(const SafetensorsArchive& archive, const std::string& stored_name, const TensorInfo& info,
+                   const std::string* scale_name, const std::vector<int64_t>& expected, std::vector<std::string>& errors) {
+  auto mismatch = [&](const std::vector<int64_t>& shape) {
+    errors.push_back(stored_name + ": shape " + shape_string(shape) + " (" + std::string(dtype_name(info.dtype)) +
+                     "), expected " + shape_string(expected));
+    return Tensor{};
+  };
+  const bool packed_fp4 = scale_name && (info.dtype == DType::kI8 || info.dtype == DType::kU8);
+  if (!packed_fp4 && info.shape != expected) return mismatch(info.shape);
+  if (packed_fp4 && (expected.size() != 2 || info.shape.size() != 2 || info.shape[0] != expected[0] ||
+                     info.shape[1] * 2 != expected[1]))
+    return mismatch(info.shape);
+  Tensor tensor(expected);
+  if (!scale_name) {
+    if (info.dtype == DType::kI8 || info.dtype == DType::kU8 || info.dtype == DType::kF8E8M0) {
+      errors.push_back(stored_name + ": dtype " + std::string(dtype_name(info.dtype)) + " needs a scale tensor");
+      return Tensor{};
+    }
+    tensor.data = archive.read_f32(stored_name);
+    return tensor;
+  }
+  const auto* scale_entry = archive.find(*scale_name);
+  const std::vector<float> scales = archive.read_f32(*scale_name);
+  const auto& scale_shape = scale_entry->info->shape;
+  const int64_t rows = expected[0], cols = expected[1];
+  const uint8_t* raw = archive.find(stored_name)->file->data(info);
+  if (packed_fp4) {
+    const int64_t groups = (cols + 31) / 32;
+    if (scale_shape != std::vector<int64_t>{rows, groups}) {
+      errors.push_back(*scale_name + ": shape " + shape_string(scale_shape) + ", expected " +
+                       shape_string({rows, groups}) + " for FP4 weight " + stored_name);
+      return Tensor{};
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) {
+        const uint8_t byte = raw[r * (cols / 2) + c / 2];
+        const uint8_t code = (c % 2 == 0) ? (byte & 0xf) : (byte >> 4);
+        tensor.data[r * cols + c] = kFp4Values[code] * scales[r * groups + c / 32];
+      }
+    return tensor;
+  }
+  if (info.dtype != DType::kF8E4M3) {
+    errors.push_back(stored_name + ": has scale " + *scale_name + " but dtype " + std::string(dtype_name(info.dtype)));
+    return Tensor{};
+  }
+  const int64_t block_rows = (rows + 127) / 128, block_cols = (cols + 127) / 128;
+  if (scale_shape != std::vector<int64_t>{block_rows, block_cols}) {
+    errors.push_back(*scale_name + ": shape " + shape_string(scale_shape) + ", expected " +
+                     shape_string({block_rows, block_cols}) + " (128x128 blocks of " + stored_name + ")");
+    return Tensor{};
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      tensor.data[r * cols + c] = f8e4m3_to_f32(raw[r * cols + c]) * scales[(r / 128) * block_cols + c / 128];
+  return tensor;
+}
+
+}  // namespace
+
+std::string canonical_tensor_name(const std::string& name) {
+  std::string out = name;
+  if (!starts_with(out, "model.") && out != "head.weight" && out != "lm_head.weight") out = "model." + out;
+  if (out == "lm_head.weight") out = "head.weight";
+  if (out == "model.embed.weight") out = "model.embed_tokens.weight";
+  for (const char* part : {"fn", "base", "scale"})
+    if (out == std::string("model.hc_head_") + part) out = std::string("model.hc_head.hc_") + part;
+  const std::string kv_norm = ".attn.kv_norm.";
+  if (const auto pos = out.find(kv_norm); pos != std::string::npos) out.replace(pos, kv_norm.size(), ".attn.norm.");
+  return out;
+}
+
+std::vector<TensorSpec> checkpoint_tensors(const ModelConfig& c) {
+  const int64_t D = c.hidden_size, H = c.num_attention_heads, d = c.head_dim, hc = c.hc_mult;
+  const int64_t mix = (2 + hc) * hc, I = c.moe_intermediate_size, E = c.n_routed_experts;
+  std::vector<TensorSpec> specs = {
+      {"model.embed_tokens.weight", {c.vocab_size, D}, TensorRole::kEmbedding},
+      {"head.weight", {c.vocab_size, D}, TensorRole::kLinear},
+      {"model.norm.weight", {D}, TensorRole::kNormWeight},
+      {"model.hc_head.hc_fn", {hc, hc * D}, TensorRole::kHcFn},
+      {"model.hc_head.hc_base", {hc}, TensorRole::kHcBase},
+      {"model.hc_head.hc_scale", {1}, TensorRole::kHcScale},
+  };
+  for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer) {
+    const std::string p = "model.layers." + std::to_string(layer) + ".";
+    auto add = [&](const std::string& name, std::vector<int64_t> shape, TensorRole role) {
+      specs.push_back({p + name, std::move(shape), role});
+    };
+    for (const char* site : {"attn", "ffn"}) {
+      add(std::string("hc_") + site + "_fn", {mix, hc * D}, TensorRole::kHcFn);
+      add(std::string("hc_") + site + "_base", {mix}, TensorRole::kHcBase);
+      add(std::string("hc_") + site + "_scale", {3}, TensorRole::kHcScale);
+    }
+    add("attn_norm.weight", {D}, TensorRole::kNormWeight);
+    add("ffn_norm.weight", {D}, TensorRole::kNormWeight);
+    add("attn.wq_a.weight", {c.q_lora_rank, D}, TensorRole::kLinear);
+    add("attn.q_norm.weight", {c.q_lora_rank}, TensorRole::kNormWeight);
+    add("attn.wq_b.weight", {H * d, c.q_lora_rank}, TensorRole::kLinear);
+    add("attn.wkv.weight", {d, D}, TensorRole::kLinear);
+    add("attn.norm.weight", {d}, TensorRole::kNormWeight);
+    add("attn.wo_a.weight", {c.o_groups * c.o_lora_rank, H * d / c.o_groups}, TensorRole::kLinear);
+    add("attn.wo_b.weight", {D, c.o_groups * c.o_lora_rank}, TensorRole::kLinear);
+    add("attn.attn_sink", {H}, TensorRole::kSink);
+    const AttentionType type = c.layer_types[static_cast<size_t>(layer)];
+    if (type != AttentionType::kSlidingWindow) {
+      const int64_t coff = type == AttentionType::kCompressedSparse ? 2 : 1;
+      add("attn.compressor.wkv.weight", {coff * d, D}, TensorRole::kLinear);
+      add("attn.compressor.wgate.weight", {coff * d, D}, TensorRole::kLinear);
+      add("attn.compressor.ape", {c.compress_rate(layer), coff * d}, TensorRole::kPositionBias);
+      add("attn.compressor.norm.weight", {d}, TensorRole::kNormWeight);
+    }
+    if (type == AttentionType::kCompressedSparse) {
+      const int64_t cI = c.index_head_dim;
+      add("attn.indexer.compressor.wkv.weight", {2 * cI, D}, TensorRole::kLinear);
+      add("attn.indexer.compressor.wgate.weight", {2 * cI, D}, TensorRole::kLinear);
+      add("attn.indexer.compressor.ape", {c.compress_rate_csa, 2 * cI}, TensorRole::kPositionBias);
+      add("attn.indexer.compressor.norm.weight", {cI}, TensorRole::kNormWeight);
+      add("attn.indexer.wq_b.weight", {c.index_n_heads * cI, c.q_lora_rank}, TensorRole::kLinear);
+      add("attn.indexer.weights_proj.weight", {c.index_n_heads, D}, TensorRole::kLinear);
+    }
+    add("ffn.gate.weight", {E, D}, TensorRole::kLinear);
+    if (c.mlp_layer_types[static_cast<size_t>(layer)] == MlpType::kHashMoe)
+      add("ffn.gate.tid2eid", {c.vocab_size, c.num_experts_per_tok}, TensorRole::kHashTable);
+    else
+      add("ffn.gate.bias", {E}, TensorRole::kRouterBias);
+    for (int64_t e = 0; e < E; ++e) {
+      const std::string expert = "ffn.experts." + std::to_string(e) + ".";
+      add(expert + "w1.weight", {I, D}, TensorRole::kLinear);
+      add(expert + "w2.weight", {D, I}, TensorRole::kLinear);
+      add(expert + "w3.weight", {I, D}, TensorRole::kLinear);
+    }
+    add("ffn.shared_experts.w1.weight", {I, D}, TensorRole::kLinear);
+    add("ffn.shared_experts.w2.weight", {D, I}, TensorRole::kLinear);
+    add("ffn.shared_experts.w3.weight", {I, D}, TensorRole::kLinear);
+  }
+  return specs;
+}
+
+ModelWeights ModelWeights::load(const ModelConfig& config, const std::string& path) {
+  const SafetensorsArchive archive(path);
+  // canonical name -> stored name; scale companions and the MTP block are set aside.
+  std::map<std::string, std::string> stored;
+  std::set<std::string> consumed;
+  const std::vector<std::string> names = archive.names();
+  const std::set<std::string> name_set(names.begin(), names.end());
+  for (const auto& name : names) {
+    if (starts_with(name, "mtp.") || starts_with(name, "model.mtp.")) {
+      consumed.insert(name);  // the MTP block is not run by this engine yet
+      continue;
+    }
+    stored[canonical_tensor_name(name)] = name;
+  }
+  auto scale_of = [&](const std::string& weight_name) -> const std::string* {
+    static thread_local std::string found;
+    if (!ends_with(weight_name, ".weight")) return nullptr;
+    const std::string stem = weight_name.substr(0, weight_name.size() - 7);
+    for (const std::string& candidate : {stem + ".scale", weight_name + "_scale_inv", stem + ".weight_scale_inv"})
+      if (name_set.count(candidate)) return &(found = candidate);
+    return nullptr;
+  };
+  std::vector<std::string> missing, errors;
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  for (const auto& spec : checkpoint_tensors(config)) {
+    const auto it = stored.find(spec.name);
+    if (it == stored.end()) {
+      missing.push_back(spec.name + " " + shape_string(spec.shape));
+      continue;
+    }
+    const std::string& stored_name = it->second;
+    consumed.insert(stored_name);
+    const std::string* scale_name = scale_of(stored_name);
+    if (scale_name) consumed.insert(*scale_name);
+    Tensor tensor = read_tensor(archive, stored_name, *archive.find(stored_name)->info, scale_name, spec.shape, errors);
+    if (!tensor.empty() || Tensor::count(spec.shape) == 0) tensors.emplace_back(spec.name, std::move(tensor));
+  }
+  std::vector<std::string> unexpected;
+  for (const auto& name : names)
+    if (!consumed.count(name)) unexpected.push_back(name);
+  if (!missing.empty() || !unexpected.empty() || !errors.empty()) {
+    std::string message = "checkpoint '" + path + "' does not match its config:";
+    if (!missing.empty()) message += "\n  missing " + std::to_string(missing.size()) + " tensors:" + list_names(missing);
+    if (!unexpected.empty())
+      message += "\n  unexpected " + std::to_string(unexpected.size()) + " tensors:" + list_names(unexpected);
+    if (!errors.empty()) message += "\n  " + std::to_string(errors.size()) + " bad tensors:" + list_names(errors);
+    throw Error(message);
+  }
+  return from_tensors(config, std::move(tensors));
+}
+
+ModelWeights ModelWeights::from_tensors(const ModelConfig& config, std::vector<std::pair<std::string, Tensor>> list) {
+  std::map<std::string, Tensor> by_name;
+  for (auto& [name, tensor] : list) by_name[name] = std::move(tensor);
+  std::vector<std::string> problems;
+  for (const auto& spec : checkpoint_tensors(config)) {
+    const auto it = by_name.find(spec.name);
+    if (it == by_name.end()) problems.push_back(spec.name + ": missing");
+    else if (it->second.shape != spec.shape)
+      problems.push_back(spec.name + ": shape " + it->second.shape_string() + ", expected " + shape_string(spec.shape));
+  }
+  if (!problems.empty()) throw Error("weights do not match the config:" + list_names(problems));
+  auto take = [&](const std::string& name) { return std::move(by_name.at(name)); };
+
+  ModelWeights w;
+  w.embed = take("model.embed_tokens.weight");
+  w.head = take("head.weight");
+  w.norm = take("model.norm.weight");
+  w.hc_head_fn = take("model.hc_head.hc_fn");
+  w.hc_head_base = take("model.hc_head.hc_base");
+  w.hc_head_scale = take("model.hc_head.hc_scale");
+  const int64_t I = config.moe_intermediate_size, D = config.hidden_size;
+  auto fuse_gate_up = [&](const std::string& prefix) {
+    Tensor w1 = take(prefix + "w1.weight"), w3 = take(prefix + "w3.weight");
+    Tensor fused({2 * I, D});
+    std::copy(w1.data.begin(), w1.data.end(), fused.data.begin());
+    std::copy(w3.data.begin(), w3.data.end(), fused.data.begin() + I * D);
+    return fused;
+  };
+  for (int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
+    const std::string p = "model.layers." + std::to_string(layer) + ".";
+    LayerWeights l;
+    l.hc_attn_fn = take(p + "hc_attn_fn");
+    l.hc_attn_base = take(p + "hc_attn_base");
+    l.hc_attn_scale = take(p + "hc_attn_scale");
+    l.hc_ffn_fn = take(p + "hc_ffn_fn");
+    l.hc_ffn_base = take(p + "hc_ffn_base");
+    l.hc_ffn_scale = take(p + "hc_ffn_scale");
+    l.attn_norm = take(p + "attn_norm.weight");
+    l.ffn_norm = take(p + "ffn_norm.weight");
+    l.wq_a = take(p + "attn.wq_a.weight");
+    l.q_norm = take(p + "attn.q_norm.weight");
+    l.wq_b = take(p + "attn.wq_b.weight");
+    l.wkv = take(p + "attn.wkv.weight");
+    l.kv_norm = take(p + "attn.norm.weight");
+    l.wo_a = take(p + "attn.wo_a.weight");
+    l.wo_b = take(p + "attn.wo_b.weight");
+    l.attn_sink = take(p + "attn.attn_sink");
+    const AttentionType type = config.layer_types[static_cast<size_t>(layer)];
+    auto take_compressor = [&](const std::string& q) {
+      return CompressorWeights{take(q + "wkv.weight"), take(q + "wgate.weight"), take(q + "ape"), take(q + "norm.weight")};
+    };
+    if (type != AttentionType::kSlidingWindow) l.compressor = take_compressor(p + "attn.compressor.");
+    if (type == AttentionType::kCompressedSparse) {
+      l.indexer_compressor = take_compressor(p + "attn.indexer.compressor.");
+      l.indexer_wq_b = take(p + "attn.indexer.wq_b.weight");
+      l.indexer_weights_proj = take(p + "attn.indexer.weights_proj.weight");
+    }
+    l.gate = take(p + "ffn.gate.weight");
+    if (config.mlp_layer_types[static_cast<size_t>(layer)] == MlpType::kHashMoe) {
+      const Tensor table = take(p + "ffn.gate.tid2eid");
+      l.tid2eid.resize(table.data.size());
+      for (size_t i = 0; i < table.data.size(); ++i) {
+        const float expert = table.data[i];
+        if (!(expert >= 0 && expert < static_cast<float>(config.n_routed_experts)) || std::floor(expert) != expert)
+          throw Error(p + "ffn.gate.tid2eid: entry " + std::to_string(i) + " = " + std::to_string(expert) +
+                      " is not an expert id in [0, " + std::to_string(config.n_routed_experts) + ")");
+        l.tid2eid[i] = static_cast<int32_t>(expert);
+      }
+    } else {
+      l.gate_bias = take(p + "ffn.gate.bias");
+    }
+    for (int64_t e = 0; e < config.n_routed_experts; ++e) {
+      const std::string expert = p + "ffn.experts." + std::to_string(e) + ".";
+      l.experts_w13.push_back(fuse_gate_up(expert));
+      l.experts_w2.push_back(take(expert + "w2.weight"));
+    }
+    l.shared_w13 = fuse_gate_up(p + "ffn.shared_experts.");
+    l.shared_w2 = take(p + "ffn.shared_experts.w2.weight");
+    w.layers.push_back(std::move(l));
+  }
+  return w;
+}
+
+}  // namespace dsv4

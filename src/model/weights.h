@@ -1,0 +1,67 @@
+// The weights of a DeepSeek-V4 checkpoint, converted to fp32 for the CPU backend, and the list of tensors a
+// config implies (the on-disk names of transformers 5.17 save_pretrained, docs/MODEL.md "Tensor names on disk").
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "model/model_config.h"
+
+namespace dsv4 {
+
+enum class TensorRole {
+  kLinear,       // [out, in] projection
+  kEmbedding,    // token embedding rows
+  kNormWeight,   // RMSNorm weight
+  kHcFn, kHcBase, kHcScale,
+  kSink, kPositionBias, kRouterBias,
+  kHashTable,    // tid2eid, integer expert ids
+};
+
+struct TensorSpec {
+  std::string name;  // on-disk name as save_pretrained writes it ("model.layers.3.attn.wq_a.weight")
+  std::vector<int64_t> shape;
+  TensorRole role;
+};
+
+// Every tensor of the checkpoint, in a stable order.
+std::vector<TensorSpec> checkpoint_tensors(const ModelConfig& config);
+
+// Maps a name of the official DeepSeek checkpoint layout ("layers.3.attn.kv_norm.weight", "embed.weight",
+// "hc_head_fn") to the save_pretrained name; names already in that form come back unchanged.
+std::string canonical_tensor_name(const std::string& name);
+
+struct CompressorWeights {
+  Tensor wkv, wgate, ape, norm;  // [coff·d, D], [coff·d, D], [ratio, coff·d], [d]
+};
+
+struct LayerWeights {
+  Tensor hc_attn_fn, hc_attn_base, hc_attn_scale, hc_ffn_fn, hc_ffn_base, hc_ffn_scale;
+  Tensor attn_norm, ffn_norm;
+  // attention
+  Tensor wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b, attn_sink;
+  CompressorWeights compressor;          // CSA / HCA layers
+  CompressorWeights indexer_compressor;  // CSA layers
+  Tensor indexer_wq_b, indexer_weights_proj;
+  // MoE
+  Tensor gate, gate_bias;                // gate_bias empty on hash layers
+  std::vector<int32_t> tid2eid;          // [vocab, top_k], hash layers only
+  std::vector<Tensor> experts_w13;       // per expert [2·I, D]: gate rows then up rows (w1 ‖ w3)
+  std::vector<Tensor> experts_w2;        // per expert [D, I]
+  Tensor shared_w13, shared_w2;
+};
+
+struct ModelWeights {
+  Tensor embed, head, norm, hc_head_fn, hc_head_base, hc_head_scale;
+  std::vector<LayerWeights> layers;
+
+  // Loads a model directory or .safetensors file. Missing, unexpected and mis-shaped tensors are reported in one
+  // dsv4::Error that lists them all. F8_E4M3 weights with a `.scale`/`.weight_scale_inv` companion (128×128
+  // blocks) and packed FP4 experts (I8 + per-32 scales) are dequantized to fp32.
+  static ModelWeights load(const ModelConfig& config, const std::string& path);
+  // Takes ownership of tensors keyed by on-disk name (validated like load()).
+  static ModelWeights from_tensors(const ModelConfig& config, std::vector<std::pair<std::string, Tensor>> tensors);
+};
+
+}  // namespace dsv4

@@ -1,0 +1,22 @@
+#include "ops/cpu/norm.h"
+
+#include <cmath>
+
+namespace dsv4::ops::cpu {
+
+void rms_norm(const float* x, int64_t rows, int64_t dim, int64_t stride, const float* weight, float eps, float* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = x + r * stride;
+    float* out = y + r * stride;
+    double sum = 0.0;  // double accumulation: order-independent to well below fp32 resolution
+    for (int64_t i = 0; i < dim; ++i) sum += static_cast<double>(row[i]) * row[i];
+    const float scale = 1.0f / std::sqrt(static_cast<float>(sum / static_cast<double>(dim)) + eps);
+    if (weight) {
+      for (int64_t i = 0; i < dim; ++i) out[i] = weight[i] * (row[i] * scale);
+    } else {
+      for (int64_t i = 0; i < dim; ++i) out[i] = row[i] * scale;
+    }
+  }
+}
+
+}  // namespace dsv4::ops::cpu

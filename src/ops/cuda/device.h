@@ -1,0 +1,19 @@
+// CUDA device discovery for the backend switch: which GPUs this process can use.
+#pragma once
+#include <string>
+#include <vector>
+
+namespace dsv4::ops::cuda {
+
+struct DeviceInfo {
+  int index = 0;
+  std::string name;
+  int compute_major = 0, compute_minor = 0;
+  size_t total_memory = 0;
+  int multiprocessors = 0;
+};
+
+// Devices visible to this process; empty (not an error) when there is no driver or no GPU.
+std::vector<DeviceInfo> list_devices();
+
+}  // namespace dsv4::ops::cuda
