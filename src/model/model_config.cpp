@@ -317,6 +317,11 @@ ModelConfig ModelConfig::from_json(const json& config) {
     flat.erase("compress");
     flat["rope_theta"] = c.compress_rope_theta;
     flat["partial_rotary_factor"] = c.partial_rotary_factor;
+    // DeepseekV4Config.__post_init__: a yarn compress rope gets attention_factor 1.0 unless given (the reference
+    // applies no YaRN mscale); only the nested form falls through to _compute_yarn_parameters' default.
+    const bool yarn = (flat.contains("rope_type") && flat["rope_type"] == "yarn") ||
+                      (!flat.contains("rope_type") && flat.contains("type") && flat["type"] == "yarn");
+    if (yarn && !flat.contains("attention_factor")) flat["attention_factor"] = 1.0;
     c.rope_compress = parse_rope(flat, "rope_parameters", c.compress_rope_theta, c.partial_rotary_factor,
                                  c.max_position_embeddings);
   }
@@ -421,20 +426,6 @@ void ModelConfig::validate() const {
   require(rms_norm_eps > 0, "rms_norm_eps", std::to_string(rms_norm_eps), "must be positive");
   require(hc_eps >= 0, "hc_eps", std::to_string(hc_eps), "must be >= 0");
   require(swiglu_limit > 0, "swiglu_limit", std::to_string(swiglu_limit), "must be positive");
-  bool has_csa = false, has_hca = false;
-  for (auto type : layer_types) {
-    has_csa |= type == AttentionType::kCompressedSparse;
-    has_hca |= type == AttentionType::kHeavilyCompressed;
-  }
-  if (has_csa) {
-    positive("compress_rates.compressed_sparse_attention", compress_rate_csa);
-    positive("index_n_heads", index_n_heads);
-    positive("index_head_dim", index_head_dim);
-    positive("index_topk", index_topk);
-    require(index_head_dim >= rope_dim(RopeKind::kCompress), "index_head_dim", std::to_string(index_head_dim),
-            "must hold the compress rope's " + std::to_string(rope_dim(RopeKind::kCompress)) + " rotated channels");
-  }
-  if (has_hca) positive("compress_rates.heavily_compressed_attention", compress_rate_hca);
   for (RopeKind kind : {RopeKind::kMain, RopeKind::kCompress}) {
     const char* field = kind == RopeKind::kMain ? "rope_parameters.main" : "rope_parameters.compress";
     const RopeParameters& rope = rope_for(kind);
@@ -449,6 +440,20 @@ void ModelConfig::validate() const {
               std::to_string(rope.original_max_position_embeddings), "must be positive");
     }
   }
+  bool has_csa = false, has_hca = false;
+  for (auto type : layer_types) {
+    has_csa |= type == AttentionType::kCompressedSparse;
+    has_hca |= type == AttentionType::kHeavilyCompressed;
+  }
+  if (has_csa) {
+    positive("compress_rates.compressed_sparse_attention", compress_rate_csa);
+    positive("index_n_heads", index_n_heads);
+    positive("index_head_dim", index_head_dim);
+    positive("index_topk", index_topk);
+    require(index_head_dim >= rope_dim(RopeKind::kCompress), "index_head_dim", std::to_string(index_head_dim),
+            "must hold the compress rope's " + std::to_string(rope_dim(RopeKind::kCompress)) + " rotated channels");
+  }
+  if (has_hca) positive("compress_rates.heavily_compressed_attention", compress_rate_hca);
   for (int64_t id : eos_token_ids)
     require(id >= 0 && id < vocab_size, "eos_token_id", std::to_string(id), "outside the vocabulary");
 }

@@ -404,6 +404,7 @@ std::vector<float> SafetensorsArchive::read_f32(const std::string& name) const {
   check(entry != nullptr, path_ + ": tensor '" + name + "' not found");
   const TensorInfo& info = *entry->info;
   std::vector<float> result(static_cast<size_t>(info.numel()));
+  if (result.empty()) return result;  // no memcpy through null pointers
   convert_to_f32(info.dtype, entry->file->data(info), result.size(), result.data());
   return result;
 }

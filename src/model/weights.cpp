@@ -38,7 +38,16 @@ constexpr float kFp4Values[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f
 // ([out, in] e4m3 with [ceil(out/128), ceil(in/128)] scales) and packed FP4 ([out, in/2] bytes with
 // [out, in/32] scales).
 Tensor read_tensor(const SafetensorsArchive& archive, const std::string& stored_name, const TensorInfo& info,
-                   const std::string* scale_name, const std::vector<int64_t>& expected, std::vector<std::string>& errors) {
+                   const std::string* scale_name, const TensorSpec& spec, std::vector<std::string>& errors) {
+  const std::vector<int64_t>& expected = spec.shape;
+  // Expert ids must be integers; everything else a float dtype (or FP8/FP4 bytes with a scale tensor).
+  const bool integer = info.dtype == DType::kI64 || info.dtype == DType::kI32;
+  const bool plain_float = info.dtype == DType::kF32 || info.dtype == DType::kBF16 || info.dtype == DType::kF16;
+  if ((spec.role == TensorRole::kHashTable) != integer || (!integer && !plain_float && !scale_name)) {
+    errors.push_back(stored_name + ": dtype " + std::string(dtype_name(info.dtype)) + " is not valid for this tensor" +
+                     (spec.role == TensorRole::kHashTable ? " (expected I64 or I32)" : " (expected F32, BF16 or F16)"));
+    return Tensor{};
+  }
   auto mismatch = [&](const std::vector<int64_t>& shape) {
     errors.push_back(stored_name + ": shape " + shape_string(shape) + " (" + std::string(dtype_name(info.dtype)) +
                      "), expected " + shape_string(expected));
@@ -51,10 +60,6 @@ Tensor read_tensor(const SafetensorsArchive& archive, const std::string& stored_
     return mismatch(info.shape);
   Tensor tensor(expected);
   if (!scale_name) {
-    if (info.dtype == DType::kI8 || info.dtype == DType::kU8 || info.dtype == DType::kF8E8M0) {
-      errors.push_back(stored_name + ": dtype " + std::string(dtype_name(info.dtype)) + " needs a scale tensor");
-      return Tensor{};
-    }
     tensor.data = archive.read_f32(stored_name);
     return tensor;
   }
@@ -208,7 +213,7 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::string& pa
     consumed.insert(stored_name);
     const std::string* scale_name = scale_of(stored_name);
     if (scale_name) consumed.insert(*scale_name);
-    Tensor tensor = read_tensor(archive, stored_name, *archive.find(stored_name)->info, scale_name, spec.shape, errors);
+    Tensor tensor = read_tensor(archive, stored_name, *archive.find(stored_name)->info, scale_name, spec, errors);
     if (!tensor.empty() || Tensor::count(spec.shape) == 0) tensors.emplace_back(spec.name, std::move(tensor));
   }
   std::vector<std::string> unexpected;

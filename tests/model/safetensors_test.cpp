@@ -150,7 +150,9 @@ TEST(Safetensors, RoundTripSeveralDtypes) {
     EXPECT_EQ(info->dtype, t.dtype) << t.name;
     EXPECT_EQ(info->shape, t.shape) << t.name;
     ASSERT_EQ(info->data_end - info->data_begin, t.bytes.size()) << t.name;
-    EXPECT_EQ(std::memcmp(file.data(*info), t.bytes.data(), t.bytes.size()), 0) << t.name;
+    if (!t.bytes.empty()) {
+      EXPECT_EQ(std::memcmp(file.data(*info), t.bytes.data(), t.bytes.size()), 0) << t.name;
+    }
   }
   EXPECT_EQ(file.find("missing"), nullptr);
 

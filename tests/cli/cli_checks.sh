@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# End-to-end checks of the dsv4 binary: bad inputs exit non-zero with a message naming the problem (and no
+# sanitizer report), good inputs work. Usage: cli_checks.sh path/to/dsv4 tests/fixtures
+set -u
+dsv4=$1
+fixtures=$2
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+failures=0
+
+# expect_failure NAME PATTERN COMMAND...: must exit non-zero, print PATTERN on stderr, and not crash.
+expect_failure() {
+  local name=$1 pattern=$2; shift 2
+  "$@" >"$work/out" 2>"$work/err"
+  local rc=$?
+  if [ $rc -eq 0 ] || [ $rc -ge 128 ] || ! grep -q -- "$pattern" "$work/err" || grep -q "Sanitizer" "$work/err"; then
+    echo "FAIL $name (rc=$rc)"; cat "$work/err"; failures=$((failures + 1))
+  else
+    echo "ok   $name: $(head -c 200 "$work/err" | tr '\n' ' ')"
+  fi
+}
+expect_success() {
+  local name=$1; shift
+  if "$@" >"$work/out" 2>"$work/err"; then echo "ok   $name"; else echo "FAIL $name"; cat "$work/err"; failures=$((failures + 1)); fi
+}
+
+# A small model to corrupt.
+cat >"$work/config.json" <<'JSON'
+{"model_type": "deepseek_v4", "vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 2,
+ "num_attention_heads": 2, "head_dim": 16, "qk_rope_head_dim": 8, "q_lora_rank": 8, "o_groups": 1,
+ "o_lora_rank": 8, "sliding_window": 4, "compress_ratios": [4, 128], "compress_rate_hca": 8,
+ "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8, "index_n_heads": 2,
+ "index_head_dim": 8, "index_topk": 2, "num_hash_layers": 1}
+JSON
+expect_success "init-random --config" "$dsv4" init-random --config "$work/config.json" --out "$work/model" --seed 3 --dtype f32
+expect_success "forward chunked" "$dsv4" forward --model "$work/model" --ids 1,2,3,4,5,6,7,8,9,10 --chunks 3,1,6 \
+  --dump-logits "$work/logits.npy"
+expect_success "generate embedded" "$dsv4" generate --ids 0,100,200 --max-tokens 3
+grep -q "generated:" "$work/out" || { echo "FAIL generate printed no tokens"; failures=$((failures + 1)); }
+
+model=$work/model/model.safetensors
+size=$(stat -c %s "$model")
+for cut in 4 100 $((size / 2)) $((size - 1)); do
+  cp -r "$work/model" "$work/cut$cut"
+  truncate -s "$cut" "$work/cut$cut/model.safetensors"
+  expect_failure "truncated to $cut bytes" "safetensors" "$dsv4" forward --model "$work/cut$cut" --ids 1,2
+done
+cp -r "$work/model" "$work/badheader"
+printf '\x0f\x00\x00\x00\x00\x00\x00\x00{"a": nonsense}' >"$work/badheader/model.safetensors"
+expect_failure "bad header JSON" "model.safetensors" "$dsv4" forward --model "$work/badheader" --ids 1,2
+# Wrong dtype: rewrite the first tensor's dtype in the header (same length, so offsets stay valid).
+cp -r "$work/model" "$work/baddtype"
+python3 - "$work/baddtype/model.safetensors" <<'PY'
+import json, struct, sys
+path = sys.argv[1]
+data = bytearray(open(path, "rb").read())
+n = struct.unpack("<Q", data[:8])[0]
+header = data[8:8 + n].decode()
+i = header.find('"F32"') if '"F32"' in header else header.find('"BF16"')
+old = header[i:i + 5] if header[i:i + 5] == '"F32"' else header[i:i + 6]
+new = '"I32"' if old == '"F32"' else '"F16" '
+data[8 + i:8 + i + len(old)] = new.encode()[:len(old)]
+open(path, "wb").write(data)
+PY
+expect_failure "wrong dtype" "dtype I32" "$dsv4" forward --model "$work/baddtype" --ids 1,2
+# Broken configs.
+cp -r "$work/model" "$work/badconfig"
+sed -i 's/"hidden_size": 16/"hidden_size": -16/' "$work/badconfig/config.json"
+expect_failure "negative hidden_size" "hidden_size" "$dsv4" forward --model "$work/badconfig" --ids 1,2
+echo '{"model_type": "deepseek_v4", "hidden_size": ' >"$work/badconfig/config.json"
+expect_failure "truncated config JSON" "config.json" "$dsv4" forward --model "$work/badconfig" --ids 1,2
+# A config that disagrees with the checkpoint: every mis-shaped tensor is listed.
+cp -r "$work/model" "$work/mismatch"
+sed -i 's/"moe_intermediate_size": 8/"moe_intermediate_size": 12/' "$work/mismatch/config.json"
+expect_failure "config/checkpoint mismatch" "expected" "$dsv4" forward --model "$work/mismatch" --ids 1,2
+expect_failure "id outside vocab" "vocabulary" "$dsv4" forward --model "$work/model" --ids 1,64
+expect_failure "chunks do not add up" "chunks" "$dsv4" forward --model "$work/model" --ids 1,2,3 --chunks 1,1
+expect_failure "malformed ids" "--ids" "$dsv4" forward --model "$work/model" --ids 1,x
+expect_failure "missing model" "does not exist" "$dsv4" forward --model "$work/nothing" --ids 1
+expect_failure "unknown preset" "unknown preset" "$dsv4" init-random --preset v9 --out "$work/x"
+
+if [ $failures -ne 0 ]; then echo "$failures CLI checks failed"; exit 1; fi
+echo "all CLI checks passed"
