@@ -3,10 +3,12 @@
 #include <benchmark/benchmark.h>
 
 #include <memory>
+#include <cstring>
 #include <random>
 
 #include "model/deepseek_v4.h"
 #include "model/random_init.h"
+#include "ops/cpu/linear.h"
 
 namespace dsv4 {
 namespace {
@@ -62,6 +64,27 @@ void BM_TinyDecodeStep(benchmark::State& state) {
   state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(batch), benchmark::Counter::kIsIterationInvariantRate);
 }
 BENCHMARK(BM_TinyDecodeStep)->Args({1024, 1})->Args({1024, 8})->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// Ceilings measured in the same run, for the roofline ratios in docs/PERF.md: host memory bandwidth (a 256 MiB
+// copy counts 2 bytes moved per byte) and the fp32 GEMM rate of OpenBLAS at a prefill-like shape.
+void BM_MemoryCopyBandwidth(benchmark::State& state) {
+  const size_t bytes = size_t{256} << 20;
+  std::vector<char> source(bytes, 1), target(bytes, 0);
+  for (auto _ : state) {
+    std::memcpy(target.data(), source.data(), bytes);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * 2 * bytes));
+}
+BENCHMARK(BM_MemoryCopyBandwidth)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+void BM_Sgemm(benchmark::State& state) {
+  const int64_t m = 1024, n = 1024, k = 1024;
+  std::vector<float> a(m * k, 0.5f), b(n * k, 0.25f), c(m * n);
+  for (auto _ : state) ops::cpu::linear(a.data(), m, k, b.data(), n, c.data());
+  state.counters["FLOP/s"] = benchmark::Counter(2.0 * m * n * k, benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK(BM_Sgemm)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace
 }  // namespace dsv4

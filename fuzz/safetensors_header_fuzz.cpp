@@ -30,7 +30,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (t.data_begin > t.data_end || t.data_end > data_size) std::abort();
       if (i > 0 && t.data_begin < tensors[i - 1].data_begin) std::abort();
       if (t.numel() < 0) std::abort();
-      if (static_cast<uint64_t>(t.numel()) * dsv4::dtype_size(t.dtype) != t.data_end - t.data_begin) std::abort();
+      if (static_cast<uint64_t>(t.numel()) * dsv4::dtype_size(t.dtype) != t.data_end - t.data_begin)
+        std::abort();
       if (t.data_begin != t.data_end) {
         if (t.data_begin < previous_end) std::abort();  // overlap slipped through
         previous_end = t.data_end;

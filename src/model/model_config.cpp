@@ -36,7 +36,8 @@ void read_field(const json& config, const char* name, T& out) {
     } else if constexpr (std::is_integral_v<T>) {
       if (!it->is_number_integer()) {
         // 4.0 is accepted as 4; 4.5 is not.
-        if (!it->is_number_float() || std::floor(it->get<double>()) != it->get<double>()) throw Error("");
+        const double value = it->is_number_float() ? it->get<double>() : 0.5;
+        if (std::floor(value) != value || std::fabs(value) > 0x1p53) throw Error("");
         out = static_cast<T>(it->get<double>());
       } else {
         out = it->get<T>();
@@ -89,9 +90,15 @@ RopeParameters parse_rope(const json& dict, const std::string& where, double def
   };
   number("rope_theta", rope.rope_theta);
   number("partial_rotary_factor", rope.partial_rotary_factor);
+  if (!(rope.partial_rotary_factor >= 0 && rope.partial_rotary_factor <= 1))
+    throw Error("config field '" + where + ".partial_rotary_factor' = " + std::to_string(rope.partial_rotary_factor) +
+                ": must be in [0, 1]");
   if (type == "yarn") {
     double original = static_cast<double>(max_position_embeddings);  // HF standardize_rope_params default
     number("original_max_position_embeddings", original);
+    if (!(original >= 1 && original <= 0x1p53))
+      throw Error("config field '" + where + ".original_max_position_embeddings' = " + std::to_string(original) +
+                  ": must be a positive integer");
     rope.original_max_position_embeddings = static_cast<int64_t>(original);
     // factor None -> max_position_embeddings / original (transformers `_compute_yarn_parameters`).
     if (!number("factor", rope.factor)) rope.factor = static_cast<double>(max_position_embeddings) / original;
@@ -293,6 +300,9 @@ ModelConfig ModelConfig::from_json(const json& config) {
     require(c.head_dim > 0, "head_dim", std::to_string(c.head_dim), "must be positive");
     c.partial_rotary_factor = static_cast<double>(rope_head_dim) / static_cast<double>(c.head_dim);
   }
+  require(c.partial_rotary_factor >= 0 && c.partial_rotary_factor <= 1, "partial_rotary_factor",
+          std::to_string(c.partial_rotary_factor), "must be in [0, 1]");
+  require(c.head_dim > 0, "head_dim", std::to_string(c.head_dim), "must be positive");
   c.qk_rope_head_dim = static_cast<int64_t>(static_cast<double>(c.head_dim) * c.partial_rotary_factor);
 
   // Rope parameters: nested {"main","compress"} as 5.17 writes them, or the flat legacy form
@@ -413,6 +423,20 @@ void ModelConfig::validate() const {
   positive("o_groups", o_groups);
   positive("o_lora_rank", o_lora_rank);
   positive("max_position_embeddings", max_position_embeddings);
+  // Upper bounds far above any real V4 shape keep every tensor size product inside int64.
+  auto bounded = [](const char* field, int64_t value, int64_t limit) {
+    require(value <= limit, field, std::to_string(value), "is implausibly large (limit " + std::to_string(limit) + ")");
+  };
+  for (const auto& [field, value] : {std::pair{"vocab_size", vocab_size}, {"hidden_size", hidden_size},
+                                     {"moe_intermediate_size", moe_intermediate_size}, {"head_dim", head_dim},
+                                     {"q_lora_rank", q_lora_rank}, {"o_lora_rank", o_lora_rank},
+                                     {"index_head_dim", index_head_dim}, {"sliding_window", sliding_window}})
+    bounded(field, value, int64_t{1} << 24);
+  for (const auto& [field, value] : {std::pair{"num_hidden_layers", num_hidden_layers},
+                                     {"num_attention_heads", num_attention_heads}, {"n_routed_experts", n_routed_experts},
+                                     {"index_n_heads", index_n_heads}, {"hc_mult", hc_mult}, {"o_groups", o_groups},
+                                     {"hc_sinkhorn_iters", hc_sinkhorn_iters}})
+    bounded(field, value, int64_t{1} << 16);
   require(num_key_value_heads == 1, "num_key_value_heads", std::to_string(num_key_value_heads),
           "DeepSeek-V4 has one shared K=V head");
   require(num_experts_per_tok <= n_routed_experts, "num_experts_per_tok", std::to_string(num_experts_per_tok),

@@ -91,7 +91,8 @@ TensorInfo parse_tensor_entry(const std::string& name, const json& entry, uint64
   for (size_t i = 0; i < shape_it->size(); ++i) {
     const json& dim = (*shape_it)[i];
     const std::optional<uint64_t> value = as_u64(dim);
-    check(value.has_value(), where + ": shape[" + std::to_string(i) + "] must be a non-negative integer, got " +
+    check(value.has_value(), where + ": shape[" + std::to_string(i) +
+                                 "] must be a non-negative integer, got " +
                                  (dim.is_number() ? dim.dump() : std::string(json_type(dim))));
     check(*value <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()),
           where + ": shape[" + std::to_string(i) + "] = " + std::to_string(*value) + " is too large");
@@ -130,8 +131,8 @@ TensorInfo parse_tensor_entry(const std::string& name, const json& entry, uint64
         where + ": \"data_offsets\" must be two non-negative integers, got " +
             ((*offsets_it)[0].is_number() ? (*offsets_it)[0].dump() : json_type((*offsets_it)[0])) + ", " +
             ((*offsets_it)[1].is_number() ? (*offsets_it)[1].dump() : json_type((*offsets_it)[1])));
-  check(*begin <= *end, where + ": data_offsets begin " + std::to_string(*begin) + " > end " +
-                            std::to_string(*end));
+  check(*begin <= *end,
+        where + ": data_offsets begin " + std::to_string(*begin) + " > end " + std::to_string(*end));
   check(*end <= data_size, where + ": data_offsets end " + std::to_string(*end) +
                                " is past the data section (" + std::to_string(data_size) + " bytes)");
   info.data_begin = *begin;
@@ -152,8 +153,8 @@ void check_metadata(const json& metadata, const std::string& source) {
   check(metadata.is_object(),
         source + ": \"__metadata__\" must be an object of strings, got " + json_type(metadata));
   for (const auto& [key, value] : metadata.items())
-    check(value.is_string(), source + ": \"__metadata__\" value of key '" + key + "' must be a string, got " +
-                                 json_type(value));
+    check(value.is_string(),
+          source + ": \"__metadata__\" value of key '" + key + "' must be a string, got " + json_type(value));
 }
 
 // Closes a file descriptor on scope exit.
@@ -181,14 +182,15 @@ std::string read_text_file(const std::filesystem::path& path, uintmax_t max_byte
   std::error_code ec;
   const uintmax_t size = std::filesystem::file_size(path, ec);
   check(!ec, path.string() + ": cannot stat: " + ec.message());
-  check(size <= max_bytes, path.string() + ": " + std::to_string(size) + " bytes is larger than the limit of " +
-                               std::to_string(max_bytes));
+  check(size <= max_bytes, path.string() + ": " + std::to_string(size) +
+                               " bytes is larger than the limit of " + std::to_string(max_bytes));
   std::ifstream in(path, std::ios::binary);
   check(static_cast<bool>(in), path.string() + ": cannot open: " + errno_text(errno));
   std::string text(static_cast<size_t>(size), '\0');
   in.read(text.data(), static_cast<std::streamsize>(size));
   check(in.gcount() == static_cast<std::streamsize>(size),
-        path.string() + ": short read: " + std::to_string(in.gcount()) + " of " + std::to_string(size) + " bytes");
+        path.string() + ": short read: " + std::to_string(in.gcount()) + " of " + std::to_string(size) +
+            " bytes");
   return text;
 }
 
@@ -237,8 +239,8 @@ std::vector<TensorInfo> parse_safetensors_header(std::string_view header, uint64
   for (const TensorInfo& info : tensors) {
     if (info.data_begin == info.data_end) continue;  // zero-length tensors may sit anywhere
     if (previous != nullptr && info.data_begin < previous->data_end) {
-      throw Error(source + ": tensors '" + previous->name + "' [" + std::to_string(previous->data_begin) + ", " +
-                  std::to_string(previous->data_end) + ") and '" + info.name + "' [" +
+      throw Error(source + ": tensors '" + previous->name + "' [" + std::to_string(previous->data_begin) +
+                  ", " + std::to_string(previous->data_end) + ") and '" + info.name + "' [" +
                   std::to_string(info.data_begin) + ", " + std::to_string(info.data_end) + ") overlap");
     }
     previous = &info;
@@ -262,8 +264,8 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
                             " bytes, fewer than the 8-byte header length");
 
   void* mapping = ::mmap(nullptr, static_cast<size_t>(file_size), PROT_READ, MAP_PRIVATE, fd, 0);
-  if (mapping == MAP_FAILED) throw Error(path + ": mmap of " + std::to_string(file_size) +
-                                         " bytes failed: " + errno_text(errno));
+  if (mapping == MAP_FAILED)
+    throw Error(path + ": mmap of " + std::to_string(file_size) + " bytes failed: " + errno_text(errno));
   mapping_ = mapping;
   mapping_size_ = static_cast<size_t>(file_size);
 
@@ -272,7 +274,8 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     uint64_t header_size = 0;
     for (int i = 7; i >= 0; --i) header_size = (header_size << 8) | bytes[i];  // little-endian
     check(header_size <= kMaxHeaderBytes, path + ": header length " + std::to_string(header_size) +
-                                              " bytes exceeds the limit of " + std::to_string(kMaxHeaderBytes));
+                                              " bytes exceeds the limit of " +
+                                              std::to_string(kMaxHeaderBytes));
     check(header_size <= file_size - 8, path + ": truncated: header says " + std::to_string(header_size) +
                                             " bytes but file has " + std::to_string(file_size));
     data_section_ = bytes + 8 + header_size;
@@ -324,8 +327,8 @@ SafetensorsArchive::SafetensorsArchive(const std::string& path) : path_(path) {
 
     std::map<std::string, std::vector<std::string>> shard_tensors;  // shard -> tensors the map puts there
     for (const auto& [tensor, shard] : map_it->items()) {
-      check(shard.is_string(), index_name + ": weight_map['" + tensor + "'] must be a string, got " +
-                                   json_type(shard));
+      check(shard.is_string(),
+            index_name + ": weight_map['" + tensor + "'] must be a string, got " + json_type(shard));
       const std::string& shard_name = shard.get_ref<const std::string&>();
       check_shard_name(shard_name, tensor, index_name);
       shard_tensors[shard_name].push_back(tensor);
@@ -335,8 +338,8 @@ SafetensorsArchive::SafetensorsArchive(const std::string& path) : path_(path) {
     for (const auto& [shard_name, listed] : shard_tensors) {
       const fs::path shard_path = root / shard_name;
       check(fs::exists(shard_path, ec), index_name + ": shard \"" + shard_name + "\" (listed for " +
-                                            std::to_string(listed.size()) + " tensors, e.g. '" + listed.front() +
-                                            "') does not exist: " + shard_path.string());
+                                            std::to_string(listed.size()) + " tensors, e.g. '" +
+                                            listed.front() + "') does not exist: " + shard_path.string());
       files_.push_back(std::make_unique<SafetensorsFile>(shard_path.string()));
       const SafetensorsFile& file = *files_.back();
 
@@ -354,8 +357,8 @@ SafetensorsArchive::SafetensorsArchive(const std::string& path) : path_(path) {
 
       for (const TensorInfo& info : file.tensors()) {
         const auto [it, inserted] = entries_.emplace(info.name, Entry{&file, &info});
-        check(inserted, index_name + ": tensor '" + info.name + "' appears in two shards: " +
-                            it->second.file->path() + " and " + file.path());
+        check(inserted, index_name + ": tensor '" + info.name +
+                            "' appears in two shards: " + it->second.file->path() + " and " + file.path());
       }
     }
     return;
@@ -424,11 +427,12 @@ void write_safetensors(const std::string& path, const std::vector<TensorToWrite>
     check(tensor.name != "__metadata__", where + ": the name is reserved for metadata");
     check(seen.insert(tensor.name).second, where + ": written twice");
     const size_t element_size = dtype_size(tensor.dtype);
-    check(element_size != 0, where + ": invalid dtype value " + std::to_string(static_cast<int>(tensor.dtype)));
+    check(element_size != 0,
+          where + ": invalid dtype value " + std::to_string(static_cast<int>(tensor.dtype)));
     uint64_t numel = 1;
     for (size_t i = 0; i < tensor.shape.size(); ++i) {
-      check(tensor.shape[i] >= 0,
-            where + ": shape[" + std::to_string(i) + "] = " + std::to_string(tensor.shape[i]) + " is negative");
+      check(tensor.shape[i] >= 0, where + ": shape[" + std::to_string(i) +
+                                      "] = " + std::to_string(tensor.shape[i]) + " is negative");
     }
     bool overflow = false;
     for (const int64_t dim : tensor.shape) overflow = overflow || __builtin_mul_overflow(numel, dim, &numel);
@@ -452,7 +456,8 @@ void write_safetensors(const std::string& path, const std::vector<TensorToWrite>
   }
   header_text.append((8 - header_text.size() % 8) % 8, ' ');  // 8 + N is a multiple of 8
   uint8_t length[8];
-  for (int i = 0; i < 8; ++i) length[i] = static_cast<uint8_t>(static_cast<uint64_t>(header_text.size()) >> (8 * i));
+  for (int i = 0; i < 8; ++i)
+    length[i] = static_cast<uint8_t>(static_cast<uint64_t>(header_text.size()) >> (8 * i));
 
   // Temp file beside the target, renamed into place once complete.
   static std::atomic<uint64_t> counter{0};
@@ -465,7 +470,8 @@ void write_safetensors(const std::string& path, const std::vector<TensorToWrite>
     FdCloser closer{fd};
     write_all(fd, length, sizeof length, temp_path);
     write_all(fd, header_text.data(), header_text.size(), temp_path);
-    for (const TensorToWrite& tensor : tensors) write_all(fd, tensor.bytes.data(), tensor.bytes.size(), temp_path);
+    for (const TensorToWrite& tensor : tensors)
+      write_all(fd, tensor.bytes.data(), tensor.bytes.size(), temp_path);
     if (::fsync(fd) != 0) throw Error(temp_path + ": fsync failed: " + errno_text(errno));
     closer.fd = -1;
     if (::close(fd) != 0) throw Error(temp_path + ": close failed: " + errno_text(errno));

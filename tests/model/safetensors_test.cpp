@@ -32,9 +32,8 @@ class TempDir {
   TempDir() {
     static int counter = 0;
     const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::path(::testing::TempDir()) /
-            ("dsv4_st_" + std::string(test->name()) + "_" + std::to_string(::getpid()) + "_" +
-             std::to_string(counter++));
+    path_ = fs::path(::testing::TempDir()) / ("dsv4_st_" + std::string(test->name()) + "_" +
+                                              std::to_string(::getpid()) + "_" + std::to_string(counter++));
     fs::remove_all(path_);
     fs::create_directories(path_);
   }
@@ -105,7 +104,8 @@ std::string parse_error(const std::string& header, uint64_t data_size) {
 TensorToWrite make_tensor(const std::string& name, DType dtype, std::vector<int64_t> shape, uint32_t seed) {
   int64_t numel = 1;
   for (int64_t d : shape) numel *= d;
-  return TensorToWrite{name, dtype, shape, random_bytes(static_cast<size_t>(numel) * dtype_size(dtype), seed)};
+  return TensorToWrite{name, dtype, shape,
+                       random_bytes(static_cast<size_t>(numel) * dtype_size(dtype), seed)};
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -225,9 +225,9 @@ TEST(Safetensors, Bf16ToF32Values) {
 
 TEST(Safetensors, ShardedArchiveWithIndex) {
   TempDir dir;
-  write_safetensors(dir.file("model-00001-of-00002.safetensors"),
-                    {make_tensor("layers.0.w", DType::kBF16, {4, 8}, 31),
-                     make_tensor("layers.0.b", DType::kF32, {8}, 32)});
+  write_safetensors(
+      dir.file("model-00001-of-00002.safetensors"),
+      {make_tensor("layers.0.w", DType::kBF16, {4, 8}, 31), make_tensor("layers.0.b", DType::kF32, {8}, 32)});
   write_safetensors(dir.file("model-00002-of-00002.safetensors"),
                     {make_tensor("layers.1.w", DType::kF8E4M3, {4, 8}, 33),
                      make_tensor("layers.1.s", DType::kF8E8M0, {4}, 34),
@@ -281,8 +281,15 @@ TEST(SafetensorsErrors, TruncatedFileAtSeveralLengths) {
   for (int i = 7; i >= 0; --i) n = (n << 8) | bytes[i];
 
   const std::string cut = dir.file("cut.safetensors");
-  const std::vector<size_t> lengths = {0, 1, 7, 8, 9, 8 + static_cast<size_t>(n) / 2, 8 + static_cast<size_t>(n) - 1,
-                                       8 + static_cast<size_t>(n), 8 + static_cast<size_t>(n) + 5,
+  const std::vector<size_t> lengths = {0,
+                                       1,
+                                       7,
+                                       8,
+                                       9,
+                                       8 + static_cast<size_t>(n) / 2,
+                                       8 + static_cast<size_t>(n) - 1,
+                                       8 + static_cast<size_t>(n),
+                                       8 + static_cast<size_t>(n) + 5,
                                        bytes.size() - 1};
   for (const size_t length : lengths) {
     write_file(cut, std::vector<uint8_t>(bytes.begin(), bytes.begin() + static_cast<long>(length)));
@@ -353,10 +360,14 @@ TEST(SafetensorsErrors, BadJson) {
 }
 
 TEST(SafetensorsErrors, MissingOrMistypedFields) {
-  EXPECT_THAT(parse_error(R"({"w": {"shape": [1], "data_offsets": [0, 4]}})", 4), HasSubstr("missing \"dtype\""));
-  EXPECT_THAT(parse_error(R"({"w": {"dtype": "F32", "data_offsets": [0, 4]}})", 4), HasSubstr("missing \"shape\""));
-  EXPECT_THAT(parse_error(R"({"w": {"dtype": "F32", "shape": [1]}})", 4), HasSubstr("missing \"data_offsets\""));
-  EXPECT_THAT(parse_error(R"({"w": {"dtype": 3, "shape": [1], "data_offsets": [0, 4]}})", 4), HasSubstr("'w'"));
+  EXPECT_THAT(parse_error(R"({"w": {"shape": [1], "data_offsets": [0, 4]}})", 4),
+              HasSubstr("missing \"dtype\""));
+  EXPECT_THAT(parse_error(R"({"w": {"dtype": "F32", "data_offsets": [0, 4]}})", 4),
+              HasSubstr("missing \"shape\""));
+  EXPECT_THAT(parse_error(R"({"w": {"dtype": "F32", "shape": [1]}})", 4),
+              HasSubstr("missing \"data_offsets\""));
+  EXPECT_THAT(parse_error(R"({"w": {"dtype": 3, "shape": [1], "data_offsets": [0, 4]}})", 4),
+              HasSubstr("'w'"));
   EXPECT_THAT(parse_error(R"({"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}})", 4),
               HasSubstr("shape[0]"));
   EXPECT_THAT(parse_error(R"({"w": {"dtype": "F32", "shape": [1.5], "data_offsets": [0, 4]}})", 4),
@@ -370,8 +381,9 @@ TEST(SafetensorsErrors, MissingOrMistypedFields) {
   EXPECT_THAT(parse_error(R"({"w": {"dtype": "F32", "shape": [1], "data_offsets": [8, 4]}})", 8),
               HasSubstr("begin 8 > end 4"));
   // A dimension past int64 and a product that overflows.
-  EXPECT_THAT(parse_error(R"({"w": {"dtype": "U8", "shape": [18446744073709551615], "data_offsets": [0, 0]}})", 0),
-              HasSubstr("18446744073709551615"));
+  EXPECT_THAT(
+      parse_error(R"({"w": {"dtype": "U8", "shape": [18446744073709551615], "data_offsets": [0, 0]}})", 0),
+      HasSubstr("18446744073709551615"));
   EXPECT_THAT(
       parse_error(R"({"w": {"dtype": "U8", "shape": [4294967296, 4294967296], "data_offsets": [0, 0]}})", 0),
       HasSubstr("overflows"));
@@ -389,21 +401,24 @@ TEST(SafetensorsErrors, ZeroDimensionWithHugeOthersIsEmpty) {
 }
 
 TEST(SafetensorsErrors, UnknownDtype) {
-  const std::string msg = parse_error(R"({"weird.w": {"dtype": "F64", "shape": [1], "data_offsets": [0, 8]}})", 8);
+  const std::string msg =
+      parse_error(R"({"weird.w": {"dtype": "F64", "shape": [1], "data_offsets": [0, 8]}})", 8);
   EXPECT_THAT(msg, HasSubstr("'weird.w'"));
   EXPECT_THAT(msg, HasSubstr("F64"));
   EXPECT_THAT(msg, HasSubstr("hdr.safetensors"));
 }
 
 TEST(SafetensorsErrors, ShapeTimesDtypeNotByteLength) {
-  const std::string msg = parse_error(R"({"proj.w": {"dtype": "BF16", "shape": [3, 4], "data_offsets": [0, 20]}})", 64);
+  const std::string msg =
+      parse_error(R"({"proj.w": {"dtype": "BF16", "shape": [3, 4], "data_offsets": [0, 20]}})", 64);
   EXPECT_THAT(msg, HasSubstr("'proj.w'"));
   EXPECT_THAT(msg, HasSubstr("byte length 20"));
   EXPECT_THAT(msg, HasSubstr("12 elements x 2 bytes"));
 }
 
 TEST(SafetensorsErrors, OffsetsOutOfBounds) {
-  const std::string msg = parse_error(R"({"tail": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}})", 20);
+  const std::string msg =
+      parse_error(R"({"tail": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}})", 20);
   EXPECT_THAT(msg, HasSubstr("'tail'"));
   EXPECT_THAT(msg, HasSubstr("end 24"));
   EXPECT_THAT(msg, HasSubstr("20 bytes"));
@@ -474,8 +489,8 @@ TEST(SafetensorsErrors, IndexTensorMissingFromShard) {
 
 TEST(SafetensorsErrors, TensorInTwoShards) {
   TempDir dir;
-  write_safetensors(dir.file("s1.safetensors"), {make_tensor("a", DType::kF32, {2}, 91),
-                                                 make_tensor("dup", DType::kF32, {2}, 92)});
+  write_safetensors(dir.file("s1.safetensors"),
+                    {make_tensor("a", DType::kF32, {2}, 91), make_tensor("dup", DType::kF32, {2}, 92)});
   write_safetensors(dir.file("s2.safetensors"), {make_tensor("dup", DType::kF32, {2}, 93)});
   write_text(dir.file("model.safetensors.index.json"),
              R"({"weight_map": {"a": "s1.safetensors", "dup": "s2.safetensors"}})");
