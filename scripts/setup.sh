@@ -9,6 +9,7 @@ debian_packages=(
   clang libclang-rt-dev            # libFuzzer and the sanitizer runtimes
   libopenblas-dev                  # sgemm for the CPU backend
   nlohmann-json3-dev libcli11-dev  # config/JSON parsing, the CLI
+  libxxhash-dev                    # prefix-cache block hashes
   libgtest-dev libgmock-dev libbenchmark-dev
 )
 missing=()
