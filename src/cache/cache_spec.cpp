@@ -24,6 +24,7 @@ double CacheGroupSpec::bytes_per_token() const {
 
 int64_t main_entry_bytes(int64_t head_dim, int64_t rope_dim, KvStorage storage) {
   switch (storage) {
+    case KvStorage::kF32: return 4 * head_dim;
     case KvStorage::kBf16: return 2 * head_dim;
     case KvStorage::kFp8: {
       const int64_t nope = head_dim - rope_dim;
@@ -36,6 +37,7 @@ int64_t main_entry_bytes(int64_t head_dim, int64_t rope_dim, KvStorage storage) 
 
 int64_t index_entry_bytes(int64_t index_head_dim, IndexStorage storage) {
   switch (storage) {
+    case IndexStorage::kF32: return 4 * index_head_dim;
     case IndexStorage::kBf16: return 2 * index_head_dim;
     case IndexStorage::kFp8: return index_head_dim + 4;
     case IndexStorage::kFp4: return index_head_dim / 2 + (index_head_dim + 31) / 32;

@@ -12,8 +12,9 @@ namespace dsv4 {
 // The scheduler's unit: prefix hashing, admission and history growth are counted in 256-token blocks.
 inline constexpr int64_t kLogicalBlockTokens = 256;
 
-enum class KvStorage { kBf16, kFp8 };          // main K=V entries (raw window and compressed)
-enum class IndexStorage { kBf16, kFp8, kFp4 };  // lightning-indexer keys
+// kF32 is the CPU reference backend's exact storage; BF16/FP8/FP4 are the serving formats.
+enum class KvStorage { kF32, kBf16, kFp8 };          // main K=V entries (raw window and compressed)
+enum class IndexStorage { kF32, kBf16, kFp8, kFp4 };  // lightning-indexer keys
 
 enum class CacheGroupKind {
   kSwaKv,         // raw K=V of the last sliding_window tokens, every layer            (window)

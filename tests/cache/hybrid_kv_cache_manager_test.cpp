@@ -1,0 +1,221 @@
+// The hybrid cache manager under random workloads (no leaks, exact reference counts, the pool back to full),
+// prefix hits with checkpoints, eviction, window freeing, and 1M-token block counts.
+#include "cache/hybrid_kv_cache_manager.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <map>
+#include <random>
+
+#include "core/error.h"
+
+namespace dsv4 {
+namespace {
+
+ModelConfig tiny() { return ModelConfig::preset("tiny"); }  // SWA, CSA, HCA, CSA; window 128
+
+CacheLayout tiny_layout() { return CacheLayout::for_model(tiny(), KvStorage::kF32, IndexStorage::kF32); }
+
+std::vector<int32_t> random_tokens(size_t n, std::mt19937& rng) {
+  std::vector<int32_t> tokens(n);
+  for (auto& t : tokens) t = static_cast<int32_t>(rng() % 50000);
+  return tokens;
+}
+
+// Drives one request through the manager the way the scheduler does: chunks ending on 256-token boundaries.
+bool run_prefill(HybridKvCacheManager& manager, RequestId id, const std::vector<int32_t>& tokens, int64_t chunk) {
+  int64_t done = manager.num_computed(id);
+  while (done < static_cast<int64_t>(tokens.size())) {
+    int64_t end = std::min<int64_t>(done + chunk, static_cast<int64_t>(tokens.size()));
+    if (end < static_cast<int64_t>(tokens.size()) && end / 256 * 256 > done) end = end / 256 * 256;
+    if (!manager.allocate(id, end - done)) return false;
+    manager.commit(id, tokens, end);
+    manager.take_pending_copies();
+    done = end;
+  }
+  return true;
+}
+
+TEST(HybridKvCacheManager, PageSizeKeepsPaddingSmall) {
+  for (const auto& preset : {"tiny", "v4-flash", "v4-pro"}) {
+    const CacheLayout layout = CacheLayout::for_model(ModelConfig::preset(preset), KvStorage::kFp8, IndexStorage::kFp4);
+    HybridKvCacheManager manager(layout, int64_t{4} << 30);
+    for (size_t g = 0; g < layout.groups.size(); ++g) {
+      const int64_t block = manager.pool().block_bytes(static_cast<int>(g));
+      const double waste = static_cast<double>(manager.pool().page_bytes() % block) / manager.pool().page_bytes();
+      EXPECT_LE(waste, 0.01) << preset << " " << cache_group_name(layout.groups[g].kind);
+    }
+  }
+}
+
+TEST(HybridKvCacheManager, PrefixHitRestoresAtTheLatestCheckpoint) {
+  HybridKvCacheManager manager(tiny_layout(), int64_t{256} << 20, {true, 1024, "test"});
+  std::mt19937 rng(1);
+  std::vector<int32_t> first = random_tokens(600, rng);
+  ASSERT_EQ(manager.admit(1, first), 0);
+  ASSERT_TRUE(run_prefill(manager, 1, first, 4096));  // chunks [0, 512) and [512, 600)
+  // Decode past 768: the rolling checkpoint moves from 512 to 768.
+  while (first.size() < 800) {
+    first.push_back(static_cast<int32_t>(rng() % 50000));
+    ASSERT_TRUE(manager.allocate(1, 1));
+    manager.commit(1, first, static_cast<int64_t>(first.size()));
+    manager.take_pending_copies();
+    manager.check_invariants();
+  }
+  EXPECT_EQ(manager.num_checkpoints(), 1);
+  manager.release(1);
+  manager.check_invariants();
+  // A follow-up turn: the whole previous conversation plus a new message hits at 768.
+  std::vector<int32_t> second = first;
+  for (int i = 0; i < 50; ++i) second.push_back(7);
+  const auto hit = manager.admit(2, second);
+  ASSERT_TRUE(hit.has_value());
+  EXPECT_EQ(*hit, 768);
+  const auto copies = manager.take_pending_copies();
+  EXPECT_EQ(copies.size(), 2u);  // CSA main and indexer state restored from the snapshot
+  manager.check_invariants();
+  // A prompt that diverges inside the first block has no hit.
+  std::vector<int32_t> other = second;
+  other[10] += 1;
+  EXPECT_EQ(manager.admit(3, other), 0);
+  manager.release(2);
+  manager.release(3);
+  manager.check_invariants();
+  EXPECT_EQ(manager.pool().usage().used_block_bytes, 0);
+  EXPECT_GT(manager.stats().prefix_hit_tokens, 0);
+}
+
+TEST(HybridKvCacheManager, WindowBlocksAreFreedWhileDecoding) {
+  HybridKvCacheManager manager(tiny_layout(), int64_t{256} << 20, {false, 1024, ""});
+  std::mt19937 rng(2);
+  std::vector<int32_t> tokens = random_tokens(5000, rng);
+  ASSERT_EQ(manager.admit(1, tokens), 0);
+  ASSERT_TRUE(run_prefill(manager, 1, tokens, 8192));
+  auto held = [&] {
+    int64_t n = 0;
+    for (const BlockId b : manager.block_table(1, CacheGroupKind::kSwaKv)) n += b != kNoBlock;
+    return n;
+  };
+  EXPECT_LE(held(), 3);  // a 5000-token prefill holds only the blocks of its last 128 tokens
+  for (int step = 0; step < 500; ++step) {
+    tokens.push_back(1);
+    ASSERT_TRUE(manager.allocate(1, 1));
+    manager.commit(1, tokens, static_cast<int64_t>(tokens.size()));
+    EXPECT_LE(held(), 3);
+  }
+  manager.release(1);
+  const auto usage = manager.pool().usage();
+  EXPECT_EQ(usage.used_block_bytes + usage.cached_block_bytes, 0);
+  EXPECT_EQ(usage.free_page_bytes, usage.pool_bytes);
+}
+
+TEST(HybridKvCacheManager, MillionTokenRequestGetsThePlannedBlockCounts) {
+  const CacheLayout layout = CacheLayout::for_model(ModelConfig::preset("v4-flash"), KvStorage::kFp8, IndexStorage::kFp4);
+  HybridKvCacheManager manager(layout, int64_t{8} << 30, {false, 1024, ""});
+  const int64_t n = int64_t{1} << 20;
+  std::vector<int32_t> tokens(static_cast<size_t>(n), 5);
+  ASSERT_EQ(manager.admit(1, tokens), 0);
+  ASSERT_TRUE(manager.allocate(1, n));
+  manager.commit(1, tokens, n);
+  EXPECT_EQ(manager.block_table(1, CacheGroupKind::kC4Main).size(), static_cast<size_t>(n / 256));
+  EXPECT_EQ(manager.block_table(1, CacheGroupKind::kC4Index).size(), static_cast<size_t>(n / 256));
+  EXPECT_EQ(manager.block_table(1, CacheGroupKind::kC128Main).size(), static_cast<size_t>(n / 256));
+  int64_t window = 0;
+  for (const BlockId b : manager.block_table(1, CacheGroupKind::kSwaKv)) window += b != kNoBlock;
+  EXPECT_EQ(window, 2);  // 128 tokens in 64-token blocks
+  // Bytes: C4 main 21 layers x 2^18 entries x 584 B = 3.00 GiB, as the planner says (docs/planner.md).
+  const auto usage = manager.pool().usage();
+  const auto& group = *layout.find(CacheGroupKind::kC4Main);
+  EXPECT_EQ(usage.used_blocks_per_group[1] * group.block_bytes(), 21 * (n / 4) * 584);
+  manager.check_invariants();
+}
+
+TEST(HybridKvCacheManager, RandomWorkloadKeepsEveryInvariant) {
+  for (const bool prefix_caching : {true, false}) {
+    // A pool small enough that allocation fails and cached blocks are evicted often.
+    HybridKvCacheManager manager(tiny_layout(), int64_t{14} << 20, {prefix_caching, 512, "salt"});
+    std::mt19937 rng(prefix_caching ? 3 : 4);
+    std::vector<std::vector<int32_t>> shared_prefixes;
+    for (int i = 0; i < 4; ++i) shared_prefixes.push_back(random_tokens(300 + 200 * i, rng));
+    std::map<RequestId, std::vector<int32_t>> live;  // request -> tokens (prompt + generated)
+    std::map<RequestId, int64_t> budget;
+    RequestId next_id = 1;
+    int64_t failures = 0, hits = 0;
+    for (int step = 0; step < 2000; ++step) {
+      const int action = static_cast<int>(rng() % 10);
+      if (action < 3 && live.size() < 24) {  // arrival, often sharing a prefix
+        std::vector<int32_t> prompt;
+        if (rng() % 2) prompt = shared_prefixes[rng() % shared_prefixes.size()];
+        const auto tail = random_tokens(1 + rng() % 700, rng);
+        prompt.insert(prompt.end(), tail.begin(), tail.end());
+        const RequestId id = next_id++;
+        const auto hit = manager.admit(id, prompt);
+        if (!hit) {
+          ++failures;
+          continue;
+        }
+        hits += *hit > 0;
+        live[id] = prompt;
+        budget[id] = 1 + static_cast<int64_t>(rng() % 400);
+        if (!run_prefill(manager, id, prompt, 1 + rng() % 1000)) {  // preempted: drop it
+          manager.release(id);
+          live.erase(id);
+          ++failures;
+        }
+      } else if (action < 4 && !live.empty()) {  // abort a random request
+        auto it = live.begin();
+        std::advance(it, rng() % live.size());
+        manager.release(it->first);
+        live.erase(it);
+      } else if (!live.empty()) {  // one decode step for everyone; the newest is preempted on failure
+        for (auto it = live.begin(); it != live.end();) {
+          it->second.push_back(static_cast<int32_t>(rng() % 50000));
+          if (!manager.allocate(it->first, 1)) {
+            const auto newest = std::prev(live.end());
+            manager.release(newest->first);
+            ++failures;
+            const bool was_self = newest == it;
+            live.erase(newest);
+            if (was_self) break;
+            it->second.pop_back();
+            continue;
+          }
+          manager.commit(it->first, it->second, static_cast<int64_t>(it->second.size()));
+          if (--budget[it->first] == 0) {
+            manager.release(it->first);
+            it = live.erase(it);
+          } else {
+            ++it;
+          }
+        }
+      }
+      manager.take_pending_copies();
+      manager.check_invariants();
+    }
+    for (const auto& [id, tokens] : live) manager.release(id);
+    manager.take_pending_copies();
+    manager.check_invariants();
+    const auto usage = manager.pool().usage();
+    EXPECT_EQ(usage.used_block_bytes, 0);
+    if (!prefix_caching) EXPECT_EQ(usage.free_page_bytes, usage.pool_bytes);
+    EXPECT_GT(failures, 0) << "the pool never ran short: the test did not exercise preemption";
+    if (prefix_caching) {
+      EXPECT_GT(hits, 0);
+      EXPECT_GT(manager.stats().blocks_evicted, 0);
+    }
+  }
+}
+
+TEST(HybridKvCacheManager, MisuseIsAnError) {
+  HybridKvCacheManager manager(tiny_layout(), int64_t{64} << 20);
+  const std::vector<int32_t> prompt(10, 1);
+  ASSERT_TRUE(manager.admit(1, prompt).has_value());
+  EXPECT_THROW(manager.admit(1, prompt), Error);
+  EXPECT_THROW(manager.admit(2, {}), Error);
+  EXPECT_THROW(manager.release(9), Error);
+  EXPECT_THROW(HybridKvCacheManager(tiny_layout(), int64_t{64} << 20, {true, 1000, ""}), Error);
+}
+
+}  // namespace
+}  // namespace dsv4
