@@ -2,11 +2,15 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
 #include <numeric>
 
+#include <nlohmann/json.hpp>
+
+#include "cache/planner.h"
 #include "core/error.h"
 #include "core/npy.h"
 #include "model/deepseek_v4.h"
@@ -142,6 +146,31 @@ int generate(const GenerateOptions& options) {
   const double decode_rate = generated.size() > 1 ? (generated.size() - 1) / (total - first_token_seconds) : 0.0;
   std::printf("\nTTFT %.1f ms, %zu tokens, decode %.1f tokens/s\n", first_token_seconds * 1e3, generated.size(),
               decode_rate);
+  return 0;
+}
+
+int plan(const PlanOptions& options) {
+  check(options.preset.empty() != options.model_dir.empty(), "plan: give exactly one of --preset or --model");
+  ModelConfig config;
+  if (!options.preset.empty()) {
+    config = ModelConfig::preset(options.preset);
+  } else {
+    namespace fs = std::filesystem;
+    check(fs::is_directory(options.model_dir), "--model '" + options.model_dir + "': not a directory");
+    config = ModelConfig::from_file((fs::path(options.model_dir) / "config.json").string());
+  }
+  const int64_t context = parse_token_count(options.context, "--context");
+  const KvStorage kv = parse_kv_storage(options.kv_dtype, "--kv-dtype");
+  const IndexStorage index = parse_index_storage(options.index_dtype, "--index-dtype");
+  if (options.gpu_memory_gib)
+    check(std::isfinite(*options.gpu_memory_gib) && *options.gpu_memory_gib > 0,
+          "--gpu-memory " + std::to_string(*options.gpu_memory_gib) + ": must be a positive number of GiB");
+  if (options.requests)
+    check(*options.requests > 0, "--requests " + std::to_string(*options.requests) + ": must be positive");
+  CapacityPlan result = plan_capacity(config, kv, index, context, options.gpu_memory_gib, options.requests);
+  result.model = options.preset.empty() ? options.model_dir : options.preset;
+  if (options.json) std::printf("%s\n", capacity_plan_to_json(result).dump(2).c_str());
+  else std::printf("%s", format_capacity_plan(result).c_str());
   return 0;
 }
 

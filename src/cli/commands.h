@@ -1,6 +1,7 @@
 // The subcommands of the `dsv4` binary (docs/CLI.md). Each returns the process exit code.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,15 @@ struct GenerateOptions {
   bool ignore_eos = false;
 };
 int generate(const GenerateOptions& options);
+
+// `dsv4 plan`: KV-cache bytes per request and how many requests fit (docs/planner.md).
+struct PlanOptions {
+  std::string preset, model_dir, context, kv_dtype = "bf16", index_dtype = "bf16";
+  std::optional<double> gpu_memory_gib;
+  std::optional<int64_t> requests;
+  bool json = false;
+};
+int plan(const PlanOptions& options);
 
 // "5,17,3" -> {5, 17, 3}; throws dsv4::Error naming `what` on a malformed list.
 std::vector<int64_t> parse_int_list(const std::string& text, const std::string& what);

@@ -32,11 +32,26 @@ int main(int argc, char** argv) {
   generate_cmd->add_option("--max-tokens", gen.max_tokens, "tokens to generate");
   generate_cmd->add_flag("--ignore-eos", gen.ignore_eos, "keep going past the end-of-sequence token");
 
+  dsv4::cli::PlanOptions plan;
+  auto* plan_cmd = app.add_subcommand("plan", "KV-cache bytes per request and how many requests fit");
+  plan_cmd->add_option("--preset", plan.preset, "v4-flash, v4-pro or tiny");
+  plan_cmd->add_option("--model", plan.model_dir, "HF model directory (reads its config.json)");
+  plan_cmd->add_option("--context", plan.context, "tokens per request (K = 2^10, M = 2^20 suffixes)")->required();
+  plan_cmd->add_option("--kv-dtype", plan.kv_dtype, "main K=V storage: bf16 or fp8 (f32: the CPU reference)");
+  plan_cmd->add_option("--index-dtype", plan.index_dtype, "indexer key storage: bf16, fp8 or fp4 (f32: CPU)");
+  plan_cmd->add_option_function<double>(
+      "--gpu-memory", [&plan](const double& gib) { plan.gpu_memory_gib = gib; },
+      "GiB of memory for the KV cache (weights not counted): how many requests fit");
+  plan_cmd->add_option_function<int64_t>(
+      "--requests", [&plan](const int64_t& count) { plan.requests = count; }, "memory for this many requests");
+  plan_cmd->add_flag("--json", plan.json, "machine-readable output");
+
   CLI11_PARSE(app, argc, argv);
   try {
     if (*init_cmd) return dsv4::cli::init_random(init);
     if (*forward_cmd) return dsv4::cli::forward(fwd);
     if (*generate_cmd) return dsv4::cli::generate(gen);
+    if (*plan_cmd) return dsv4::cli::plan(plan);
   } catch (const dsv4::Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;
