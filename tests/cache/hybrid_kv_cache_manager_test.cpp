@@ -28,7 +28,7 @@ bool run_prefill(HybridKvCacheManager& manager, RequestId id, const std::vector<
   int64_t done = manager.num_computed(id);
   while (done < static_cast<int64_t>(tokens.size())) {
     int64_t end = std::min<int64_t>(done + chunk, static_cast<int64_t>(tokens.size()));
-    if (end < static_cast<int64_t>(tokens.size()) && end / 256 * 256 > done) end = end / 256 * 256;
+    if (end / 256 * 256 > done) end = end / 256 * 256;  // a checkpoint at the last full block
     if (!manager.allocate(id, end - done)) return false;
     manager.commit(id, tokens, end);
     manager.take_pending_copies();

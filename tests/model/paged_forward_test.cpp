@@ -33,7 +33,7 @@ struct PagedRun {
     int64_t done = *hit;
     while (done < static_cast<int64_t>(tokens.size())) {
       int64_t end = std::min<int64_t>(done + chunk, static_cast<int64_t>(tokens.size()));
-      if (end < static_cast<int64_t>(tokens.size()) && end / 256 * 256 > done) end = end / 256 * 256;
+      if (end / 256 * 256 > done) end = end / 256 * 256;  // a checkpoint at the last full block
       EXPECT_TRUE(manager.allocate(id, end - done));
       const SequenceChunk step{&state, std::span<const int32_t>(tokens).subspan(done, end - done)};
       const Tensor out = model.forward(std::span(&step, 1), LogitsMode::kAllPositions);
