@@ -27,15 +27,15 @@ int64_t choose_page_bytes(const std::vector<int64_t>& block_bytes) {
 
 BlockPool::BlockPool(std::vector<int64_t> group_block_bytes, int64_t pool_bytes)
     : group_block_bytes_(std::move(group_block_bytes)) {
-  check(!group_block_bytes_.empty(), "block pool needs at least one cache group");
-  for (const int64_t bytes : group_block_bytes_) check(bytes > 0, "cache group block size must be positive");
+  DSV4_CHECK(!group_block_bytes_.empty(), "block pool needs at least one cache group");
+  for (const int64_t bytes : group_block_bytes_) DSV4_CHECK(bytes > 0, "cache group block size must be positive");
   page_bytes_ = choose_page_bytes(group_block_bytes_);
   for (const int64_t bytes : group_block_bytes_) blocks_per_page_.push_back(page_bytes_ / bytes);
   max_blocks_per_page_ = *std::max_element(blocks_per_page_.begin(), blocks_per_page_.end());
   const int64_t num_pages = pool_bytes / page_bytes_;
-  check(num_pages > 0, "KV cache pool of " + std::to_string(pool_bytes) + " bytes holds no page of " +
+  DSV4_CHECK(num_pages > 0, "KV cache pool of " + std::to_string(pool_bytes) + " bytes holds no page of " +
                            std::to_string(page_bytes_) + " bytes");
-  check(num_pages * max_blocks_per_page_ < (int64_t{1} << 31), "KV cache pool has too many blocks for 32-bit ids");
+  DSV4_CHECK(num_pages * max_blocks_per_page_ < (int64_t{1} << 31), "KV cache pool has too many blocks for 32-bit ids");
   pages_.resize(static_cast<size_t>(num_pages));
   for (int64_t page = num_pages - 1; page >= 0; --page) free_pages_.push_back(page);
   partial_pages_.resize(group_block_bytes_.size());
@@ -128,13 +128,13 @@ std::optional<BlockId> BlockPool::allocate(int group, const std::function<void(B
 
 void BlockPool::add_ref(BlockId id) {
   Block& block = blocks_[id];
-  check(block.allocated && block.refs > 0, "add_ref on block " + std::to_string(id) + " that is not in use");
+  DSV4_CHECK(block.allocated && block.refs > 0, "add_ref on block " + std::to_string(id) + " that is not in use");
   ++block.refs;
 }
 
 void BlockPool::revive(BlockId id) {
   Block& block = blocks_[id];
-  check(block.allocated && block.cached && block.refs == 0, "revive on block " + std::to_string(id) + " that is not cached");
+  DSV4_CHECK(block.allocated && block.cached && block.refs == 0, "revive on block " + std::to_string(id) + " that is not cached");
   lru_[pages_[page_of(id)].group].erase(block.lru);
   block.cached = false;
   block.refs = 1;
@@ -142,14 +142,14 @@ void BlockPool::revive(BlockId id) {
 
 void BlockPool::discard(BlockId id) {
   Block& block = blocks_[id];
-  check(block.allocated && block.cached, "discard of block " + std::to_string(id) + " that is not cached");
+  DSV4_CHECK(block.allocated && block.cached, "discard of block " + std::to_string(id) + " that is not cached");
   lru_[pages_[page_of(id)].group].erase(block.lru);
   return_slot(id);
 }
 
 void BlockPool::release(BlockId id, bool cacheable) {
   Block& block = blocks_[id];
-  check(block.allocated && block.refs > 0, "release of block " + std::to_string(id) + " that is not in use");
+  DSV4_CHECK(block.allocated && block.refs > 0, "release of block " + std::to_string(id) + " that is not in use");
   if (--block.refs > 0) return;
   if (cacheable) {
     block.cached = true;
@@ -193,40 +193,40 @@ BlockPool::Usage BlockPool::usage() const {
 void BlockPool::check_invariants() const {
   std::vector<bool> page_free(pages_.size(), false);
   for (const int64_t page : free_pages_) {
-    check(!page_free[page], "page " + std::to_string(page) + " twice in the free list");
-    check(pages_[page].group == -1, "free page " + std::to_string(page) + " still owned");
+    DSV4_CHECK(!page_free[page], "page " + std::to_string(page) + " twice in the free list");
+    DSV4_CHECK(pages_[page].group == -1, "free page " + std::to_string(page) + " still owned");
     page_free[page] = true;
   }
   std::vector<int64_t> lru_count(pages_.size(), 0);
   for (size_t g = 0; g < lru_.size(); ++g)
     for (const BlockId id : lru_[g]) {
-      check(blocks_[id].cached && blocks_[id].refs == 0, "LRU block " + std::to_string(id) + " is not cached");
-      check(pages_[page_of(id)].group == static_cast<int>(g), "LRU block " + std::to_string(id) + " in the wrong group");
+      DSV4_CHECK(blocks_[id].cached && blocks_[id].refs == 0, "LRU block " + std::to_string(id) + " is not cached");
+      DSV4_CHECK(pages_[page_of(id)].group == static_cast<int>(g), "LRU block " + std::to_string(id) + " in the wrong group");
     }
   for (int64_t p = 0; p < num_pages(); ++p) {
     const Page& page = pages_[p];
-    check(page_free[p] == (page.group == -1), "page " + std::to_string(p) + " ownership disagrees with the free list");
+    DSV4_CHECK(page_free[p] == (page.group == -1), "page " + std::to_string(p) + " ownership disagrees with the free list");
     if (page.group < 0) continue;
     int64_t used = 0;
     std::vector<bool> slot_free(static_cast<size_t>(max_blocks_per_page_), false);
     for (const int32_t slot : page.free_slots) {
-      check(!slot_free[slot], "slot listed twice as free in page " + std::to_string(p));
+      DSV4_CHECK(!slot_free[slot], "slot listed twice as free in page " + std::to_string(p));
       slot_free[slot] = true;
     }
     for (int64_t slot = 0; slot < blocks_per_page_[page.group]; ++slot) {
       const Block& block = blocks_[p * max_blocks_per_page_ + slot];
-      check(block.allocated != slot_free[slot], "block " + std::to_string(p * max_blocks_per_page_ + slot) +
+      DSV4_CHECK(block.allocated != slot_free[slot], "block " + std::to_string(p * max_blocks_per_page_ + slot) +
                                                     " is both free and allocated, or neither");
       if (block.allocated) {
         ++used;
-        check(block.cached == (block.refs == 0), "block " + std::to_string(p * max_blocks_per_page_ + slot) +
+        DSV4_CHECK(block.cached == (block.refs == 0), "block " + std::to_string(p * max_blocks_per_page_ + slot) +
                                                      " has refs " + std::to_string(block.refs) + " and cached " +
                                                      std::to_string(block.cached));
       }
     }
-    check(used == page.used, "page " + std::to_string(p) + " counts " + std::to_string(page.used) + " used, holds " +
+    DSV4_CHECK(used == page.used, "page " + std::to_string(p) + " counts " + std::to_string(page.used) + " used, holds " +
                                  std::to_string(used));
-    check(used > 0, "an empty page " + std::to_string(p) + " is still owned by group " + std::to_string(page.group));
+    DSV4_CHECK(used > 0, "an empty page " + std::to_string(p) + " is still owned by group " + std::to_string(page.group));
   }
 }
 

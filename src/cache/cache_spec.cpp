@@ -58,9 +58,9 @@ CacheLayout CacheLayout::for_model(const ModelConfig& config, KvStorage kv, Inde
   }
   const int64_t d = config.head_dim, rope = config.qk_rope_head_dim, main_bytes = main_entry_bytes(d, rope, kv);
   const int64_t m4 = config.compress_rate_csa, m128 = config.compress_rate_hca;
-  check(kLogicalBlockTokens % m4 == 0 || csa.empty(),
+  DSV4_CHECK(kLogicalBlockTokens % m4 == 0 || csa.empty(),
         "compress_rate_csa = " + std::to_string(m4) + " must divide the 256-token logical block");
-  check(kLogicalBlockTokens % m128 == 0 || hca.empty(),
+  DSV4_CHECK(kLogicalBlockTokens % m128 == 0 || hca.empty(),
         "compress_rate_hca = " + std::to_string(m128) + " must divide the 256-token logical block");
   // SWA: window blocks of swa_block_tokens raw entries.
   layout.swa_block_tokens = std::min<int64_t>(64, std::max<int64_t>(1, config.sliding_window));

@@ -21,7 +21,7 @@ std::vector<int64_t> block_sizes(const CacheLayout& layout) {
 
 HybridKvCacheManager::HybridKvCacheManager(CacheLayout layout, int64_t pool_bytes, PrefixCacheOptions options)
     : layout_(std::move(layout)), options_(std::move(options)), pool_(block_sizes(layout_), pool_bytes) {
-  check(options_.checkpoint_interval > 0 && options_.checkpoint_interval % kLogicalBlockTokens == 0,
+  DSV4_CHECK(options_.checkpoint_interval > 0 && options_.checkpoint_interval % kLogicalBlockTokens == 0,
         "prefix checkpoint interval " + std::to_string(options_.checkpoint_interval) + " must be a positive multiple of " +
             std::to_string(kLogicalBlockTokens));
   for (size_t g = 0; g < layout_.groups.size(); ++g) {
@@ -36,7 +36,7 @@ HybridKvCacheManager::HybridKvCacheManager(CacheLayout layout, int64_t pool_byte
         break;
     }
   }
-  check(swa_group_ >= 0, "cache layout has no sliding-window group");
+  DSV4_CHECK(swa_group_ >= 0, "cache layout has no sliding-window group");
   root_hash_ = XXH3_64bits(options_.salt.data(), options_.salt.size());
 }
 
@@ -91,8 +91,8 @@ void HybridKvCacheManager::release_block(BlockId id) {
 }
 
 std::optional<int64_t> HybridKvCacheManager::admit(RequestId id, std::span<const int32_t> prompt) {
-  check(!requests_.count(id), "request " + std::to_string(id) + " is already admitted");
-  check(!prompt.empty(), "request " + std::to_string(id) + " has an empty prompt");
+  DSV4_CHECK(!requests_.count(id), "request " + std::to_string(id) + " is already admitted");
+  DSV4_CHECK(!prompt.empty(), "request " + std::to_string(id) + " has an empty prompt");
   Request request;
   request.tables.resize(layout_.groups.size());
   // Longest hit: consecutive cached logical blocks from the start, ending where a checkpoint exists, and
@@ -172,6 +172,11 @@ std::optional<int64_t> HybridKvCacheManager::admit(RequestId id, std::span<const
 bool HybridKvCacheManager::allocate(RequestId id, int64_t new_tokens) {
   Request& request = requests_.at(id);
   const int64_t end = request.num_computed + new_tokens;
+  if (new_tokens == 1 && end <= request.history_covered) {  // a decode step usually needs no new block
+    const auto& window = request.tables[swa_group_];
+    const int64_t last = (end - 1) / layout_.swa_block_tokens;
+    if (last < static_cast<int64_t>(window.size()) && window[last] != kNoBlock) return true;
+  }
   std::vector<std::pair<int, int64_t>> taken;  // (group, table index) allocated by this call
   auto undo = [&] {
     for (auto it = taken.rbegin(); it != taken.rend(); ++it) {
@@ -204,12 +209,20 @@ bool HybridKvCacheManager::allocate(RequestId id, int64_t new_tokens) {
       taken.emplace_back(swa_group_, b);
     }
   }
+  // The largest end the history tables now cover: n blocks hold entries < n·epb, i.e. tokens < (n·epb + 1)·ratio.
+  request.history_covered = INT64_MAX;
+  for (const int g : history_groups_) {
+    const CacheGroupSpec& group = layout_.groups[g];
+    const int64_t blocks = static_cast<int64_t>(request.tables[g].size());
+    request.history_covered =
+        std::min(request.history_covered, (blocks * group.entries_per_block + 1) * group.tokens_per_entry - 1);
+  }
   return true;
 }
 
 void HybridKvCacheManager::commit(RequestId id, std::span<const int32_t> tokens, int64_t num_computed) {
   Request& request = requests_.at(id);
-  check(num_computed >= request.num_computed && static_cast<int64_t>(tokens.size()) >= num_computed,
+  DSV4_CHECK(num_computed >= request.num_computed && static_cast<int64_t>(tokens.size()) >= num_computed,
         "commit of request " + std::to_string(id) + " to " + std::to_string(num_computed) + " tokens");
   request.num_computed = num_computed;
   // Window blocks wholly before [num_computed − window, num_computed) slid out.
@@ -327,7 +340,13 @@ void HybridKvCacheManager::on_evict(BlockId id) {
 
 void HybridKvCacheManager::release(RequestId id) {
   const auto it = requests_.find(id);
-  check(it != requests_.end(), "release of unknown request " + std::to_string(id));
+  DSV4_CHECK(it != requests_.end(), "release of unknown request " + std::to_string(id));
+  // Restore copies still pending for this request's state blocks would land in freed memory: drop them.
+  for (const int g : state_groups_)
+    for (const BlockId block : it->second.tables[g]) {
+      const int64_t target = pool_.byte_offset(block);
+      std::erase_if(pending_copies_, [&](const BlockCopy& copy) { return copy.dst_offset == target; });
+    }
   for (const auto& table : it->second.tables)
     for (const BlockId block : table)
       if (block != kNoBlock) release_block(block);
@@ -356,18 +375,18 @@ void HybridKvCacheManager::check_invariants() const {
         if (block != kNoBlock) ++expected[block];
   for (const BlockId block : pending_releases_) ++expected[block];
   for (const auto& [block, refs] : expected)
-    check(pool_.ref_count(block) == refs, "block " + std::to_string(block) + " has " +
+    DSV4_CHECK(pool_.ref_count(block) == refs, "block " + std::to_string(block) + " has " +
                                               std::to_string(pool_.ref_count(block)) + " references, owners hold " +
                                               std::to_string(refs));
   int64_t referenced = 0, cached = 0;
   for (const auto& [block, refs] : expected) referenced += pool_.block_bytes(pool_.group_of(block));
   const BlockPool::Usage usage = pool_.usage();
-  check(usage.used_block_bytes == referenced, "pool counts " + std::to_string(usage.used_block_bytes) +
+  DSV4_CHECK(usage.used_block_bytes == referenced, "pool counts " + std::to_string(usage.used_block_bytes) +
                                                   " referenced bytes, owners " + std::to_string(referenced));
   // Every cached block belongs to a prefix entry or a checkpoint.
   for (const auto& [key, blocks] : prefix_blocks_)
     for (const BlockId block : blocks) {
-      check(block_prefix_key_.count(block) && block_prefix_key_.at(block) == key,
+      DSV4_CHECK(block_prefix_key_.count(block) && block_prefix_key_.at(block) == key,
             "prefix block " + std::to_string(block) + " lost its key");
       if (pool_.is_cached(block)) cached += pool_.block_bytes(pool_.group_of(block));
     }
@@ -375,9 +394,9 @@ void HybridKvCacheManager::check_invariants() const {
     for (const auto* list : {&checkpoint.window_blocks, &checkpoint.state_blocks})
       for (const BlockId block : *list) {
         const auto keys = block_checkpoint_keys_.find(block);
-        check(keys != block_checkpoint_keys_.end() && std::count(keys->second.begin(), keys->second.end(), key) == 1,
+        DSV4_CHECK(keys != block_checkpoint_keys_.end() && std::count(keys->second.begin(), keys->second.end(), key) == 1,
               "checkpoint block " + std::to_string(block) + " lost its key");
-        check(pool_.ref_count(block) > 0 || pool_.is_cached(block), "checkpoint block " + std::to_string(block) +
+        DSV4_CHECK(pool_.ref_count(block) > 0 || pool_.is_cached(block), "checkpoint block " + std::to_string(block) +
                                                                         " was freed under its checkpoint");
       }
   int64_t owned_cached = 0;
@@ -389,7 +408,7 @@ void HybridKvCacheManager::check_invariants() const {
     if (pool_.is_cached(block) && !seen[block]) seen[block] = true, keyed_cached += pool_.block_bytes(pool_.group_of(block));
   for (const auto& [block, keys] : block_checkpoint_keys_)
     if (pool_.is_cached(block) && !seen[block]) seen[block] = true, keyed_cached += pool_.block_bytes(pool_.group_of(block));
-  check(owned_cached == keyed_cached, "pool holds " + std::to_string(owned_cached) + " cached bytes, cache entries " +
+  DSV4_CHECK(owned_cached == keyed_cached, "pool holds " + std::to_string(owned_cached) + " cached bytes, cache entries " +
                                           std::to_string(keyed_cached));
   (void)cached;
 }

@@ -48,6 +48,7 @@ class HybridKvCacheManager {
   HybridKvCacheManager(CacheLayout layout, int64_t pool_bytes, PrefixCacheOptions options = {});
 
   const CacheLayout& layout() const { return layout_; }
+  const PrefixCacheOptions& options() const { return options_; }
   const BlockPool& pool() const { return pool_; }
 
   // Blocks a new request of `prompt_tokens` tokens needs for its whole prompt, cold (no prefix hit).
@@ -99,6 +100,7 @@ class HybridKvCacheManager {
     std::vector<std::vector<BlockId>> tables;       // per group index
     std::optional<uint64_t> rolling_checkpoint;     // this request's latest non-interval checkpoint
     int64_t window_released = 0;                    // window blocks below this index are released
+    int64_t history_covered = -1;                   // largest end the history tables hold blocks for
   };
   struct Checkpoint {
     int64_t boundary = 0;

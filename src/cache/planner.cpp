@@ -20,14 +20,14 @@ int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0); }  // a >=
 // a · b, throwing instead of overflowing (a 2^62-token context must fail with a message, not wrap).
 int64_t checked_mul(int64_t a, int64_t b, const std::string& what) {
   int64_t out = 0;
-  check(!__builtin_mul_overflow(a, b, &out),
+  DSV4_CHECK(!__builtin_mul_overflow(a, b, &out),
         what + ": " + std::to_string(a) + " × " + std::to_string(b) + " overflows 64-bit byte counts");
   return out;
 }
 
 int64_t checked_add(int64_t a, int64_t b, const std::string& what) {
   int64_t out = 0;
-  check(!__builtin_add_overflow(a, b, &out), what + ": the byte count overflows 64 bits");
+  DSV4_CHECK(!__builtin_add_overflow(a, b, &out), what + ": the byte count overflows 64 bits");
   return out;
 }
 
@@ -146,11 +146,11 @@ int64_t parse_token_count(const std::string& text, const std::string& what) {
   const bool all_digits =
       !digits.empty() && digits.size() <= 18 &&
       std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; });
-  check(all_digits,
+  DSV4_CHECK(all_digits,
         what + " '" + text + "': must be a positive token count (digits, optionally K = 2^10 or M = 2^20)");
   int64_t value = 0;
-  check(!__builtin_mul_overflow(std::stoll(digits), scale, &value), what + " '" + text + "': too large");
-  check(value > 0, what + " '" + text + "': must be positive");
+  DSV4_CHECK(!__builtin_mul_overflow(std::stoll(digits), scale, &value), what + " '" + text + "': too large");
+  DSV4_CHECK(value > 0, what + " '" + text + "': must be positive");
   return value;
 }
 
@@ -163,11 +163,11 @@ const GroupPlan* CapacityPlan::find(CacheGroupKind kind) const {
 CapacityPlan plan_capacity(const ModelConfig& config, KvStorage kv, IndexStorage index,
                            int64_t context_tokens, std::optional<double> gpu_memory_gib,
                            std::optional<int64_t> requests) {
-  check(context_tokens > 0, "context = " + std::to_string(context_tokens) + ": must be positive");
+  DSV4_CHECK(context_tokens > 0, "context = " + std::to_string(context_tokens) + ": must be positive");
   if (gpu_memory_gib)
-    check(std::isfinite(*gpu_memory_gib) && *gpu_memory_gib > 0 && *gpu_memory_gib < 1e9,
+    DSV4_CHECK(std::isfinite(*gpu_memory_gib) && *gpu_memory_gib > 0 && *gpu_memory_gib < 1e9,
           "gpu memory = " + std::to_string(*gpu_memory_gib) + " GiB: must be positive (and under 1e9 GiB)");
-  if (requests) check(*requests > 0, "requests = " + std::to_string(*requests) + ": must be positive");
+  if (requests) DSV4_CHECK(*requests > 0, "requests = " + std::to_string(*requests) + ": must be positive");
 
   const CacheLayout layout = CacheLayout::for_model(config, kv, index);
   CapacityPlan plan;

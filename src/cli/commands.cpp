@@ -28,7 +28,7 @@ DeepseekV4Model load_model(const std::string& model_dir) {
     return DeepseekV4Model(config, ModelWeights::from_tensors(config, random_tensors(config, kDefaultModelSeed)));
   }
   namespace fs = std::filesystem;
-  check(fs::exists(model_dir), "model '" + model_dir + "' does not exist");
+  DSV4_CHECK(fs::exists(model_dir), "model '" + model_dir + "' does not exist");
   const fs::path dir = fs::is_directory(model_dir) ? fs::path(model_dir) : fs::path(model_dir).parent_path();
   ModelConfig config = ModelConfig::from_file((dir / "config.json").string());
   return DeepseekV4Model(config, ModelWeights::load(config, model_dir));
@@ -37,7 +37,7 @@ DeepseekV4Model load_model(const std::string& model_dir) {
 std::vector<int32_t> to_token_ids(const std::vector<int64_t>& values, int64_t vocab_size) {
   std::vector<int32_t> ids;
   for (const int64_t value : values) {
-    check(value >= 0 && value < vocab_size,
+    DSV4_CHECK(value >= 0 && value < vocab_size,
           "token id " + std::to_string(value) + " is outside the vocabulary [0, " + std::to_string(vocab_size) + ")");
     ids.push_back(static_cast<int32_t>(value));
   }
@@ -59,7 +59,7 @@ std::vector<int64_t> parse_int_list(const std::string& text, const std::string& 
     } catch (const std::exception&) {
       used = 0;
     }
-    check(!item.empty() && used == item.size(), what + ": '" + item + "' is not an integer (in \"" + text + "\")");
+    DSV4_CHECK(!item.empty() && used == item.size(), what + ": '" + item + "' is not an integer (in \"" + text + "\")");
     values.push_back(value);
     pos = comma + 1;
   }
@@ -67,16 +67,16 @@ std::vector<int64_t> parse_int_list(const std::string& text, const std::string& 
 }
 
 int init_random(const InitRandomOptions& options) {
-  check(options.preset.empty() != options.config_path.empty(), "init-random: give exactly one of --preset or --config");
+  DSV4_CHECK(options.preset.empty() != options.config_path.empty(), "init-random: give exactly one of --preset or --config");
   const ModelConfig config =
       options.preset.empty() ? ModelConfig::from_file(options.config_path) : ModelConfig::preset(options.preset);
-  check(options.dtype == "f32" || options.dtype == "bf16", "--dtype '" + options.dtype + "': must be f32 or bf16");
+  DSV4_CHECK(options.dtype == "f32" || options.dtype == "bf16", "--dtype '" + options.dtype + "': must be f32 or bf16");
   const StorageDType dtype = options.dtype == "f32" ? StorageDType::kF32 : StorageDType::kBF16;
   int64_t params = 0;
   for (const auto& spec : checkpoint_tensors(config)) params += Tensor::count(spec.shape);
   // The writer holds the checkpoint in memory; full-size presets need a config with fewer experts or layers.
   const double gib = static_cast<double>(params) * (dtype == StorageDType::kF32 ? 4 : 2) / (1 << 30);
-  check(gib <= 16.0, "init-random: " + std::to_string(params) + " parameters (" + std::to_string(gib) +
+  DSV4_CHECK(gib <= 16.0, "init-random: " + std::to_string(params) + " parameters (" + std::to_string(gib) +
                          " GiB) is more than this writer handles (16 GiB); use --config with fewer experts or layers");
   write_random_model(config, options.seed, dtype, options.out_dir, options.tokenizer_path);
   std::printf("wrote %s: %lld parameters, %s, seed %llu\n", options.out_dir.c_str(), static_cast<long long>(params),
@@ -89,9 +89,9 @@ int forward(const ForwardOptions& options) {
   const std::vector<int32_t> ids = to_token_ids(parse_int_list(options.ids, "--ids"), model.config().vocab_size);
   std::vector<int64_t> chunks = {static_cast<int64_t>(ids.size())};
   if (!options.chunks.empty()) chunks = parse_int_list(options.chunks, "--chunks");
-  for (const int64_t length : chunks) check(length > 0, "--chunks: every chunk must be positive");
+  for (const int64_t length : chunks) DSV4_CHECK(length > 0, "--chunks: every chunk must be positive");
   const int64_t total = std::accumulate(chunks.begin(), chunks.end(), int64_t{0});
-  check(total == static_cast<int64_t>(ids.size()), "--chunks sum to " + std::to_string(total) + " but --ids has " +
+  DSV4_CHECK(total == static_cast<int64_t>(ids.size()), "--chunks sum to " + std::to_string(total) + " but --ids has " +
                                                        std::to_string(ids.size()) + " tokens");
   // Successive chunks through one sequence state, as HF does with a DynamicCache.
   auto state = model.new_sequence_state();
@@ -121,7 +121,7 @@ int generate(const GenerateOptions& options) {
   DeepseekV4Model model = load_model(options.model_dir);
   const ModelConfig& config = model.config();
   std::vector<int32_t> prompt = to_token_ids(parse_int_list(options.ids, "--ids"), config.vocab_size);
-  check(options.max_tokens >= 0, "--max-tokens must be >= 0");
+  DSV4_CHECK(options.max_tokens >= 0, "--max-tokens must be >= 0");
   auto state = model.new_sequence_state();
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
@@ -150,23 +150,23 @@ int generate(const GenerateOptions& options) {
 }
 
 int plan(const PlanOptions& options) {
-  check(options.preset.empty() != options.model_dir.empty(), "plan: give exactly one of --preset or --model");
+  DSV4_CHECK(options.preset.empty() != options.model_dir.empty(), "plan: give exactly one of --preset or --model");
   ModelConfig config;
   if (!options.preset.empty()) {
     config = ModelConfig::preset(options.preset);
   } else {
     namespace fs = std::filesystem;
-    check(fs::is_directory(options.model_dir), "--model '" + options.model_dir + "': not a directory");
+    DSV4_CHECK(fs::is_directory(options.model_dir), "--model '" + options.model_dir + "': not a directory");
     config = ModelConfig::from_file((fs::path(options.model_dir) / "config.json").string());
   }
   const int64_t context = parse_token_count(options.context, "--context");
   const KvStorage kv = parse_kv_storage(options.kv_dtype, "--kv-dtype");
   const IndexStorage index = parse_index_storage(options.index_dtype, "--index-dtype");
   if (options.gpu_memory_gib)
-    check(std::isfinite(*options.gpu_memory_gib) && *options.gpu_memory_gib > 0,
+    DSV4_CHECK(std::isfinite(*options.gpu_memory_gib) && *options.gpu_memory_gib > 0,
           "--gpu-memory " + std::to_string(*options.gpu_memory_gib) + ": must be a positive number of GiB");
   if (options.requests)
-    check(*options.requests > 0, "--requests " + std::to_string(*options.requests) + ": must be positive");
+    DSV4_CHECK(*options.requests > 0, "--requests " + std::to_string(*options.requests) + ": must be positive");
   CapacityPlan result = plan_capacity(config, kv, index, context, options.gpu_memory_gib, options.requests);
   result.model = options.preset.empty() ? options.model_dir : options.preset;
   if (options.json) std::printf("%s\n", capacity_plan_to_json(result).dump(2).c_str());

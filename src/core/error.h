@@ -11,7 +11,15 @@ class Error : public std::runtime_error {
   explicit Error(const std::string& message) : std::runtime_error(message) {}
 };
 
-// Throws Error(message) unless `condition` holds.
-void check(bool condition, const std::string& message);
+}  // namespace dsv4
+
+// Throws dsv4::Error(message) unless `condition` holds. A macro so that the message (string concatenations with
+// the offending values) is only built on failure: checks sit on hot paths of the cache manager.
+#define DSV4_CHECK(condition, message)                        \
+  do {                                                        \
+    if (!(condition)) throw ::dsv4::Error(message);           \
+  } while (false)
+
+namespace dsv4 {
 
 }  // namespace dsv4

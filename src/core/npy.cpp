@@ -20,7 +20,7 @@ void write_npy_f32(const std::string& path, const float* data, const std::vector
   header.append((64 - unpadded % 64) % 64, ' ');
   header.push_back('\n');
   std::ofstream out(path, std::ios::binary);
-  check(out.good(), "cannot open '" + path + "' for writing");
+  DSV4_CHECK(out.good(), "cannot open '" + path + "' for writing");
   const char magic[8] = {'\x93', 'N', 'U', 'M', 'P', 'Y', 1, 0};
   out.write(magic, 8);
   const uint16_t length = static_cast<uint16_t>(header.size());
@@ -28,15 +28,15 @@ void write_npy_f32(const std::string& path, const float* data, const std::vector
   out.write(header.data(), static_cast<std::streamsize>(header.size()));
   const int64_t count = std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
   out.write(reinterpret_cast<const char*>(data), static_cast<std::streamsize>(count * sizeof(float)));
-  check(out.good(), "failed writing '" + path + "'");
+  DSV4_CHECK(out.good(), "failed writing '" + path + "'");
 }
 
 NpyArray read_npy(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  check(in.good(), "cannot open '" + path + "'");
+  DSV4_CHECK(in.good(), "cannot open '" + path + "'");
   char magic[8];
   in.read(magic, 8);
-  check(in.good() && std::memcmp(magic, "\x93NUMPY", 6) == 0, "'" + path + "' is not a .npy file");
+  DSV4_CHECK(in.good() && std::memcmp(magic, "\x93NUMPY", 6) == 0, "'" + path + "' is not a .npy file");
   uint32_t header_len = 0;
   if (magic[6] == 1) {
     uint16_t len16;
@@ -47,15 +47,15 @@ NpyArray read_npy(const std::string& path) {
   }
   std::string header(header_len, '\0');
   in.read(header.data(), header_len);
-  check(in.good(), "'" + path + "': truncated header");
+  DSV4_CHECK(in.good(), "'" + path + "': truncated header");
   auto field = [&](const std::string& key) {
     const auto pos = header.find("'" + key + "'");
-    check(pos != std::string::npos, "'" + path + "': header has no " + key);
+    DSV4_CHECK(pos != std::string::npos, "'" + path + "': header has no " + key);
     return pos + key.size() + 2;
   };
   const auto descr_pos = header.find('\'', header.find(':', field("descr")));
   const std::string descr = header.substr(descr_pos + 1, header.find('\'', descr_pos + 1) - descr_pos - 1);
-  check(header.find("'fortran_order': True") == std::string::npos,
+  DSV4_CHECK(header.find("'fortran_order': True") == std::string::npos,
         "'" + path + "': fortran_order arrays are not supported");
   NpyArray array;
   const auto open = header.find('(', field("shape")), close = header.find(')', open);
@@ -68,7 +68,7 @@ NpyArray read_npy(const std::string& path) {
     using T = decltype(tag);
     std::vector<T> raw(static_cast<size_t>(count));
     in.read(reinterpret_cast<char*>(raw.data()), static_cast<std::streamsize>(count * sizeof(T)));
-    check(in.good() || (count == 0), "'" + path + "': truncated data");
+    DSV4_CHECK(in.good() || (count == 0), "'" + path + "': truncated data");
     for (int64_t i = 0; i < count; ++i) array.data[i] = static_cast<float>(raw[i]);
   };
   if (descr == "<f4") read_as(float{});

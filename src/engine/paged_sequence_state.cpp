@@ -10,15 +10,15 @@ namespace dsv4 {
 
 KvArena::KvArena(int64_t bytes) : size_(bytes) {
   void* mapping = mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  check(mapping != MAP_FAILED, "cannot reserve a KV cache arena of " + std::to_string(bytes) + " bytes");
+  DSV4_CHECK(mapping != MAP_FAILED, "cannot reserve a KV cache arena of " + std::to_string(bytes) + " bytes");
   data_ = static_cast<std::byte*>(mapping);
 }
 
 KvArena::~KvArena() { munmap(data_, static_cast<size_t>(size_)); }
 
-void KvArena::execute(const std::vector<BlockCopy>& copies) {
+void KvArena::execute(std::span<const BlockCopy> copies) {
   for (const BlockCopy& copy : copies) {
-    check(copy.src_offset >= 0 && copy.dst_offset >= 0 && copy.src_offset + copy.bytes <= size_ &&
+    DSV4_CHECK(copy.src_offset >= 0 && copy.dst_offset >= 0 && copy.src_offset + copy.bytes <= size_ &&
               copy.dst_offset + copy.bytes <= size_,
           "block copy outside the KV arena");
     std::memmove(data_ + copy.dst_offset, data_ + copy.src_offset, static_cast<size_t>(copy.bytes));
@@ -28,7 +28,7 @@ void KvArena::execute(const std::vector<BlockCopy>& copies) {
 PagedSequenceState::PagedSequenceState(const ModelConfig& config, const HybridKvCacheManager& manager, KvArena& arena,
                                        RequestId id)
     : config_(config), manager_(manager), arena_(arena), num_tokens_(manager.num_computed(id)) {
-  check(manager.layout().kv_storage == KvStorage::kF32 && manager.layout().index_storage == IndexStorage::kF32,
+  DSV4_CHECK(manager.layout().kv_storage == KvStorage::kF32 && manager.layout().index_storage == IndexStorage::kF32,
         "the CPU backend stores its cache in fp32");
   auto make = [&](CacheGroupKind kind) {
     GroupView group;
@@ -56,7 +56,7 @@ PagedSequenceState::PagedSequenceState(const ModelConfig& config, const HybridKv
 float* PagedSequenceState::at(const GroupView& group, int64_t layer, int64_t entry) const {
   const int64_t per_block = group.spec->entries_per_block;
   const int64_t block_index = entry / per_block;
-  check(block_index < static_cast<int64_t>(group.table->size()) && (*group.table)[block_index] != kNoBlock,
+  DSV4_CHECK(block_index < static_cast<int64_t>(group.table->size()) && (*group.table)[block_index] != kNoBlock,
         std::string("no ") + cache_group_name(group.spec->kind) + " block holds entry " + std::to_string(entry) +
             " of layer " + std::to_string(layer));
   const int64_t slot = group.layer_index[layer] * per_block + entry % per_block;

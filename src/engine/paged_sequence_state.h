@@ -4,6 +4,7 @@
 #pragma once
 #include <array>
 #include <cstddef>
+#include <span>
 #include <vector>
 
 #include "cache/hybrid_kv_cache_manager.h"
@@ -22,7 +23,7 @@ class KvArena {
   std::byte* data() { return data_; }
   int64_t size() const { return size_; }
   // Executes the manager's snapshot/restore copies.
-  void execute(const std::vector<BlockCopy>& copies);
+  void execute(std::span<const BlockCopy> copies);
 
  private:
   std::byte* data_ = nullptr;

@@ -57,7 +57,7 @@ DeepseekV4Model::DeepseekV4Model(ModelConfig config, ModelWeights weights)
       weights_(std::move(weights)),
       rope_main_(make_rope(config_, RopeKind::kMain)),
       rope_compress_(make_rope(config_, RopeKind::kCompress)) {
-  check(static_cast<int64_t>(weights_.layers.size()) == config_.num_hidden_layers,
+  DSV4_CHECK(static_cast<int64_t>(weights_.layers.size()) == config_.num_hidden_layers,
         "weights have " + std::to_string(weights_.layers.size()) + " layers, config " +
             std::to_string(config_.num_hidden_layers));
 }
@@ -71,10 +71,10 @@ Tensor DeepseekV4Model::forward(std::span<const SequenceChunk> batch, LogitsMode
   const int64_t D = c.hidden_size, hc = c.hc_mult;
   StepLayout step;
   for (size_t r = 0; r < batch.size(); ++r) {
-    check(batch[r].state != nullptr, "batch entry " + std::to_string(r) + " has no sequence state");
-    check(!batch[r].token_ids.empty(), "batch entry " + std::to_string(r) + " has no tokens");
+    DSV4_CHECK(batch[r].state != nullptr, "batch entry " + std::to_string(r) + " has no sequence state");
+    DSV4_CHECK(!batch[r].token_ids.empty(), "batch entry " + std::to_string(r) + " has no tokens");
     for (const int32_t id : batch[r].token_ids)
-      check(id >= 0 && id < c.vocab_size, "token id " + std::to_string(id) + " is outside the vocabulary [0, " +
+      DSV4_CHECK(id >= 0 && id < c.vocab_size, "token id " + std::to_string(id) + " is outside the vocabulary [0, " +
                                               std::to_string(c.vocab_size) + ")");
     step.offset.push_back(step.tokens);
     step.start_position.push_back(batch[r].state->num_tokens());

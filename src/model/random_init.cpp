@@ -78,7 +78,7 @@ void copy_tokenizer(const std::string& tokenizer_path, const std::filesystem::pa
   const fs::path source(tokenizer_path);
   const fs::path dir = fs::is_directory(source) ? source : source.parent_path();
   const fs::path json = fs::is_directory(source) ? dir / "tokenizer.json" : source;
-  check(fs::is_regular_file(json), "tokenizer '" + json.string() + "' not found");
+  DSV4_CHECK(fs::is_regular_file(json), "tokenizer '" + json.string() + "' not found");
   fs::copy_file(json, out_dir / "tokenizer.json", fs::copy_options::overwrite_existing);
   if (fs::is_regular_file(dir / "tokenizer_config.json"))
     fs::copy_file(dir / "tokenizer_config.json", out_dir / "tokenizer_config.json", fs::copy_options::overwrite_existing);
@@ -100,7 +100,7 @@ void write_random_model(const ModelConfig& config, uint64_t seed, StorageDType d
   saved.torch_dtype = dtype == StorageDType::kBF16 ? "bfloat16" : "float32";
   {
     std::ofstream out(fs::path(out_dir) / "config.json");
-    check(out.good(), "cannot write " + (fs::path(out_dir) / "config.json").string());
+    DSV4_CHECK(out.good(), "cannot write " + (fs::path(out_dir) / "config.json").string());
     out << saved.to_json().dump(2) << "\n";
   }
   std::vector<TensorToWrite> files;

@@ -67,34 +67,34 @@ std::string tensor_context(const std::string& source, const std::string& name) {
 TensorInfo parse_tensor_entry(const std::string& name, const json& entry, uint64_t data_size,
                               const std::string& source) {
   const std::string where = tensor_context(source, name);
-  check(entry.is_object(), where + ": entry must be an object, got " + json_type(entry));
+  DSV4_CHECK(entry.is_object(), where + ": entry must be an object, got " + json_type(entry));
 
   TensorInfo info;
   info.name = name;
 
   // dtype
   const auto dtype_it = entry.find("dtype");
-  check(dtype_it != entry.end(), where + ": missing \"dtype\"");
-  check(dtype_it->is_string(), where + ": \"dtype\" must be a string, got " + json_type(*dtype_it));
+  DSV4_CHECK(dtype_it != entry.end(), where + ": missing \"dtype\"");
+  DSV4_CHECK(dtype_it->is_string(), where + ": \"dtype\" must be a string, got " + json_type(*dtype_it));
   const std::string& dtype_text = dtype_it->get_ref<const std::string&>();
   const std::optional<DType> dtype = dtype_from_name(dtype_text);
-  check(dtype.has_value(), where + ": unknown dtype \"" + dtype_text +
+  DSV4_CHECK(dtype.has_value(), where + ": unknown dtype \"" + dtype_text +
                                "\" (known: F32, F16, BF16, I64, I32, F8_E4M3, F8_E8M0, I8, U8)");
   info.dtype = *dtype;
 
   // shape
   const auto shape_it = entry.find("shape");
-  check(shape_it != entry.end(), where + ": missing \"shape\"");
-  check(shape_it->is_array(), where + ": \"shape\" must be an array, got " + json_type(*shape_it));
+  DSV4_CHECK(shape_it != entry.end(), where + ": missing \"shape\"");
+  DSV4_CHECK(shape_it->is_array(), where + ": \"shape\" must be an array, got " + json_type(*shape_it));
   info.shape.reserve(shape_it->size());
   bool has_zero = false;
   for (size_t i = 0; i < shape_it->size(); ++i) {
     const json& dim = (*shape_it)[i];
     const std::optional<uint64_t> value = as_u64(dim);
-    check(value.has_value(), where + ": shape[" + std::to_string(i) +
+    DSV4_CHECK(value.has_value(), where + ": shape[" + std::to_string(i) +
                                  "] must be a non-negative integer, got " +
                                  (dim.is_number() ? dim.dump() : std::string(json_type(dim))));
-    check(*value <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()),
+    DSV4_CHECK(*value <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()),
           where + ": shape[" + std::to_string(i) + "] = " + std::to_string(*value) + " is too large");
     has_zero = has_zero || *value == 0;
     info.shape.push_back(static_cast<int64_t>(*value));
@@ -120,20 +120,20 @@ TensorInfo parse_tensor_entry(const std::string& name, const json& entry, uint64
 
   // data_offsets
   const auto offsets_it = entry.find("data_offsets");
-  check(offsets_it != entry.end(), where + ": missing \"data_offsets\"");
-  check(offsets_it->is_array() && offsets_it->size() == 2,
+  DSV4_CHECK(offsets_it != entry.end(), where + ": missing \"data_offsets\"");
+  DSV4_CHECK(offsets_it->is_array() && offsets_it->size() == 2,
         where + ": \"data_offsets\" must be an array of two integers, got " +
             (offsets_it->is_array() ? "an array of " + std::to_string(offsets_it->size())
                                     : std::string(json_type(*offsets_it))));
   const std::optional<uint64_t> begin = as_u64((*offsets_it)[0]);
   const std::optional<uint64_t> end = as_u64((*offsets_it)[1]);
-  check(begin.has_value() && end.has_value(),
+  DSV4_CHECK(begin.has_value() && end.has_value(),
         where + ": \"data_offsets\" must be two non-negative integers, got " +
             ((*offsets_it)[0].is_number() ? (*offsets_it)[0].dump() : json_type((*offsets_it)[0])) + ", " +
             ((*offsets_it)[1].is_number() ? (*offsets_it)[1].dump() : json_type((*offsets_it)[1])));
-  check(*begin <= *end,
+  DSV4_CHECK(*begin <= *end,
         where + ": data_offsets begin " + std::to_string(*begin) + " > end " + std::to_string(*end));
-  check(*end <= data_size, where + ": data_offsets end " + std::to_string(*end) +
+  DSV4_CHECK(*end <= data_size, where + ": data_offsets end " + std::to_string(*end) +
                                " is past the data section (" + std::to_string(data_size) + " bytes)");
   info.data_begin = *begin;
   info.data_end = *end;
@@ -150,10 +150,10 @@ TensorInfo parse_tensor_entry(const std::string& name, const json& entry, uint64
 }
 
 void check_metadata(const json& metadata, const std::string& source) {
-  check(metadata.is_object(),
+  DSV4_CHECK(metadata.is_object(),
         source + ": \"__metadata__\" must be an object of strings, got " + json_type(metadata));
   for (const auto& [key, value] : metadata.items())
-    check(value.is_string(),
+    DSV4_CHECK(value.is_string(),
           source + ": \"__metadata__\" value of key '" + key + "' must be a string, got " + json_type(value));
 }
 
@@ -181,14 +181,14 @@ void write_all(int fd, const void* data, size_t size, const std::string& path) {
 std::string read_text_file(const std::filesystem::path& path, uintmax_t max_bytes) {
   std::error_code ec;
   const uintmax_t size = std::filesystem::file_size(path, ec);
-  check(!ec, path.string() + ": cannot stat: " + ec.message());
-  check(size <= max_bytes, path.string() + ": " + std::to_string(size) +
+  DSV4_CHECK(!ec, path.string() + ": cannot stat: " + ec.message());
+  DSV4_CHECK(size <= max_bytes, path.string() + ": " + std::to_string(size) +
                                " bytes is larger than the limit of " + std::to_string(max_bytes));
   std::ifstream in(path, std::ios::binary);
-  check(static_cast<bool>(in), path.string() + ": cannot open: " + errno_text(errno));
+  DSV4_CHECK(static_cast<bool>(in), path.string() + ": cannot open: " + errno_text(errno));
   std::string text(static_cast<size_t>(size), '\0');
   in.read(text.data(), static_cast<std::streamsize>(size));
-  check(in.gcount() == static_cast<std::streamsize>(size),
+  DSV4_CHECK(in.gcount() == static_cast<std::streamsize>(size),
         path.string() + ": short read: " + std::to_string(in.gcount()) + " of " + std::to_string(size) +
             " bytes");
   return text;
@@ -198,7 +198,7 @@ std::string read_text_file(const std::filesystem::path& path, uintmax_t max_byte
 void check_shard_name(const std::string& shard, const std::string& tensor, const std::string& index_path) {
   const bool bad = shard.empty() || shard == "." || shard == ".." || shard.find('/') != std::string::npos ||
                    shard.find('\\') != std::string::npos || shard.find('\0') != std::string::npos;
-  check(!bad, index_path + ": weight_map['" + tensor + "'] = \"" + shard +
+  DSV4_CHECK(!bad, index_path + ": weight_map['" + tensor + "'] = \"" + shard +
                   "\" is not a plain file name in the checkpoint directory");
 }
 
@@ -216,7 +216,7 @@ int64_t TensorInfo::numel() const {
 std::vector<TensorInfo> parse_safetensors_header(std::string_view header, uint64_t data_size,
                                                  const std::string& source) {
   const json root = parse_json(header, source, "safetensors header");
-  check(root.is_object(), source + ": safetensors header must be a JSON object, got " + json_type(root));
+  DSV4_CHECK(root.is_object(), source + ": safetensors header must be a JSON object, got " + json_type(root));
 
   std::vector<TensorInfo> tensors;
   tensors.reserve(root.size());
@@ -258,9 +258,9 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
 
   struct stat st;
   if (::fstat(fd, &st) != 0) throw Error(path + ": cannot stat: " + errno_text(errno));
-  check(S_ISREG(st.st_mode), path + ": not a regular file");
+  DSV4_CHECK(S_ISREG(st.st_mode), path + ": not a regular file");
   const uint64_t file_size = static_cast<uint64_t>(st.st_size);
-  check(file_size >= 8, path + ": truncated: file has " + std::to_string(file_size) +
+  DSV4_CHECK(file_size >= 8, path + ": truncated: file has " + std::to_string(file_size) +
                             " bytes, fewer than the 8-byte header length");
 
   void* mapping = ::mmap(nullptr, static_cast<size_t>(file_size), PROT_READ, MAP_PRIVATE, fd, 0);
@@ -273,10 +273,10 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     const auto* bytes = static_cast<const uint8_t*>(mapping_);
     uint64_t header_size = 0;
     for (int i = 7; i >= 0; --i) header_size = (header_size << 8) | bytes[i];  // little-endian
-    check(header_size <= kMaxHeaderBytes, path + ": header length " + std::to_string(header_size) +
+    DSV4_CHECK(header_size <= kMaxHeaderBytes, path + ": header length " + std::to_string(header_size) +
                                               " bytes exceeds the limit of " +
                                               std::to_string(kMaxHeaderBytes));
-    check(header_size <= file_size - 8, path + ": truncated: header says " + std::to_string(header_size) +
+    DSV4_CHECK(header_size <= file_size - 8, path + ": truncated: header says " + std::to_string(header_size) +
                                             " bytes but file has " + std::to_string(file_size));
     data_section_ = bytes + 8 + header_size;
     const uint64_t data_size = file_size - 8 - header_size;
@@ -307,7 +307,7 @@ SafetensorsArchive::SafetensorsArchive(const std::string& path) : path_(path) {
   std::error_code ec;
   const fs::path root(path);
   const fs::file_status status = fs::status(root, ec);
-  check(fs::exists(status), path + ": no such file or directory");
+  DSV4_CHECK(fs::exists(status), path + ": no such file or directory");
 
   if (!fs::is_directory(status)) {
     files_.push_back(std::make_unique<SafetensorsFile>(path));
@@ -320,24 +320,24 @@ SafetensorsArchive::SafetensorsArchive(const std::string& path) : path_(path) {
   if (fs::exists(index_path, ec)) {
     const std::string index_name = index_path.string();
     const json index = parse_json(read_text_file(index_path, kMaxIndexBytes), index_name, "index");
-    check(index.is_object(), index_name + ": must be a JSON object, got " + json_type(index));
+    DSV4_CHECK(index.is_object(), index_name + ": must be a JSON object, got " + json_type(index));
     const auto map_it = index.find("weight_map");
-    check(map_it != index.end(), index_name + ": missing \"weight_map\"");
-    check(map_it->is_object(), index_name + ": \"weight_map\" must be an object, got " + json_type(*map_it));
+    DSV4_CHECK(map_it != index.end(), index_name + ": missing \"weight_map\"");
+    DSV4_CHECK(map_it->is_object(), index_name + ": \"weight_map\" must be an object, got " + json_type(*map_it));
 
     std::map<std::string, std::vector<std::string>> shard_tensors;  // shard -> tensors the map puts there
     for (const auto& [tensor, shard] : map_it->items()) {
-      check(shard.is_string(),
+      DSV4_CHECK(shard.is_string(),
             index_name + ": weight_map['" + tensor + "'] must be a string, got " + json_type(shard));
       const std::string& shard_name = shard.get_ref<const std::string&>();
       check_shard_name(shard_name, tensor, index_name);
       shard_tensors[shard_name].push_back(tensor);
     }
-    check(!shard_tensors.empty(), index_name + ": \"weight_map\" is empty");
+    DSV4_CHECK(!shard_tensors.empty(), index_name + ": \"weight_map\" is empty");
 
     for (const auto& [shard_name, listed] : shard_tensors) {
       const fs::path shard_path = root / shard_name;
-      check(fs::exists(shard_path, ec), index_name + ": shard \"" + shard_name + "\" (listed for " +
+      DSV4_CHECK(fs::exists(shard_path, ec), index_name + ": shard \"" + shard_name + "\" (listed for " +
                                             std::to_string(listed.size()) + " tensors, e.g. '" +
                                             listed.front() + "') does not exist: " + shard_path.string());
       files_.push_back(std::make_unique<SafetensorsFile>(shard_path.string()));
@@ -357,7 +357,7 @@ SafetensorsArchive::SafetensorsArchive(const std::string& path) : path_(path) {
 
       for (const TensorInfo& info : file.tensors()) {
         const auto [it, inserted] = entries_.emplace(info.name, Entry{&file, &info});
-        check(inserted, index_name + ": tensor '" + info.name +
+        DSV4_CHECK(inserted, index_name + ": tensor '" + info.name +
                             "' appears in two shards: " + it->second.file->path() + " and " + file.path());
       }
     }
@@ -373,7 +373,7 @@ SafetensorsArchive::SafetensorsArchive(const std::string& path) : path_(path) {
     for (const fs::directory_entry& entry : fs::directory_iterator(root, ec))
       if (entry.path().extension() == ".safetensors" && entry.is_regular_file(ec))
         candidates.push_back(entry.path());
-    check(!ec, path + ": cannot list directory: " + ec.message());
+    DSV4_CHECK(!ec, path + ": cannot list directory: " + ec.message());
     if (candidates.size() != 1) {
       std::sort(candidates.begin(), candidates.end());
       std::string list;
@@ -404,7 +404,7 @@ const SafetensorsArchive::Entry* SafetensorsArchive::find(const std::string& nam
 
 std::vector<float> SafetensorsArchive::read_f32(const std::string& name) const {
   const Entry* entry = find(name);
-  check(entry != nullptr, path_ + ": tensor '" + name + "' not found");
+  DSV4_CHECK(entry != nullptr, path_ + ": tensor '" + name + "' not found");
   const TensorInfo& info = *entry->info;
   std::vector<float> result(static_cast<size_t>(info.numel()));
   if (result.empty()) return result;  // no memcpy through null pointers
@@ -424,22 +424,22 @@ void write_safetensors(const std::string& path, const std::vector<TensorToWrite>
   uint64_t offset = 0;
   for (const TensorToWrite& tensor : tensors) {
     const std::string where = path + ": tensor '" + tensor.name + "'";
-    check(tensor.name != "__metadata__", where + ": the name is reserved for metadata");
-    check(seen.insert(tensor.name).second, where + ": written twice");
+    DSV4_CHECK(tensor.name != "__metadata__", where + ": the name is reserved for metadata");
+    DSV4_CHECK(seen.insert(tensor.name).second, where + ": written twice");
     const size_t element_size = dtype_size(tensor.dtype);
-    check(element_size != 0,
+    DSV4_CHECK(element_size != 0,
           where + ": invalid dtype value " + std::to_string(static_cast<int>(tensor.dtype)));
     uint64_t numel = 1;
     for (size_t i = 0; i < tensor.shape.size(); ++i) {
-      check(tensor.shape[i] >= 0, where + ": shape[" + std::to_string(i) +
+      DSV4_CHECK(tensor.shape[i] >= 0, where + ": shape[" + std::to_string(i) +
                                       "] = " + std::to_string(tensor.shape[i]) + " is negative");
     }
     bool overflow = false;
     for (const int64_t dim : tensor.shape) overflow = overflow || __builtin_mul_overflow(numel, dim, &numel);
     uint64_t expected = 0;
     overflow = overflow || __builtin_mul_overflow(numel, element_size, &expected);
-    check(!overflow, where + ": element count overflows");
-    check(tensor.bytes.size() == expected,
+    DSV4_CHECK(!overflow, where + ": element count overflows");
+    DSV4_CHECK(tensor.bytes.size() == expected,
           where + ": has " + std::to_string(tensor.bytes.size()) + " bytes, but " + std::to_string(numel) +
               " elements of " + std::string(dtype_name(tensor.dtype)) + " need " + std::to_string(expected));
     header[tensor.name] = {{"dtype", std::string(dtype_name(tensor.dtype))},

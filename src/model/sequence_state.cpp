@@ -34,7 +34,7 @@ float* ContiguousSequenceState::window_kv(int64_t layer, int64_t position) {
 
 ContiguousSequenceState::CompressorStore& ContiguousSequenceState::store(int64_t layer, EntryKind kind) {
   auto& store = (kind == EntryKind::kMain ? main_ : index_)[static_cast<size_t>(layer)];
-  check(store.entry_dim > 0, "layer " + std::to_string(layer) + " has no such compressor");
+  DSV4_CHECK(store.entry_dim > 0, "layer " + std::to_string(layer) + " has no such compressor");
   return store;
 }
 

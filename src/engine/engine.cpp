@@ -1,0 +1,77 @@
+#include "engine/engine.h"
+
+#include "core/error.h"
+
+namespace dsv4 {
+namespace {
+
+SchedulerConfig scheduler_config(const EngineConfig& config, const ModelConfig& model) {
+  SchedulerConfig out;
+  out.max_num_seqs = config.max_num_seqs;
+  out.max_num_batched_tokens = config.max_num_batched_tokens;
+  out.max_model_len = config.max_model_len > 0 ? config.max_model_len : model.max_position_embeddings;
+  out.long_prefill_token_threshold = config.long_prefill_token_threshold;
+  out.checkpoint_interval = config.checkpoint_interval;
+  out.align_prefill_chunks = config.enable_prefix_caching;  // the boundaries only matter to the prefix cache
+  for (const int64_t id : model.eos_token_ids) out.eos_token_ids.push_back(static_cast<int32_t>(id));
+  return out;
+}
+
+HybridKvCacheManager make_manager(const EngineConfig& config, const ModelConfig& model) {
+  DSV4_CHECK(config.kv_cache_bytes > 0, "kv_cache_bytes = " + std::to_string(config.kv_cache_bytes) + ": must be positive");
+  PrefixCacheOptions options;
+  options.enabled = config.enable_prefix_caching;
+  options.checkpoint_interval = config.checkpoint_interval;
+  return HybridKvCacheManager(CacheLayout::for_model(model, config.kv_storage, config.index_storage),
+                              config.kv_cache_bytes, options);
+}
+
+}  // namespace
+
+Engine::Engine(DeepseekV4Model& model, EngineConfig config)
+    : config_(config),
+      model_(model),
+      manager_(make_manager(config_, model.config())),
+      scheduler_(scheduler_config(config_, model.config()), manager_),
+      runner_(model) {}
+
+RequestId Engine::add_request(std::vector<int32_t> prompt, SamplingParams params) {
+  const RequestId id = next_id_;
+  const int64_t vocab = model_.config().vocab_size;
+  for (size_t i = 0; i < prompt.size(); ++i)
+    if (prompt[i] < 0 || prompt[i] >= vocab)
+      throw Error("request " + std::to_string(id) + ": prompt token " + std::to_string(i) + " = " +
+                  std::to_string(prompt[i]) + " is outside the vocabulary of " + std::to_string(vocab));
+  scheduler_.add_request(id, std::move(prompt), std::move(params));
+  ++next_id_;
+  return id;
+}
+
+bool Engine::abort(RequestId id) {
+  if (!scheduler_.abort(id)) return false;
+  runner_.release(id);
+  return true;
+}
+
+std::vector<RequestOutput> Engine::step() {
+  scheduler_.schedule(scheduled_);
+  runner_.execute_copies(manager_.take_pending_copies());  // restores for this step's prefix hits
+  runner_.execute(scheduled_, sampled_);
+  scheduler_.update(scheduled_, sampled_, updates_);
+  runner_.execute_copies(manager_.take_pending_copies());  // checkpoint snapshots of the state just computed
+
+  std::vector<RequestOutput> outputs;
+  outputs.reserve(updates_.size());
+  for (const TokenUpdate& update : updates_) {
+    RequestOutput& output = outputs.emplace_back();
+    output.id = update.id;
+    if (update.token != kNoToken) output.new_token_ids.push_back(update.token);
+    output.status = update.status;
+    output.finished = is_finished(update.status);
+    if (update.error) output.error = *update.error;
+    if (output.finished) runner_.release(update.id);
+  }
+  return outputs;
+}
+
+}  // namespace dsv4

@@ -1,0 +1,69 @@
+// Engine: the step loop (nano-vllm `LLMEngine`, vLLM v1 `EngineCore`). Requests go in with add_request(); every
+// step() schedules (engine/scheduler.h), runs the model over the scheduled chunks and samples (engine/
+// model_runner.h), then commits the computed tokens to the cache manager and applies the stop conditions.
+//
+// One step:
+//   scheduler.schedule  -> who computes how many tokens; admit/allocate/release on the manager
+//   restore copies      -> manager.take_pending_copies() before the forward (prefix-hit restores)
+//   runner.execute      -> forward(batch, kLastPerSequence), greedy argmax where a chunk reached its end
+//   scheduler.update    -> append tokens, manager.commit, stop conditions, release finished
+//   snapshot copies     -> manager.take_pending_copies() after the commit (checkpoints)
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "cache/hybrid_kv_cache_manager.h"
+#include "engine/model_runner.h"
+#include "engine/request.h"
+#include "engine/scheduler.h"
+#include "model/deepseek_v4.h"
+
+namespace dsv4 {
+
+struct EngineConfig {
+  int64_t max_num_seqs = 64;
+  int64_t max_num_batched_tokens = 512;
+  int64_t max_model_len = 0;  // 0: the model's max_position_embeddings
+  int64_t long_prefill_token_threshold = 0;
+  int64_t kv_cache_bytes = int64_t{512} << 20;  // the block pool (CPU backend default)
+  bool enable_prefix_caching = true;
+  int64_t checkpoint_interval = 1024;  // tokens, a multiple of 256 (PrefixCacheOptions)
+  KvStorage kv_storage = KvStorage::kF32;        // the CPU backend stores fp32
+  IndexStorage index_storage = IndexStorage::kF32;
+};
+
+class Engine {
+ public:
+  // The model must outlive the engine. Throws dsv4::Error for an invalid config.
+  Engine(DeepseekV4Model& model, EngineConfig config = {});
+
+  // Queues a request and returns its id. Throws dsv4::Error naming the numbers when it can never run (empty
+  // prompt, an id outside the vocabulary, prompt + max_tokens > max_model_len, more than the pool holds).
+  RequestId add_request(std::vector<int32_t> prompt, SamplingParams params = {});
+  // One scheduler step and one forward: the tokens each request got and the requests that finished.
+  std::vector<RequestOutput> step();
+  // Finishes a request as aborted and frees its blocks; false if it is unknown or already finished.
+  bool abort(RequestId id);
+  bool has_unfinished() const { return scheduler_.has_unfinished(); }
+
+  const EngineConfig& config() const { return config_; }
+  const HybridKvCacheManager& cache() const { return manager_; }
+  const Scheduler& scheduler() const { return scheduler_; }
+  ModelRunner& runner() { return runner_; }
+  // The last step's plan (valid until the next step()): for metrics and tests.
+  const SchedulerOutput& last_scheduled() const { return scheduled_; }
+
+ private:
+  EngineConfig config_;
+  DeepseekV4Model& model_;
+  HybridKvCacheManager manager_;
+  Scheduler scheduler_;
+  ModelRunner runner_;
+  RequestId next_id_ = 0;
+  // Reused every step.
+  SchedulerOutput scheduled_;
+  std::vector<int32_t> sampled_;
+  std::vector<TokenUpdate> updates_;
+};
+
+}  // namespace dsv4

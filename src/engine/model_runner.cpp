@@ -1,0 +1,53 @@
+#include "engine/model_runner.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace dsv4 {
+
+int32_t argmax_token(std::span<const float> logits) {
+  return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+}
+
+ModelRunner::ModelRunner(DeepseekV4Model& model) : model_(model) {}
+
+void ModelRunner::execute_copies(std::span<const BlockCopy> copies) {
+  if (copy_executor_ && !copies.empty()) copy_executor_(copies);
+}
+
+std::unique_ptr<SequenceState> ModelRunner::make_state(const ScheduledChunk& chunk) {
+  // The one place a request's model state is created.
+  if (state_factory_) return state_factory_(chunk);
+  return model_.new_sequence_state();
+}
+
+void ModelRunner::execute(const SchedulerOutput& out, std::vector<int32_t>& sampled) {
+  for (const RequestId id : out.finished_ids) states_.erase(id);
+  for (const RequestId id : out.preempted_ids) states_.erase(id);
+  sampled.assign(out.scheduled.size(), kNoToken);
+  if (out.scheduled.empty()) return;
+
+  batch_.clear();
+  for (const ScheduledChunk& chunk : out.scheduled) {
+    std::unique_ptr<SequenceState>& state = states_[chunk.id];
+    if (chunk.first_chunk || !state) state = make_state(chunk);
+    const int64_t have = state->num_tokens();
+    if (have > chunk.start)
+      throw Error("model runner: request " + std::to_string(chunk.id) + " has state for " + std::to_string(have) +
+                  " tokens but its chunk starts at " + std::to_string(chunk.start));
+    num_recomputed_tokens_ += chunk.start - have;
+    batch_.push_back({state.get(), chunk.context.subspan(static_cast<size_t>(have))});
+  }
+  const Tensor logits = model_.forward(batch_, LogitsMode::kLastPerSequence);
+  const int64_t vocab = model_.config().vocab_size;
+  if (logits.numel() != static_cast<int64_t>(out.scheduled.size()) * vocab)
+    throw Error("model runner: logits " + logits.shape_string() + " for " + std::to_string(out.scheduled.size()) +
+                " requests");
+  for (size_t i = 0; i < out.scheduled.size(); ++i)
+    if (out.scheduled[i].samples)
+      sampled[i] = argmax_token(std::span<const float>(logits.ptr() + static_cast<int64_t>(i) * vocab,
+                                                       static_cast<size_t>(vocab)));
+}
+
+}  // namespace dsv4

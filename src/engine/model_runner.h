@@ -1,0 +1,67 @@
+// ModelRunner: turns a SchedulerOutput into one DeepseekV4Model::forward and samples (greedy) the requests whose
+// chunk reached their last known token. It owns the per-request SequenceState and executes the cache manager's
+// block copies.
+//
+// The seam to the paged cache is two callbacks:
+//   - StateFactory makes the SequenceState of a request at its first chunk after admission. The default makes a
+//     ContiguousSequenceState (the model's own host storage, num_tokens() = 0); the paged state will be built
+//     from the manager's block tables with num_tokens() = the prefix hit.
+//   - CopyExecutor runs HybridKvCacheManager::take_pending_copies() (prefix-hit restores before the forward,
+//     checkpoint snapshots after the commit). The default does nothing: ContiguousSequenceState does not live in
+//     the arena, so the copies have nothing to move; the paged state binds it to a memcpy / device copy.
+// A state is fed from its own num_tokens() to the chunk's end, so a state that restored less than the prefix hit
+// (the contiguous one restores nothing) recomputes the missing tokens and the math is exactly a cold run's.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+#include "cache/hybrid_kv_cache_manager.h"
+#include "engine/scheduler.h"
+#include "model/deepseek_v4.h"
+
+namespace dsv4 {
+
+class ModelRunner {
+ public:
+  // `chunk` is the request's first chunk since admission (chunk.start = its prefix hit).
+  using StateFactory = std::function<std::unique_ptr<SequenceState>(const ScheduledChunk& chunk)>;
+  using CopyExecutor = std::function<void(std::span<const BlockCopy> copies)>;
+
+  explicit ModelRunner(DeepseekV4Model& model);
+
+  void set_state_factory(StateFactory factory) { state_factory_ = std::move(factory); }
+  void set_copy_executor(CopyExecutor executor) { copy_executor_ = std::move(executor); }
+
+  void execute_copies(std::span<const BlockCopy> copies);
+
+  // Drops the states of out.finished_ids and out.preempted_ids, runs the forward over out.scheduled
+  // (LogitsMode::kLastPerSequence) and writes into sampled[i] (resized to out.scheduled.size()) the argmax token
+  // of out.scheduled[i] where it samples, kNoToken elsewhere.
+  void execute(const SchedulerOutput& out, std::vector<int32_t>& sampled);
+
+  // Drops a request's state now (finished or aborted); out.finished_ids would drop it at the next step.
+  void release(RequestId id) { states_.erase(id); }
+
+  int64_t num_states() const { return static_cast<int64_t>(states_.size()); }
+  // Tokens recomputed this run because a state restored less than the scheduler's prefix hit.
+  int64_t num_recomputed_tokens() const { return num_recomputed_tokens_; }
+
+ private:
+  std::unique_ptr<SequenceState> make_state(const ScheduledChunk& chunk);
+
+  DeepseekV4Model& model_;
+  StateFactory state_factory_;
+  CopyExecutor copy_executor_;
+  std::unordered_map<RequestId, std::unique_ptr<SequenceState>> states_;
+  std::vector<SequenceChunk> batch_;
+  int64_t num_recomputed_tokens_ = 0;
+};
+
+// The greedy sampler: the first index of the largest logit.
+int32_t argmax_token(std::span<const float> logits);
+
+}  // namespace dsv4
