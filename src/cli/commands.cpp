@@ -13,6 +13,7 @@
 #include "cache/planner.h"
 #include "core/error.h"
 #include "core/npy.h"
+#include "engine/engine.h"
 #include "model/deepseek_v4.h"
 #include "model/random_init.h"
 
@@ -119,33 +120,38 @@ int forward(const ForwardOptions& options) {
 
 int generate(const GenerateOptions& options) {
   DeepseekV4Model model = load_model(options.model_dir);
-  const ModelConfig& config = model.config();
-  std::vector<int32_t> prompt = to_token_ids(parse_int_list(options.ids, "--ids"), config.vocab_size);
-  DSV4_CHECK(options.max_tokens >= 0, "--max-tokens must be >= 0");
-  auto state = model.new_sequence_state();
+  std::vector<int32_t> prompt = to_token_ids(parse_int_list(options.ids, "--ids"), model.config().vocab_size);
+  DSV4_CHECK(options.max_tokens >= 1, "--max-tokens must be >= 1");
+  // The serving path: scheduler, hybrid KV cache manager, paged state, greedy sampling.
+  Engine engine(model, EngineConfig{});
+  SamplingParams params;
+  params.max_tokens = options.max_tokens;
+  params.ignore_eos = options.ignore_eos;
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
+  engine.add_request(prompt, params);
   double first_token_seconds = 0;
-  std::vector<int32_t> generated;
-  std::vector<int32_t> next = prompt;
+  size_t generated = 0;
+  std::string stopped = "length";
   std::printf("prompt: %zu tokens\ngenerated:", prompt.size());
   std::fflush(stdout);
-  while (static_cast<int64_t>(generated.size()) < options.max_tokens) {
-    const SequenceChunk chunk{state.get(), next};
-    const Tensor logits = model.forward(std::span(&chunk, 1), LogitsMode::kLastPerSequence);
-    const auto token = static_cast<int32_t>(std::max_element(logits.data.begin(), logits.data.end()) - logits.data.begin());
-    if (generated.empty()) first_token_seconds = std::chrono::duration<double>(Clock::now() - start).count();
-    generated.push_back(token);
-    std::printf(" %d", token);
-    std::fflush(stdout);
-    const bool eos = std::find(config.eos_token_ids.begin(), config.eos_token_ids.end(), token) != config.eos_token_ids.end();
-    if (eos && !options.ignore_eos) break;
-    next = {token};
+  while (engine.has_unfinished()) {
+    for (const RequestOutput& output : engine.step()) {
+      for (const int32_t token : output.new_token_ids) {
+        if (generated++ == 0) first_token_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+        std::printf(" %d", token);
+        std::fflush(stdout);
+      }
+      if (output.finished) {
+        DSV4_CHECK(output.error.empty(), output.error);
+        stopped = output.status == RequestStatus::kFinishedLength ? "length" : "stop";
+      }
+    }
   }
   const double total = std::chrono::duration<double>(Clock::now() - start).count();
-  const double decode_rate = generated.size() > 1 ? (generated.size() - 1) / (total - first_token_seconds) : 0.0;
-  std::printf("\nTTFT %.1f ms, %zu tokens, decode %.1f tokens/s\n", first_token_seconds * 1e3, generated.size(),
-              decode_rate);
+  const double decode_rate = generated > 1 ? (generated - 1) / (total - first_token_seconds) : 0.0;
+  std::printf("\nTTFT %.1f ms, %zu tokens (finished: %s), decode %.1f tokens/s\n", first_token_seconds * 1e3,
+              generated, stopped.c_str(), decode_rate);
   return 0;
 }
 

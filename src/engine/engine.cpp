@@ -33,7 +33,16 @@ Engine::Engine(DeepseekV4Model& model, EngineConfig config)
       model_(model),
       manager_(make_manager(config_, model.config())),
       scheduler_(scheduler_config(config_, model.config()), manager_),
-      runner_(model) {}
+      runner_(model),
+      arena_(manager_.pool().num_pages() * manager_.pool().page_bytes()) {
+  // The CPU backend keeps every request's state in the arena, addressed through the manager's block tables.
+  DSV4_CHECK(config_.kv_storage == KvStorage::kF32 && config_.index_storage == IndexStorage::kF32,
+             "the CPU backend stores the KV cache in fp32 (kv_storage / index_storage = f32)");
+  runner_.set_state_factory([this](const ScheduledChunk& chunk) -> std::unique_ptr<SequenceState> {
+    return std::make_unique<PagedSequenceState>(model_.config(), manager_, arena_, chunk.id);
+  });
+  runner_.set_copy_executor([this](std::span<const BlockCopy> copies) { arena_.execute(copies); });
+}
 
 RequestId Engine::add_request(std::vector<int32_t> prompt, SamplingParams params) {
   const RequestId id = next_id_;

@@ -14,6 +14,7 @@
 
 #include "cache/hybrid_kv_cache_manager.h"
 #include "engine/model_runner.h"
+#include "engine/paged_sequence_state.h"
 #include "engine/request.h"
 #include "engine/scheduler.h"
 #include "model/deepseek_v4.h"
@@ -59,6 +60,7 @@ class Engine {
   HybridKvCacheManager manager_;
   Scheduler scheduler_;
   ModelRunner runner_;
+  KvArena arena_;
   RequestId next_id_ = 0;
   // Reused every step.
   SchedulerOutput scheduled_;
