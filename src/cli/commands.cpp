@@ -123,7 +123,12 @@ int generate(const GenerateOptions& options) {
   std::vector<int32_t> prompt = to_token_ids(parse_int_list(options.ids, "--ids"), model.config().vocab_size);
   DSV4_CHECK(options.max_tokens >= 1, "--max-tokens must be >= 1");
   // The serving path: scheduler, hybrid KV cache manager, paged state, greedy sampling.
-  Engine engine(model, EngineConfig{});
+  EngineConfig engine_config;
+  engine_config.max_num_batched_tokens = options.max_num_batched_tokens;
+  engine_config.kv_cache_bytes = static_cast<int64_t>(options.kv_cache_gib * (1 << 30));
+  engine_config.enable_prefix_caching = !options.no_prefix_caching;
+  engine_config.checkpoint_interval = options.prefix_checkpoint_interval;
+  Engine engine(model, engine_config);
   SamplingParams params;
   params.max_tokens = options.max_tokens;
   params.ignore_eos = options.ignore_eos;

@@ -22,6 +22,11 @@ struct GenerateOptions {
   std::string model_dir, ids;
   int64_t max_tokens = 16;
   bool ignore_eos = false;
+  // Engine knobs (the names `dsv4 serve` will take, as vLLM's).
+  int64_t max_num_batched_tokens = 512;
+  double kv_cache_gib = 0.5;
+  bool no_prefix_caching = false;
+  int64_t prefix_checkpoint_interval = 1024;
 };
 int generate(const GenerateOptions& options);
 

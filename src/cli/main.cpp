@@ -31,6 +31,11 @@ int main(int argc, char** argv) {
   generate_cmd->add_option("--ids", gen.ids, "comma-separated prompt token ids")->required();
   generate_cmd->add_option("--max-tokens", gen.max_tokens, "tokens to generate");
   generate_cmd->add_flag("--ignore-eos", gen.ignore_eos, "keep going past the end-of-sequence token");
+  generate_cmd->add_option("--max-num-batched-tokens", gen.max_num_batched_tokens, "token budget of one step");
+  generate_cmd->add_option("--kv-cache-gib", gen.kv_cache_gib, "KV cache pool size in GiB");
+  generate_cmd->add_flag("--no-prefix-caching", gen.no_prefix_caching, "disable prefix caching");
+  generate_cmd->add_option("--prefix-checkpoint-interval", gen.prefix_checkpoint_interval,
+                           "tokens between kept prefix-cache checkpoints (a multiple of 256)");
 
   dsv4::cli::PlanOptions plan;
   auto* plan_cmd = app.add_subcommand("plan", "KV-cache bytes per request and how many requests fit");

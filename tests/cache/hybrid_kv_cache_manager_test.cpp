@@ -1,6 +1,7 @@
 // The hybrid cache manager under random workloads (no leaks, exact reference counts, the pool back to full),
 // prefix hits with checkpoints, eviction, window freeing, and 1M-token block counts.
 #include "cache/hybrid_kv_cache_manager.h"
+#include "cache/planner.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -118,16 +119,17 @@ TEST(HybridKvCacheManager, MillionTokenRequestGetsThePlannedBlockCounts) {
   ASSERT_EQ(manager.admit(1, tokens), 0);
   ASSERT_TRUE(manager.allocate(1, n));
   manager.commit(1, tokens, n);
-  EXPECT_EQ(manager.block_table(1, CacheGroupKind::kC4Main).size(), static_cast<size_t>(n / 256));
-  EXPECT_EQ(manager.block_table(1, CacheGroupKind::kC4Index).size(), static_cast<size_t>(n / 256));
-  EXPECT_EQ(manager.block_table(1, CacheGroupKind::kC128Main).size(), static_cast<size_t>(n / 256));
-  int64_t window = 0;
-  for (const BlockId b : manager.block_table(1, CacheGroupKind::kSwaKv)) window += b != kNoBlock;
-  EXPECT_EQ(window, 2);  // 128 tokens in 64-token blocks
-  // Bytes: C4 main 21 layers x 2^18 entries x 584 B = 3.00 GiB, as the planner says (docs/planner.md).
+  // Exactly the blocks the planner predicts for every group (dsv4 plan --preset v4-flash --context 1M).
+  const CapacityPlan plan = plan_capacity(ModelConfig::preset("v4-flash"), KvStorage::kFp8, IndexStorage::kFp4, n);
   const auto usage = manager.pool().usage();
-  const auto& group = *layout.find(CacheGroupKind::kC4Main);
-  EXPECT_EQ(usage.used_blocks_per_group[1] * group.block_bytes(), 21 * (n / 4) * 584);
+  for (size_t g = 0; g < layout.groups.size(); ++g) {
+    int64_t held = 0;
+    for (const BlockId b : manager.block_table(1, layout.groups[g].kind)) held += b != kNoBlock;
+    EXPECT_EQ(held, plan.groups[g].blocks) << cache_group_name(layout.groups[g].kind);
+    EXPECT_EQ(usage.used_blocks_per_group[g], plan.groups[g].blocks) << cache_group_name(layout.groups[g].kind);
+  }
+  EXPECT_EQ(manager.block_table(1, CacheGroupKind::kC4Main).size(), static_cast<size_t>(n / 256));
+  EXPECT_EQ(plan.total().reserved, usage.used_block_bytes);
   manager.check_invariants();
 }
 

@@ -78,6 +78,12 @@ expect_failure "chunks do not add up" "chunks" "$dsv4" forward --model "$work/mo
 expect_failure "malformed ids" "--ids" "$dsv4" forward --model "$work/model" --ids 1,x
 expect_failure "missing model" "does not exist" "$dsv4" forward --model "$work/nothing" --ids 1
 expect_failure "unknown preset" "unknown preset" "$dsv4" init-random --preset v9 --out "$work/x"
+expect_failure "bad checkpoint interval" "multiple of 256" "$dsv4" generate --ids 1,2 --prefix-checkpoint-interval 1000
+expect_failure "pool too small" "holds no page" "$dsv4" generate --ids 1,2 --kv-cache-gib 0.0001
+expect_failure "too long for the model" "max_model_len" "$dsv4" generate --model "$work/model" --ids 1,2 --max-tokens 2000000
+expect_success "plan v4-pro" "$dsv4" plan --preset v4-pro --context 1048576
+grep -q "growing history.*9.62 GiB" "$work/out" || { echo "FAIL plan: no 9.62 GiB history line"; failures=$((failures + 1)); }
+expect_failure "plan bad dtype" "--kv-dtype" "$dsv4" plan --preset v4-flash --context 1024 --kv-dtype fp4
 
 if [ $failures -ne 0 ]; then echo "$failures CLI checks failed"; exit 1; fi
 echo "all CLI checks passed"
