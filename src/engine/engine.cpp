@@ -74,7 +74,10 @@ std::vector<RequestOutput> Engine::step() {
   for (const TokenUpdate& update : updates_) {
     RequestOutput& output = outputs.emplace_back();
     output.id = update.id;
-    if (update.token != kNoToken) output.new_token_ids.push_back(update.token);
+    if (update.token != kNoToken) {
+      output.new_token_ids.push_back(update.token);
+      if (const SampleResult* logprobs = runner_.last_logprobs(update.id)) output.new_logprobs.push_back(*logprobs);
+    }
     output.status = update.status;
     output.finished = is_finished(update.status);
     if (update.error) output.error = *update.error;

@@ -5,7 +5,7 @@
 // One step:
 //   scheduler.schedule  -> who computes how many tokens; admit/allocate/release on the manager
 //   restore copies      -> manager.take_pending_copies() before the forward (prefix-hit restores)
-//   runner.execute      -> forward(batch, kLastPerSequence), greedy argmax where a chunk reached its end
+//   runner.execute      -> forward(batch, kLastPerSequence), sampling (engine/sampler.h) where a chunk reached its end
 //   scheduler.update    -> append tokens, manager.commit, stop conditions, release finished
 //   snapshot copies     -> manager.take_pending_copies() after the commit (checkpoints)
 #pragma once

@@ -6,11 +6,9 @@
 
 namespace dsv4 {
 
-int32_t argmax_token(std::span<const float> logits) {
-  return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+ModelRunner::ModelRunner(DeepseekV4Model& model) : model_(model) {
+  for (const int64_t id : model.config().eos_token_ids) eos_token_ids_.push_back(static_cast<int32_t>(id));
 }
-
-ModelRunner::ModelRunner(DeepseekV4Model& model) : model_(model) {}
 
 void ModelRunner::execute_copies(std::span<const BlockCopy> copies) {
   if (copy_executor_ && !copies.empty()) copy_executor_(copies);
@@ -23,8 +21,9 @@ std::unique_ptr<SequenceState> ModelRunner::make_state(const ScheduledChunk& chu
 }
 
 void ModelRunner::execute(const SchedulerOutput& out, std::vector<int32_t>& sampled) {
-  for (const RequestId id : out.finished_ids) states_.erase(id);
+  for (const RequestId id : out.finished_ids) release(id);
   for (const RequestId id : out.preempted_ids) states_.erase(id);
+  logprobs_.clear();
   sampled.assign(out.scheduled.size(), kNoToken);
   if (out.scheduled.empty()) return;
 
@@ -44,10 +43,21 @@ void ModelRunner::execute(const SchedulerOutput& out, std::vector<int32_t>& samp
   if (logits.numel() != static_cast<int64_t>(out.scheduled.size()) * vocab)
     throw Error("model runner: logits " + logits.shape_string() + " for " + std::to_string(out.scheduled.size()) +
                 " requests");
-  for (size_t i = 0; i < out.scheduled.size(); ++i)
-    if (out.scheduled[i].samples)
-      sampled[i] = argmax_token(std::span<const float>(logits.ptr() + static_cast<int64_t>(i) * vocab,
-                                                       static_cast<size_t>(vocab)));
+  for (size_t i = 0; i < out.scheduled.size(); ++i) {
+    const ScheduledChunk& chunk = out.scheduled[i];
+    if (!chunk.samples) continue;
+    const std::span<const float> row(logits.ptr() + static_cast<int64_t>(i) * vocab, static_cast<size_t>(vocab));
+    if (!chunk.params) {
+      sampled[i] = argmax_token(row);
+      continue;
+    }
+    auto state = sampler_states_.find(chunk.id);
+    if (state == sampler_states_.end())
+      state = sampler_states_.emplace(chunk.id, make_sampler_state(*chunk.params, chunk.num_prompt_tokens,
+                                                                   eos_token_ids_)).first;
+    SampleResult* result = chunk.params->logprobs ? &logprobs_[chunk.id] : nullptr;
+    sampled[i] = sample(row, *chunk.params, state->second, chunk.context, result);
+  }
 }
 
 }  // namespace dsv4

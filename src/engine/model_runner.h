@@ -1,6 +1,6 @@
-// ModelRunner: turns a SchedulerOutput into one DeepseekV4Model::forward and samples (greedy) the requests whose
-// chunk reached their last known token. It owns the per-request SequenceState and executes the cache manager's
-// block copies.
+// ModelRunner: turns a SchedulerOutput into one DeepseekV4Model::forward and samples (engine/sampler.h, with each
+// request's SamplingParams) the requests whose chunk reached their last known token. It owns the per-request
+// SequenceState and sampler state (its generator), and executes the cache manager's block copies.
 //
 // The seam to the paged cache is two callbacks:
 //   - StateFactory makes the SequenceState of a request at its first chunk after admission. The default makes a
@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "cache/hybrid_kv_cache_manager.h"
+#include "engine/sampler.h"
 #include "engine/scheduler.h"
 #include "model/deepseek_v4.h"
 
@@ -38,13 +39,24 @@ class ModelRunner {
 
   void execute_copies(std::span<const BlockCopy> copies);
 
-  // Drops the states of out.finished_ids and out.preempted_ids, runs the forward over out.scheduled
-  // (LogitsMode::kLastPerSequence) and writes into sampled[i] (resized to out.scheduled.size()) the argmax token
-  // of out.scheduled[i] where it samples, kNoToken elsewhere.
+  // Drops the states of out.finished_ids and out.preempted_ids (the sampler states of finished ones only: a
+  // preempted request keeps its generator), runs the forward over out.scheduled (LogitsMode::kLastPerSequence)
+  // and writes into sampled[i] (resized to out.scheduled.size()) the token sampled for out.scheduled[i] where it
+  // samples, kNoToken elsewhere. A chunk without params samples greedily.
   void execute(const SchedulerOutput& out, std::vector<int32_t>& sampled);
 
+  // The logprobs of the token the last execute() sampled for `id`, if its params asked for them; else nullptr.
+  // Valid until the next execute().
+  const SampleResult* last_logprobs(RequestId id) const {
+    const auto it = logprobs_.find(id);
+    return it == logprobs_.end() ? nullptr : &it->second;
+  }
+
   // Drops a request's state now (finished or aborted); out.finished_ids would drop it at the next step.
-  void release(RequestId id) { states_.erase(id); }
+  void release(RequestId id) {
+    states_.erase(id);
+    sampler_states_.erase(id);
+  }
 
   int64_t num_states() const { return static_cast<int64_t>(states_.size()); }
   // Tokens recomputed this run because a state restored less than the scheduler's prefix hit.
@@ -57,11 +69,11 @@ class ModelRunner {
   StateFactory state_factory_;
   CopyExecutor copy_executor_;
   std::unordered_map<RequestId, std::unique_ptr<SequenceState>> states_;
+  std::unordered_map<RequestId, RequestSamplerState> sampler_states_;  // first sample to finish
+  std::unordered_map<RequestId, SampleResult> logprobs_;               // the last execute()'s
+  std::vector<int32_t> eos_token_ids_;
   std::vector<SequenceChunk> batch_;
   int64_t num_recomputed_tokens_ = 0;
 };
-
-// The greedy sampler: the first index of the largest logit.
-int32_t argmax_token(std::span<const float> logits);
 
 }  // namespace dsv4

@@ -45,6 +45,11 @@ void Scheduler::add_request(RequestId id, std::vector<int32_t> prompt, SamplingP
   const std::string what = "request " + std::to_string(id);
   DSV4_CHECK(!prompt.empty(), what + ": the prompt is empty");
   DSV4_CHECK(params.max_tokens >= 1, what + ": max_tokens = " + n(params.max_tokens) + ": must be at least 1");
+  try {
+    validate(params);
+  } catch (const Error& e) {
+    throw Error(what + ": " + e.what());
+  }
   DSV4_CHECK(requests_.count(id) == 0, what + ": the id is already in use");
   const int64_t prompt_tokens = static_cast<int64_t>(prompt.size());
   // Compared without overflow: max_tokens may be anything a client sends.
@@ -118,7 +123,8 @@ void Scheduler::emit(Request& request, int64_t num_tokens, bool first_chunk, Sch
   const int64_t start = request.num_computed_tokens;
   const std::span<const int32_t> tokens(request.token_ids);
   out.scheduled.push_back({request.id, start, num_tokens, tokens.first(static_cast<size_t>(start + num_tokens)),
-                           start + num_tokens == request.num_tokens(), first_chunk});
+                           start + num_tokens == request.num_tokens(), first_chunk, &request.params,
+                           request.num_prompt_tokens});
   out.num_scheduled_tokens += num_tokens;
   step_requests_.push_back(&request);
 }

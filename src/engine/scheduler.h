@@ -62,6 +62,8 @@ struct ScheduledChunk {
   std::span<const int32_t> context;  // the request's tokens [0, start + num_tokens)
   bool samples = false;      // the chunk reaches the last known token: the step samples the next one
   bool first_chunk = false;  // first chunk since admission (new, or resumed after preemption): fresh state
+  const SamplingParams* params = nullptr;  // the request's; valid until update(). nullptr: greedy
+  int64_t num_prompt_tokens = 0;           // context = prompt [0, num_prompt_tokens), then generated tokens
 
   // The chunk's own tokens [start, start + num_tokens).
   std::span<const int32_t> token_ids() const { return context.subspan(static_cast<size_t>(start)); }
@@ -93,8 +95,9 @@ class Scheduler {
 
   const SchedulerConfig& config() const { return config_; }
 
-  // Queues a request. Throws dsv4::Error (naming the numbers) for an empty prompt, max_tokens < 1, a duplicate
-  // id, prompt + max_tokens > max_model_len, or a request that could never fit in the pool.
+  // Queues a request. Throws dsv4::Error (naming the numbers) for an empty prompt, invalid sampling params
+  // (validate(), engine/sampler.h), a duplicate id, prompt + max_tokens > max_model_len, or a request that could
+  // never fit in the pool.
   void add_request(RequestId id, std::vector<int32_t> prompt, SamplingParams params);
 
   // Finishes a waiting or running request as aborted and frees its blocks. False if the id is unknown or

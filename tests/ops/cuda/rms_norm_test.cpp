@@ -22,7 +22,7 @@ class CudaTest : public ::testing::Test {
 };
 
 TEST_F(CudaTest, RmsNormMatchesCpuTwin) {
-  for (const auto [rows, dim] : {std::pair<int64_t, int64_t>{1, 7}, {33, 512}, {128, 4096}, {5, 7168}}) {
+  for (const auto& [rows, dim] : {std::pair<int64_t, int64_t>{1, 7}, {33, 512}, {128, 4096}, {5, 7168}}) {
     std::mt19937 rng(static_cast<uint32_t>(rows * 31 + dim));
     std::normal_distribution<float> normal(0.0f, 3.0f);
     std::vector<float> x(rows * dim), weight(dim);
