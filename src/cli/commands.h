@@ -20,6 +20,13 @@ int forward(const ForwardOptions& options);
 
 struct GenerateOptions {
   std::string model_dir, ids;
+  // Text in, text out: --prompt (a raw prompt, or the user message with --chat), --tokenizer (default: the
+  // model directory's tokenizer.json, else the DeepSeek one that scripts/setup.sh installs).
+  std::string prompt, tokenizer_path;
+  bool chat = false, thinking = false;
+  double temperature = 0.0, top_p = 1.0, min_p = 0.0;
+  int64_t top_k = -1;
+  std::optional<uint64_t> seed;
   int64_t max_tokens = 16;
   bool ignore_eos = false;
   // Engine knobs (the names `dsv4 serve` will take, as vLLM's).

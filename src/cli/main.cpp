@@ -29,7 +29,16 @@ int main(int argc, char** argv) {
   dsv4::cli::GenerateOptions gen;
   auto* generate_cmd = app.add_subcommand("generate", "Greedy generation from token ids");
   generate_cmd->add_option("--model", gen.model_dir, "HF model directory (default: the embedded tiny model)");
-  generate_cmd->add_option("--ids", gen.ids, "comma-separated prompt token ids")->required();
+  auto* ids_option = generate_cmd->add_option("--ids", gen.ids, "comma-separated prompt token ids");
+  generate_cmd->add_option("--prompt", gen.prompt, "prompt text (the user message with --chat)")->excludes(ids_option);
+  generate_cmd->add_option("--tokenizer", gen.tokenizer_path, "tokenizer.json or its directory");
+  generate_cmd->add_flag("--chat", gen.chat, "wrap --prompt in the DeepSeek-V4 chat format");
+  generate_cmd->add_flag("--thinking", gen.thinking, "chat in thinking mode (<think> … </think>)");
+  generate_cmd->add_option("--temperature", gen.temperature, "0 = greedy");
+  generate_cmd->add_option("--top-p", gen.top_p, "nucleus sampling mass");
+  generate_cmd->add_option("--top-k", gen.top_k, "keep the k most likely tokens (-1: all)");
+  generate_cmd->add_option("--min-p", gen.min_p, "drop tokens below min_p x the top probability");
+  generate_cmd->add_option("--seed", gen.seed, "per-request seed (reproducible sampling)");
   generate_cmd->add_option("--max-tokens", gen.max_tokens, "tokens to generate");
   generate_cmd->add_flag("--ignore-eos", gen.ignore_eos, "keep going past the end-of-sequence token");
   generate_cmd->add_option("--max-num-batched-tokens", gen.max_num_batched_tokens, "token budget of one step");

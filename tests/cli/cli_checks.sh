@@ -90,6 +90,9 @@ if [ -f "$tokenizer/tokenizer.json" ]; then
   grep -q '^\[.*\]$' "$work/out" || { echo "FAIL tokenize did not print a JSON array"; failures=$((failures + 1)); }
   expect_failure "tokenize missing file" "cannot open" "$dsv4" tokenize --tokenizer "$tokenizer" --file "$work/none"
   expect_failure "detokenize bad id" "" "$dsv4" detokenize --tokenizer "$tokenizer" --ids 1,x
+  expect_success "generate --chat --prompt" "$dsv4" generate --chat --prompt "Hello there" --max-tokens 5 --tokenizer "$tokenizer"
+  grep -q "TTFT" "$work/out" || { echo "FAIL generate --prompt printed no summary"; failures=$((failures + 1)); }
+  expect_failure "generate bad temperature" "temperature" "$dsv4" generate --prompt hi --temperature -1 --tokenizer "$tokenizer"
 fi
 expect_failure "plan bad dtype" "--kv-dtype" "$dsv4" plan --preset v4-flash --context 1024 --kv-dtype fp4
 
