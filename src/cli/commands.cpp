@@ -16,6 +16,7 @@
 #include "engine/engine.h"
 #include "tokenizer/chat_encoding.h"
 #include "tokenizer/incremental_detokenizer.h"
+#include "tokenizer/stop_strings.h"
 #include "tokenizer/tokenizer.h"
 #include "model/deepseek_v4.h"
 #include "model/random_init.h"
@@ -179,7 +180,9 @@ int generate(const GenerateOptions& options) {
   params.seed = options.seed;
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
-  engine.add_request(prompt, params);
+  DSV4_CHECK(options.stop.empty() || tokenizer, "--stop needs --prompt (stop strings match text)");
+  const RequestId request = engine.add_request(prompt, params);
+  StopStringMatcher stop_matcher(options.stop);
   std::optional<IncrementalDetokenizer> detokenizer;
   if (tokenizer) detokenizer.emplace(*tokenizer);
   double first_token_seconds = 0;
@@ -195,21 +198,26 @@ int generate(const GenerateOptions& options) {
         if (!detokenizer) {
           std::printf(" %d", token);
         } else if (token < tokenizer->vocab_size() && tokenizer->id_to_token(token)) {
-          const std::string piece = detokenizer->push(token);
+          const std::string piece = stop_matcher.push(detokenizer->push(token));
           std::fwrite(piece.data(), 1, piece.size(), stdout);
+          if (stop_matcher.stopped()) {
+            engine.abort(request);  // the stop string ends the request; its blocks are freed now
+            stopped = "stop string";
+            break;
+          }
         } else {
           ++undecodable;  // the model's embedding rows past the tokenizer's vocabulary have no text (HF drops them)
         }
         std::fflush(stdout);
       }
-      if (output.finished) {
+      if (output.finished && !stop_matcher.stopped()) {
         DSV4_CHECK(output.error.empty(), output.error);
         stopped = output.status == RequestStatus::kFinishedLength ? "length" : "stop";
       }
     }
   }
-  if (detokenizer) {
-    const std::string rest = detokenizer->flush();
+  if (detokenizer && !stop_matcher.stopped()) {
+    const std::string rest = stop_matcher.push(detokenizer->flush()) + stop_matcher.flush();
     std::fwrite(rest.data(), 1, rest.size(), stdout);
   }
   const double total = std::chrono::duration<double>(Clock::now() - start).count();

@@ -27,6 +27,7 @@ struct GenerateOptions {
   double temperature = 0.0, top_p = 1.0, min_p = 0.0;
   int64_t top_k = -1;
   std::optional<uint64_t> seed;
+  std::vector<std::string> stop;  // stop strings (text mode)
   int64_t max_tokens = 16;
   bool ignore_eos = false;
   // Engine knobs (the names `dsv4 serve` will take, as vLLM's).

@@ -92,6 +92,16 @@ if [ -f "$tokenizer/tokenizer.json" ]; then
   expect_failure "detokenize bad id" "" "$dsv4" detokenize --tokenizer "$tokenizer" --ids 1,x
   expect_success "generate --chat --prompt" "$dsv4" generate --chat --prompt "Hello there" --max-tokens 5 --tokenizer "$tokenizer"
   grep -q "TTFT" "$work/out" || { echo "FAIL generate --prompt printed no summary"; failures=$((failures + 1)); }
+  # A stop string taken from the greedy output: the rerun ends before it and does not print it.
+  "$dsv4" generate --prompt "Hello" --max-tokens 24 --tokenizer "$tokenizer" >"$work/full" 2>&1
+  stop=$(sed -n 2p "$work/full" | cut -c5-8)
+  if [ -n "$stop" ]; then
+    expect_success "generate --stop" "$dsv4" generate --prompt "Hello" --max-tokens 24 --tokenizer "$tokenizer" --stop "$stop"
+    if grep -qF -- "$stop" <(sed -n 2p "$work/out") || ! grep -q "stop string" "$work/out"; then
+      echo "FAIL generate --stop: the stop string was printed or did not stop"; failures=$((failures + 1))
+    fi
+  fi
+  expect_failure "stop without prompt" "--stop needs --prompt" "$dsv4" generate --ids 1,2 --stop x
   expect_failure "generate bad temperature" "temperature" "$dsv4" generate --prompt hi --temperature -1 --tokenizer "$tokenizer"
 fi
 expect_failure "plan bad dtype" "--kv-dtype" "$dsv4" plan --preset v4-flash --context 1024 --kv-dtype fp4
