@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <map>
 #include <numeric>
 
 #include <nlohmann/json.hpp>
@@ -144,6 +145,42 @@ Tokenizer load_tokenizer(const std::string& explicit_path, const std::string& mo
 
 }  // namespace
 
+// n > 1: the samples run batched in one engine; each completion is printed when it finishes.
+int generate_parallel(Engine& engine, const std::vector<int32_t>& prompt, const SamplingParams& params,
+                      const GenerateOptions& options, const Tokenizer* tokenizer) {
+  const std::vector<RequestId> ids = engine.add_parallel_requests(prompt, params, options.n);
+  std::map<RequestId, std::vector<int32_t>> tokens;
+  const auto start = std::chrono::steady_clock::now();
+  size_t generated = 0;
+  std::printf("prompt: %zu tokens, %lld samples\n", prompt.size(), static_cast<long long>(options.n));
+  while (engine.has_unfinished())
+    for (const RequestOutput& output : engine.step()) {
+      auto& sample = tokens[output.id];
+      sample.insert(sample.end(), output.new_token_ids.begin(), output.new_token_ids.end());
+      generated += output.new_token_ids.size();
+      if (!output.finished) continue;
+      DSV4_CHECK(output.error.empty(), output.error);
+      const auto index = std::find(ids.begin(), ids.end(), output.id) - ids.begin();
+      std::string text;
+      if (tokenizer) {
+        std::vector<int32_t> known;
+        for (const int32_t token : sample)
+          if (token < tokenizer->vocab_size() && tokenizer->id_to_token(token)) known.push_back(token);
+        StopStringMatcher stop(options.stop);
+        text = stop.push(tokenizer->decode(known)) + stop.flush();
+      } else {
+        for (const int32_t token : sample) {
+          if (!text.empty()) text += ' ';
+          text += std::to_string(token);
+        }
+      }
+      std::printf("[%lld] %s\n", static_cast<long long>(index), text.c_str());
+    }
+  const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("%zu tokens in %.1f ms, %.1f tokens/s\n", generated, total * 1e3, generated / total);
+  return 0;
+}
+
 int generate(const GenerateOptions& options) {
   DeepseekV4Model model = load_model(options.model_dir);
   DSV4_CHECK(options.ids.empty() != options.prompt.empty(), "generate: give exactly one of --ids or --prompt");
@@ -181,6 +218,7 @@ int generate(const GenerateOptions& options) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   DSV4_CHECK(options.stop.empty() || tokenizer, "--stop needs --prompt (stop strings match text)");
+  if (options.n > 1) return generate_parallel(engine, prompt, params, options, tokenizer ? &*tokenizer : nullptr);
   const RequestId request = engine.add_request(prompt, params);
   StopStringMatcher stop_matcher(options.stop);
   std::optional<IncrementalDetokenizer> detokenizer;

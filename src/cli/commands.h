@@ -28,6 +28,7 @@ struct GenerateOptions {
   int64_t top_k = -1;
   std::optional<uint64_t> seed;
   std::vector<std::string> stop;  // stop strings (text mode)
+  int64_t n = 1;                   // parallel samples; n > 1 prints each completion when it finishes
   int64_t max_tokens = 16;
   bool ignore_eos = false;
   // Engine knobs (the names `dsv4 serve` will take, as vLLM's).

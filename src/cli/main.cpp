@@ -39,6 +39,7 @@ int main(int argc, char** argv) {
   generate_cmd->add_option("--top-k", gen.top_k, "keep the k most likely tokens (-1: all)");
   generate_cmd->add_option("--min-p", gen.min_p, "drop tokens below min_p x the top probability");
   generate_cmd->add_option("--seed", gen.seed, "per-request seed (reproducible sampling)");
+  generate_cmd->add_option("-n,--n", gen.n, "parallel samples of the prompt (seed + i each)");
   generate_cmd->add_option("--stop", gen.stop, "stop string, not emitted (repeatable; with --prompt)");
   generate_cmd->add_option("--max-tokens", gen.max_tokens, "tokens to generate");
   generate_cmd->add_flag("--ignore-eos", gen.ignore_eos, "keep going past the end-of-sequence token");

@@ -56,6 +56,19 @@ RequestId Engine::add_request(std::vector<int32_t> prompt, SamplingParams params
   return id;
 }
 
+std::vector<RequestId> Engine::add_parallel_requests(const std::vector<int32_t>& prompt, const SamplingParams& params,
+                                                     int64_t n) {
+  DSV4_CHECK(n >= 1 && n <= 128, "n = " + std::to_string(n) + ": must be in [1, 128]");
+  validate(params);  // reject before queueing any child
+  std::vector<RequestId> ids;
+  for (int64_t i = 0; i < n; ++i) {
+    SamplingParams child = params;
+    if (child.seed) child.seed = *child.seed + static_cast<uint64_t>(i);
+    ids.push_back(add_request(prompt, child));
+  }
+  return ids;
+}
+
 bool Engine::abort(RequestId id) {
   if (!scheduler_.abort(id)) return false;
   runner_.release(id);

@@ -41,6 +41,10 @@ class Engine {
   // Queues a request and returns its id. Throws dsv4::Error naming the numbers when it can never run (empty
   // prompt, an id outside the vocabulary, prompt + max_tokens > max_model_len, more than the pool holds).
   RequestId add_request(std::vector<int32_t> prompt, SamplingParams params = {});
+  // Parallel sampling (OpenAI / vLLM `n`): `n` requests for one prompt, child i with seed + i when a seed is
+  // given (as vLLM's child requests), so each sample is reproducible on its own. Returns the ids in order.
+  std::vector<RequestId> add_parallel_requests(const std::vector<int32_t>& prompt, const SamplingParams& params,
+                                               int64_t n);
   // One scheduler step and one forward: the tokens each request got and the requests that finished.
   std::vector<RequestOutput> step();
   // Finishes a request as aborted and frees its blocks; false if it is unknown or already finished.

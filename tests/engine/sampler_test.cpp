@@ -454,5 +454,39 @@ TEST(SamplerEngine, LogprobsReachTheRequestOutputs) {
   EXPECT_GT(tokens, 0);
 }
 
+TEST(SamplerEngine, ParallelSamplesAreTheSeededChildren) {
+  const ModelConfig config = testing::small_config();
+  DeepseekV4Model model = testing::random_model(config, 33);
+  EngineConfig engine_config;
+  engine_config.kv_cache_bytes = int64_t{32} << 20;
+  SamplingParams params;
+  params.max_tokens = 8;
+  params.temperature = 1.2;
+  params.seed = 100;
+  const std::vector<int32_t> prompt = {3, 1, 4, 1, 5, 9, 2, 6};
+  auto collect = [&](Engine& engine) {
+    std::map<RequestId, std::vector<int32_t>> out;
+    while (engine.has_unfinished())
+      for (const RequestOutput& output : engine.step())
+        out[output.id].insert(out[output.id].end(), output.new_token_ids.begin(), output.new_token_ids.end());
+    return out;
+  };
+  Engine together(model, engine_config);
+  const std::vector<RequestId> ids = together.add_parallel_requests(prompt, params, 3);
+  auto outputs = collect(together);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    Engine alone(model, engine_config);
+    SamplingParams child = params;
+    child.seed = 100 + i;
+    alone.add_request(prompt, child);
+    EXPECT_EQ(outputs[ids[i]], collect(alone).begin()->second) << "sample " << i;
+  }
+  EXPECT_NE(outputs[ids[0]], outputs[ids[1]]);
+  EXPECT_THROW(together.add_parallel_requests(prompt, params, 0), Error);
+  params.top_p = 3;
+  EXPECT_THROW(together.add_parallel_requests(prompt, params, 2), Error);
+  EXPECT_FALSE(together.has_unfinished()) << "an invalid request was queued";
+}
+
 }  // namespace
 }  // namespace dsv4
