@@ -14,25 +14,16 @@
 
 #include "core/error.h"
 
+#include "deepseek_tokenizer.h"
+
 namespace dsv4 {
 namespace {
 
 using json = nlohmann::json;
 
-const std::string kDeepSeekDir = DSV4_TOKENIZER_DIR;
-const std::string kReference = std::string(DSV4_FIXTURES) + "/tokenizer/reference.jsonl";
-
-const Tokenizer* deepseek() {
-  static const std::unique_ptr<Tokenizer> tokenizer = [] {
-    if (!std::filesystem::exists(kDeepSeekDir + "/tokenizer.json")) return std::unique_ptr<Tokenizer>();
-    return std::make_unique<Tokenizer>(Tokenizer::from_file(kDeepSeekDir));
-  }();
-  return tokenizer.get();
-}
-
-#define REQUIRE_DEEPSEEK()           \
-  const Tokenizer* tok = deepseek(); \
-  if (tok == nullptr) GTEST_SKIP() << "no " << kDeepSeekDir << "/tokenizer.json: run scripts/setup.sh"
+using testing::deepseek;
+using testing::kDeepSeekDir;
+using testing::kReference;
 
 std::vector<std::vector<int32_t>> reference_ids() {
   std::vector<std::vector<int32_t>> out;

@@ -17,25 +17,16 @@
 #include "core/error.h"
 #include "tokenizer/tokenize_command.h"
 
+#include "deepseek_tokenizer.h"
+
 namespace dsv4 {
 namespace {
 
 using json = nlohmann::json;
 
-const std::string kDeepSeekDir = DSV4_TOKENIZER_DIR;
-const std::string kReference = std::string(DSV4_FIXTURES) + "/tokenizer/reference.jsonl";
-
-const Tokenizer* deepseek() {
-  static const std::unique_ptr<Tokenizer> tokenizer = [] {
-    if (!std::filesystem::exists(kDeepSeekDir + "/tokenizer.json")) return std::unique_ptr<Tokenizer>();
-    return std::make_unique<Tokenizer>(Tokenizer::from_file(kDeepSeekDir));
-  }();
-  return tokenizer.get();
-}
-
-#define REQUIRE_DEEPSEEK()           \
-  const Tokenizer* tok = deepseek(); \
-  if (tok == nullptr) GTEST_SKIP() << "no " << kDeepSeekDir << "/tokenizer.json: run scripts/setup.sh"
+using testing::deepseek;
+using testing::kDeepSeekDir;
+using testing::kReference;
 
 struct ReferenceLine {
   std::string text;
@@ -326,21 +317,21 @@ TEST(TokenizerUtf8, LossyDecodeReplacesMaximalSubparts) {
 
 TEST(TokenizeCommand, TokenizeThenDetokenizeRoundTrips) {
   REQUIRE_DEEPSEEK();
-  const std::string path = testing::TempDir() + "/tokenize_command_input.txt";
+  const std::string path = ::testing::TempDir() + "/tokenize_command_input.txt";
   const std::string text = "Hello 世界\n<｜User｜>12345";
   std::ofstream(path, std::ios::binary) << text;
-  testing::internal::CaptureStdout();
+  ::testing::internal::CaptureStdout();
   EXPECT_EQ(tokenize_command(kDeepSeekDir, path, /*add_bos=*/true), 0);
   std::fflush(stdout);
-  const std::string ids = testing::internal::GetCapturedStdout();
+  const std::string ids = ::testing::internal::GetCapturedStdout();
   EXPECT_EQ(ids.rfind("[0,", 0), 0u) << ids;  // one JSON array, BOS first
   std::vector<int32_t> want = tok->encode(text);
   want.insert(want.begin(), 0);
   EXPECT_EQ(parse_token_ids(ids), want);
-  testing::internal::CaptureStdout();
+  ::testing::internal::CaptureStdout();
   EXPECT_EQ(detokenize_command(kDeepSeekDir, ids), 0);
   std::fflush(stdout);
-  EXPECT_EQ(testing::internal::GetCapturedStdout(), "<｜begin▁of▁sentence｜>" + text);
+  EXPECT_EQ(::testing::internal::GetCapturedStdout(), "<｜begin▁of▁sentence｜>" + text);
   EXPECT_THROW(tokenize_command(kDeepSeekDir, path + ".missing", false), Error);
   EXPECT_THROW(detokenize_command(kDeepSeekDir, "1,2,999999"), Error);
 }
