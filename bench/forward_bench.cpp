@@ -16,7 +16,7 @@ namespace {
 DeepseekV4Model& tiny_model() {
   static DeepseekV4Model model = [] {
     const ModelConfig config = ModelConfig::preset("tiny");
-    return DeepseekV4Model(config, ModelWeights::from_tensors(config, random_tensors(config, 0)));
+    return DeepseekV4Model(config, random_weights(config, 0));
   }();
   return model;
 }

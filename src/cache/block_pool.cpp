@@ -48,15 +48,6 @@ int64_t BlockPool::byte_offset(BlockId id) const {
   return page_of(id) * page_bytes_ + slot_of(id) * group_block_bytes_[page.group];
 }
 
-int64_t BlockPool::available_blocks(int group) const {
-  int64_t free_slots = 0;
-  for (const int64_t page : partial_pages_[group]) free_slots += static_cast<int64_t>(pages_[page].free_slots.size());
-  // Cached blocks of this group are reusable in place; other groups' cached blocks only when their pages empty
-  // out, which is not guaranteed, so they are not counted.
-  return free_slots + static_cast<int64_t>(free_pages_.size()) * blocks_per_page_[group] +
-         static_cast<int64_t>(lru_[group].size());
-}
-
 std::optional<BlockId> BlockPool::take_free_slot(int group) {
   auto& partial = partial_pages_[group];
   // Fill the fullest page first, so lightly used pages drain and return to the shared list.

@@ -38,8 +38,6 @@ class BlockPool {
   int64_t byte_offset(BlockId id) const;  // of the block in the arena
   int group_of(BlockId id) const { return pages_[page_of(id)].group; }
 
-  // Blocks of `group` that allocate() could hand out now (free slots, free pages, evictable cached blocks).
-  int64_t available_blocks(int group) const;
   // A new block with reference count 1, evicting cached blocks if needed; nullopt when nothing is left.
   // `on_evict(id)` is called for every cached block evicted (the owner drops its hash entry).
   std::optional<BlockId> allocate(int group, const std::function<void(BlockId)>& on_evict);

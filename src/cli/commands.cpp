@@ -31,7 +31,7 @@ constexpr uint64_t kDefaultModelSeed = 0;
 DeepseekV4Model load_model(const std::string& model_dir) {
   if (model_dir.empty()) {
     ModelConfig config = ModelConfig::preset("tiny");
-    return DeepseekV4Model(config, ModelWeights::from_tensors(config, random_tensors(config, kDefaultModelSeed)));
+    return DeepseekV4Model(config, random_weights(config, kDefaultModelSeed));
   }
   namespace fs = std::filesystem;
   DSV4_CHECK(fs::exists(model_dir), "model '" + model_dir + "' does not exist");

@@ -92,6 +92,10 @@ std::vector<std::pair<std::string, Tensor>> random_tensors(const ModelConfig& co
   return tensors;
 }
 
+ModelWeights random_weights(const ModelConfig& config, uint64_t seed) {
+  return ModelWeights::from_tensors(config, random_tensors(config, seed));
+}
+
 void write_random_model(const ModelConfig& config, uint64_t seed, StorageDType dtype, const std::string& out_dir,
                         const std::string& tokenizer_path) {
   namespace fs = std::filesystem;

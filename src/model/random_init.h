@@ -15,6 +15,8 @@ namespace dsv4 {
 
 // Tensors keyed by on-disk name, deterministic in (config, seed) on every platform.
 std::vector<std::pair<std::string, Tensor>> random_tensors(const ModelConfig& config, uint64_t seed);
+// The same values as fp32 weights in memory (the embedded default model, tests, benchmarks).
+ModelWeights random_weights(const ModelConfig& config, uint64_t seed);
 
 enum class StorageDType { kF32, kBF16 };
 

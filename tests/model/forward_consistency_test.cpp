@@ -10,16 +10,11 @@
 namespace dsv4 {
 namespace {
 
+using testing::random_ids;
 using testing::random_model;
 using testing::relative_l2;
 using testing::small_config;
 
-std::vector<int32_t> random_ids(size_t n, int64_t vocab, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<int32_t> ids(n);
-  for (auto& id : ids) id = static_cast<int32_t>(rng() % vocab);
-  return ids;
-}
 
 Tensor run_chunks(DeepseekV4Model& model, const std::vector<int32_t>& ids, const std::vector<size_t>& chunks) {
   auto state = model.new_sequence_state();

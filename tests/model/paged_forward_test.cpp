@@ -10,6 +10,7 @@
 namespace dsv4 {
 namespace {
 
+using testing::random_ids;
 using testing::random_model;
 using testing::relative_l2;
 using testing::small_config;
@@ -53,12 +54,6 @@ std::vector<float> contiguous(DeepseekV4Model& model, const std::vector<int32_t>
   return model.forward(std::span(&chunk, 1), LogitsMode::kAllPositions).data;
 }
 
-std::vector<int32_t> random_ids(size_t n, int64_t vocab, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<int32_t> ids(n);
-  for (auto& id : ids) id = static_cast<int32_t>(rng() % vocab);
-  return ids;
-}
 
 TEST(PagedForward, MatchesTheContiguousState) {
   const ModelConfig config = small_config();

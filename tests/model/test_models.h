@@ -1,6 +1,8 @@
 // Small random-weight models shared by the model tests.
 #pragma once
 #include <nlohmann/json.hpp>
+#include <random>
+#include <vector>
 
 #include "model/deepseek_v4.h"
 #include "model/random_init.h"
@@ -22,7 +24,14 @@ inline ModelConfig small_config() {
 }
 
 inline DeepseekV4Model random_model(const ModelConfig& config, uint64_t seed) {
-  return DeepseekV4Model(config, ModelWeights::from_tensors(config, random_tensors(config, seed)));
+  return DeepseekV4Model(config, random_weights(config, seed));
+}
+
+inline std::vector<int32_t> random_ids(size_t n, int64_t vocab, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> ids(n);
+  for (auto& id : ids) id = static_cast<int32_t>(rng() % vocab);
+  return ids;
 }
 
 inline double relative_l2(const float* actual, const float* expected, size_t n) {
