@@ -11,6 +11,7 @@ debian_packages=(
   nlohmann-json3-dev libcli11-dev  # config/JSON parsing, the CLI
   libxxhash-dev                    # prefix-cache block hashes
   libpcre2-dev                     # tokenizer pre-tokenizer regexes (Unicode, JIT)
+  libboost-dev                     # Boost.Beast/Asio (header-only): the HTTP server and bench serve client
   libgtest-dev libgmock-dev libbenchmark-dev
 )
 missing=()

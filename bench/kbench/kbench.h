@@ -1,0 +1,41 @@
+// dsv4_kbench: named kernel cases timed on the device and set against ceilings measured in the same run
+// (docs/PERF.md). Each `*_cases.cu` file in this folder registers one suite; kbench_main.cu measures the
+// ceilings, runs every suite (or those named with --suite) and prints one table.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace dsv4::kbench {
+
+// Measured at start-up on the device in hand: device-to-device copy bandwidth and a large bf16 GEMM rate.
+struct Ceilings {
+  double copy_bytes_per_second = 0;
+  double bf16_flops_per_second = 0;
+};
+
+// One timed case. `flops` and `bytes` are per call (bytes = unique bytes read + written); the table derives
+// TFLOP/s, GB/s and the fraction of the binding ceiling from them.
+struct CaseResult {
+  std::string name;
+  double microseconds = 0;
+  double flops = 0;
+  double bytes = 0;
+  std::string note;  // e.g. the published FlashMLA / DeepGEMM figure it is compared to
+};
+
+struct Options {
+  bool quick = false;  // fewer iterations and the smaller contexts only (a smoke run)
+};
+
+using Suite = std::function<std::vector<CaseResult>(const Ceilings&, const Options&)>;
+
+// Called from a static initialiser in each *_cases.cu: `static const bool registered = register_suite(...)`.
+bool register_suite(const std::string& name, Suite suite);
+
+// Median time in microseconds of `launch` over `iterations` calls, timed with CUDA events after a warm-up, with
+// the L2 flushed before each timed call when `flush_l2` (so bytes are read from HBM, as at serving time).
+double time_kernel_us(const std::function<void()>& launch, int iterations, bool flush_l2 = true);
+
+}  // namespace dsv4::kbench
