@@ -1,8 +1,6 @@
 // DeepSeek-V4 chat encoding against the reference encoder's own test cases (encoding/tests/test_input_N.json
-// -> test_output_N.txt of the V4 model repository, copied to tests/fixtures/chat/), plus hand-derived cases
-// for the features those two cases do not reach. Reference cases 1 and 2 (thinking + tools, drop_thinking)
-// are not in our fixtures: their data files were not available; the *Like tests below rebuild their scenario
-// from the assertions of the reference's test script, with expected strings derived by hand from the format.
+// -> test_output_N.txt of the V4 model repository, in tests/fixtures/chat/ with their provenance), plus
+// hand-derived cases for the features those four cases do not reach.
 #include "tokenizer/chat_encoding.h"
 
 #include <gtest/gtest.h>
@@ -49,90 +47,26 @@ TEST(ChatEncodingReference, Case4QuickInstructionTask) {
   EXPECT_EQ(encode_messages_json(input, {}), gold);
 }
 
-const ojson kWeatherTools = ojson::parse(R"([{"type": "function", "function": {"name": "get_weather",
-  "description": "Get weather", "parameters": {"type": "object", "properties": {"location": {"type": "string"},
-  "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["location"]}}}])");
-
-std::string tools_section(const std::string& schemas) {
-  return "## Tools\n\nYou have access to a set of tools to help answer the user's question. You can invoke "
-         "tools "
-         "by writing a \"<｜DSML｜tool_calls>\" block like the "
-         "following:\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke "
-         "name=\"$TOOL_NAME\">\n<｜DSML｜parameter name=\"$PARAMETER_NAME\" "
-         "string=\"true|false\">$PARAMETER_VALUE</｜DSML｜parameter>\n...\n</"
-         "｜DSML｜invoke>\n<｜DSML｜invoke "
-         "name=\"$TOOL_NAME2\">\n...\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>\n\nString parameters should "
-         "be "
-         "specified as is and set `string=\"true\"`. For all other types (numbers, booleans, arrays, "
-         "objects), "
-         "pass the value in JSON format and set `string=\"false\"`.\n\nIf thinking_mode is enabled "
-         "(triggered by "
-         "<think>), you MUST output your complete reasoning inside <think>...</think> BEFORE any tool calls "
-         "or "
-         "final response.\n\nOtherwise, output directly after </think> with tool calls or final "
-         "response.\n\n### "
-         "Available Tool Schemas\n\n" +
-         schemas +
-         "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool "
-         "calls.\n";
+// Reference case 1: thinking with tools (tools attached to the first message, as the reference test does);
+// the assistant's reasoning and its DSML tool call, the tool result merged into a user turn, the final answer.
+TEST(ChatEncodingReference, Case1ThinkingWithTools) {
+  const ojson input = ojson::parse(read_file(kChatFixtures + "/test_input_1.json"));
+  ojson messages = input.at("messages");
+  messages[0]["tools"] = input.at("tools");
+  EXPECT_EQ(encode_messages(messages, thinking()), read_file(kChatFixtures + "/test_output_1.txt"));
 }
 
-// The scenario of reference case 1: thinking with tools; reasoning kept on every turn (tools present).
-TEST(ChatEncoding, Case1LikeThinkingWithTools) {
-  const ojson messages = ojson::parse(R"([
-    {"role": "system", "content": "You are a helpful assistant."},
-    {"role": "user", "content": "What's the weather in Beijing?"},
-    {"role": "assistant", "content": "", "reasoning_content": "The user wants to know the weather in Beijing. I should use the get_weather tool.",
-     "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"location\": \"Beijing\", \"unit\": \"celsius\"}"}}]},
-    {"role": "tool", "tool_call_id": "call_1", "content": "{\"temperature\": 22, \"condition\": \"sunny\"}"},
-    {"role": "assistant", "content": "It is 22°C and sunny in Beijing.", "reasoning_content": "Got the weather data. Let me format a nice response."}
-  ])");
-  ChatEncodingOptions o = thinking();
-  o.tools = kWeatherTools;
-  const std::string want =
-      "<｜begin▁of▁sentence｜>You are a helpful assistant.\n\n" +
-      tools_section(
-          R"({"name": "get_weather", "description": "Get weather", "parameters": {"type": "object", )"
-          R"("properties": {"location": {"type": "string"}, "unit": {"type": "string", "enum": )"
-          R"(["celsius", "fahrenheit"]}}, "required": ["location"]}})") +
-      "<｜User｜>What's the weather in Beijing?<｜Assistant｜><think>The user wants to know the weather in "
-      "Beijing. I "
-      "should use the get_weather tool.</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke "
-      "name=\"get_weather\">\n"
-      "<｜DSML｜parameter name=\"location\" string=\"true\">Beijing</｜DSML｜parameter>\n"
-      "<｜DSML｜parameter name=\"unit\" string=\"true\">celsius</｜DSML｜parameter>\n</｜DSML｜invoke>\n"
-      "</｜DSML｜tool_calls><｜end▁of▁sentence｜><｜User｜><tool_result>{\"temperature\": 22, \"condition\": "
-      "\"sunny\"}</tool_result><｜Assistant｜><think>Got the weather data. Let me format a nice "
-      "response.</think>It "
-      "is 22°C and sunny in Beijing.<｜end▁of▁sentence｜>";
-  EXPECT_EQ(encode_messages(messages, o), want);
-}
-
-// The scenario of reference case 2: thinking without tools; earlier reasoning is dropped.
-TEST(ChatEncoding, Case2LikeDropThinking) {
-  const ojson messages = ojson::parse(R"([
-    {"role": "user", "content": "Hello"},
-    {"role": "assistant", "content": "Hi! How can I help?", "reasoning_content": "The user said hello."},
-    {"role": "user", "content": "What is the capital of France?"},
-    {"role": "assistant", "content": "The capital of France is Paris.", "reasoning_content": "The user asks about the capital of France. It is Paris."}
-  ])");
-  const std::string got = encode_messages(messages, thinking());
-  EXPECT_EQ(
-      got,
-      "<｜begin▁of▁sentence｜><｜User｜>Hello<｜Assistant｜></think>Hi! How can I help?<｜end▁of▁sentence｜>"
-      "<｜User｜>What is the capital of France?<｜Assistant｜><think>The user asks about the capital of "
-      "France. "
-      "It is Paris.</think>The capital of France is Paris.<｜end▁of▁sentence｜>");
+// Reference case 2: thinking without tools; the reasoning of turns before the last user message is dropped.
+TEST(ChatEncodingReference, Case2DropThinking) {
+  const std::string input = read_file(kChatFixtures + "/test_input_2.json");
+  const std::string got = encode_messages_json(input, thinking());
+  EXPECT_EQ(got, read_file(kChatFixtures + "/test_output_2.txt"));
   EXPECT_EQ(got.find("The user said hello"), std::string::npos);
 
   ChatEncodingOptions keep = thinking();
   keep.drop_thinking = false;
-  EXPECT_EQ(
-      encode_messages(messages, keep),
-      "<｜begin▁of▁sentence｜><｜User｜>Hello<｜Assistant｜><think>The user said hello.</think>Hi! How can I "
-      "help?<｜end▁of▁sentence｜><｜User｜>What is the capital of France?<｜Assistant｜><think>The user asks "
-      "about the capital of France. It is Paris.</think>The capital of France is "
-      "Paris.<｜end▁of▁sentence｜>");
+  EXPECT_NE(encode_messages_json(input, keep).find("<think>The user said hello, I should greet back.</think>"),
+            std::string::npos);
 }
 
 TEST(ChatEncoding, GenerationPromptChatAndThinking) {
