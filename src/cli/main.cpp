@@ -2,7 +2,9 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 
+#include "cli/bench_command.h"
 #include "cli/commands.h"
+#include "cli/serve_command.h"
 #include "core/error.h"
 #include "tokenizer/tokenize_command.h"
 
@@ -73,6 +75,12 @@ int main(int argc, char** argv) {
   detokenize_cmd->add_option("--tokenizer", tokenizer_path, "tokenizer.json or a model directory")->required();
   detokenize_cmd->add_option("--ids", detok_ids, "token ids, separated by commas or spaces")->required();
 
+  dsv4::cli::BenchServeOptions bench_serve_options;
+  auto* bench_serve_cmd = dsv4::cli::add_bench_command(app, bench_serve_options);
+
+  dsv4::cli::ServeOptions serve_options;
+  auto* serve_cmd = dsv4::cli::add_serve_command(app, serve_options);
+
   CLI11_PARSE(app, argc, argv);
   try {
     if (*init_cmd) return dsv4::cli::init_random(init);
@@ -81,6 +89,8 @@ int main(int argc, char** argv) {
     if (*tokenize_cmd) return dsv4::tokenize_command(tokenizer_path, text_file, add_bos);
     if (*detokenize_cmd) return dsv4::detokenize_command(tokenizer_path, detok_ids);
     if (*plan_cmd) return dsv4::cli::plan(plan);
+    if (*serve_cmd) return dsv4::cli::serve(serve_options);
+    if (*bench_serve_cmd) return dsv4::cli::bench_serve(bench_serve_options);
   } catch (const dsv4::Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

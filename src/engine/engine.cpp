@@ -94,6 +94,7 @@ std::vector<RequestOutput> Engine::step() {
     output.status = update.status;
     output.finished = is_finished(update.status);
     if (update.error) output.error = *update.error;
+    output.num_cached_tokens = update.num_cached_tokens;
     if (output.finished) runner_.release(update.id);
   }
   return outputs;

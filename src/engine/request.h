@@ -65,6 +65,7 @@ struct Request {
   SamplingParams params;
   uint64_t arrival = 0;  // add order
   int64_t num_preemptions = 0;
+  int64_t num_cached_tokens = 0;  // prefix-cache hit at first admission (OpenAI usage.cached_tokens)
   std::string error;  // why the engine aborted it (empty for a user abort)
 
   int64_t num_tokens() const { return static_cast<int64_t>(token_ids.size()); }
@@ -96,6 +97,7 @@ struct RequestOutput {
   bool finished = false;
   RequestStatus status = RequestStatus::kRunning;
   std::string error;  // set when the engine aborted the request
+  int64_t num_cached_tokens = 0;  // prompt tokens that were a prefix-cache hit (first admission)
 };
 
 }  // namespace dsv4

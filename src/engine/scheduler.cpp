@@ -184,6 +184,7 @@ void Scheduler::schedule(SchedulerOutput& out) {
         throw Error("cache manager: prefix hit of " + n(*hit) + " tokens for request " + std::to_string(request.id) +
                     " of " + n(request.num_tokens()) + " tokens (must leave at least one token to compute)");
       request.num_computed_tokens = *hit;
+      if (request.num_preemptions == 0) request.num_cached_tokens = *hit;  // as vLLM reports it: first admission
       count = chunk_tokens(request, budget);
       allocated = manager_.allocate(request.id, count);
       if (!allocated) {
@@ -243,7 +244,7 @@ void Scheduler::update(const SchedulerOutput& out, std::span<const int32_t> samp
   reported_aborts_.clear();
   reported_aborts_.swap(unreported_aborts_);
   for (const auto& request : reported_aborts_)
-    updates.push_back({request->id, kNoToken, request->status, &request->error});
+    updates.push_back({request->id, kNoToken, request->status, &request->error, request->num_cached_tokens});
   bool any_finished = false;
   for (size_t i = 0; i < out.scheduled.size(); ++i) {
     Request& request = *step_requests_[i];
@@ -256,7 +257,7 @@ void Scheduler::update(const SchedulerOutput& out, std::span<const int32_t> samp
     if (token < 0) throw Error("Scheduler::update: no token sampled for request " + std::to_string(request.id));
     request.token_ids.push_back(token);
     const RequestStatus status = stop_status(request, token);
-    updates.push_back({request.id, token, status, nullptr});
+    updates.push_back({request.id, token, status, nullptr, request.num_cached_tokens});
     if (is_finished(status)) {
       request.status = status;
       manager_.release(request.id);

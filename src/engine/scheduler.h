@@ -86,6 +86,7 @@ struct TokenUpdate {
   int32_t token = kNoToken;
   RequestStatus status = RequestStatus::kRunning;
   const std::string* error = nullptr;  // why the scheduler aborted it; valid until the next update()
+  int64_t num_cached_tokens = 0;       // prompt tokens served from the prefix cache at first admission
 };
 
 class Scheduler {

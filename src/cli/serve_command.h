@@ -1,0 +1,36 @@
+// `dsv4 serve`: the OpenAI-compatible server (docs/server.md), with vLLM's flag names.
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace CLI {
+class App;
+}
+
+namespace dsv4::cli {
+
+struct ServeOptions {
+  std::string model_dir;  // empty: the embedded default model
+  std::string tokenizer_path;
+  std::string host = "127.0.0.1";
+  int port = 8000;
+  std::string api_key;  // also DSV4_API_KEY
+  std::string served_model_name;
+  int64_t max_model_len = 0;
+  int64_t max_num_seqs = 256;
+  int64_t max_num_batched_tokens = 2048;
+  double gpu_memory_utilization = 0.9;
+  double kv_cache_gib = 1.0;
+  bool enable_prefix_caching = true;
+  int64_t prefix_checkpoint_interval = 1024;
+  int64_t max_queued_requests = 4096;
+  int64_t max_body_mib = 32;
+  int io_threads = 2;
+};
+
+// Adds the `serve` subcommand to `app`; the returned options are filled when it is parsed.
+CLI::App* add_serve_command(CLI::App& app, ServeOptions& options);
+int serve(const ServeOptions& options);
+
+}  // namespace dsv4::cli
