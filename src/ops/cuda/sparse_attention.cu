@@ -1,0 +1,494 @@
+#include "ops/cuda/sparse_attention.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace dsv4::ops::cuda {
+namespace {
+
+constexpr int kThreads = 256;  // 8 warps
+constexpr int kHeadsPerCta = 64;
+constexpr int kTileKeys = 64;
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Shared memory. Rows of 512 bf16 (1024 B, 64 chunks of 16 B) are stored with the chunk index XORed with
+// (row mod 8), so the 8 row addresses of one ldmatrix hit 8 different bank groups; P rows (64 bf16, 8 chunks)
+// likewise.
+constexpr int kRowBytes = 2 * kKvHeadDim;
+constexpr int kTileBytes = kTileKeys * kRowBytes;                                    // 65536
+constexpr int kRawTileBytes = kTileKeys * (kKvFp8DataBytes + kKvFp8ScaleBytes);      // 37376
+constexpr int kPBytes = kHeadsPerCta * kTileKeys * 2;                                 // 8192
+
+template <KvEntryFormat kFormat>
+struct SmemLayout {
+  static constexpr bool kFp8 = kFormat == KvEntryFormat::kFp8;
+  static constexpr int kKvStages = kFp8 ? 1 : 2;  // FP8: one bf16 tile, fed from two raw stages
+  static constexpr int kQ = 0;
+  static constexpr int kKv = kQ + kHeadsPerCta * kRowBytes;
+  static constexpr int kRaw = kKv + kKvStages * kTileBytes;
+  static constexpr int kP = kRaw + (kFp8 ? 2 * kRawTileBytes : 0);
+  static constexpr int kRowMax = kP + kPBytes;                   // float [2][64]
+  static constexpr int kRowSum = kRowMax + 2 * 64 * 4;           // float [2][64]
+  static constexpr int kRowFinalMax = kRowSum + 2 * 64 * 4;      // float [64]
+  static constexpr int kAlpha = kRowFinalMax + 64 * 4;           // float [64]
+  static constexpr int kKeyData = kAlpha + 64 * 4;               // const uint8_t* [2][64]
+  static constexpr int kKeyScales = kKeyData + 2 * 64 * 8;       // const uint8_t* [2][64]
+  static constexpr int kBytes = kKeyScales + 2 * 64 * 8;
+};
+static_assert(SmemLayout<KvEntryFormat::kFp8>::kBytes <= 227 * 1024, "FP8 tile does not fit");
+static_assert(SmemLayout<KvEntryFormat::kBf16>::kBytes <= 227 * 1024, "BF16 tiles do not fit");
+
+__device__ __forceinline__ uint32_t row_offset(int row, int chunk) {
+  return static_cast<uint32_t>(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
+}
+__device__ __forceinline__ uint32_t p_offset(int row, int chunk) {
+  return static_cast<uint32_t>(row * (kTileKeys * 2) + ((chunk ^ (row & 7)) << 4));
+}
+
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_8(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 8 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::); }
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+// d = a·b + d, m16n8k16, bf16 operands, fp32 accumulators.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Two e4m3 bytes (low byte first) times a power-of-two scale, as a bf16 pair: exact (e4m3 → f16 → f32 are exact
+// widenings, the scale multiply is exact, and a 4-bit significand fits bf16's 8).
+__device__ __forceinline__ uint32_t dequant_pair(uint16_t pair, float scale) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair), __NV_E4M3);
+  const float2 f = __half22float2(__half2(h));
+  return pack_bf16(f.x * scale, f.y * scale);
+}
+
+// Inverse interleaved RoPE of one pair (ops/cpu/rope.cpp with inverse = true).
+__device__ __forceinline__ void inverse_rope_pair(float& a, float& b, const SparseAttentionParams& p, int pair,
+                                                  int position) {
+  const float angle = p.rope_inv_freq[pair] * static_cast<float>(position);
+  const float c = cosf(angle) * p.rope_attention_scaling, s = -sinf(angle) * p.rope_attention_scaling;
+  const float ra = a * c - b * s, rb = b * c + a * s;
+  a = ra;
+  b = rb;
+}
+
+// Grid (splits, heads / 64, tokens). CTA (split, g, i): token i, heads 64g … 64g+63, its share of the key tiles.
+template <KvEntryFormat kFormat, bool kSplit>
+__global__ void __launch_bounds__(kThreads, 1)
+    sparse_attention_kernel(const SparseAttentionParams p, const uint16_t* __restrict__ q, uint16_t* __restrict__ out,
+                            float* __restrict__ partial_o, float* __restrict__ partial_ml, int splits) {
+  using L = SmemLayout<kFormat>;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  float* row_max = reinterpret_cast<float*>(smem + L::kRowMax);
+  float* row_sum = reinterpret_cast<float*>(smem + L::kRowSum);
+  float* row_final_max = reinterpret_cast<float*>(smem + L::kRowFinalMax);
+  float* alpha_of_row = reinterpret_cast<float*>(smem + L::kAlpha);
+  const uint8_t** key_data = reinterpret_cast<const uint8_t**>(smem + L::kKeyData);
+  const uint8_t** key_scales = reinterpret_cast<const uint8_t**>(smem + L::kKeyScales);
+
+  const int split = blockIdx.x, head_group = blockIdx.y;
+  const int64_t token = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t table_row = p.rows ? p.rows[token] : token;
+  const int position = p.positions[token];
+  const int window_keys = static_cast<int>(position + 1 < p.window_size ? position + 1 : p.window_size);
+  const int compressed_keys = p.compressed_lengths ? p.compressed_lengths[token] : 0;
+  const int num_keys = window_keys + compressed_keys;
+  const int num_tiles = (num_keys + kTileKeys - 1) / kTileKeys;
+  const int tiles_per_split = (num_tiles + splits - 1) / splits;
+  const int tile_begin = min(num_tiles, split * tiles_per_split);
+  const int tile_end = min(num_tiles, tile_begin + tiles_per_split);
+  const uint16_t* q_token = q + (token * p.heads + int64_t{head_group} * kHeadsPerCta) * kKvHeadDim;
+
+  // Threads 0..63 resolve key `tid` of a tile to its entry's addresses (nullptr: masked).
+  auto resolve_tile = [&](int tile, int slot) {
+    if (tid >= kTileKeys) return;
+    const int k = tile * kTileKeys + tid;
+    KvEntryAddress address;
+    if (k < window_keys) {
+      address = kv_entry_address(p.window, kFormat, table_row, position - window_keys + 1 + k);
+    } else if (k < num_keys) {
+      const int32_t entry = p.compressed_indices[token * p.compressed_stride + (k - window_keys)];
+      if (entry >= 0) address = kv_entry_address(p.compressed, kFormat, table_row, entry);
+    }
+    key_data[slot * kTileKeys + tid] = address.data;
+    key_scales[slot * kTileKeys + tid] = address.scales;
+  };
+  // Asynchronous copies of a resolved tile into its stage; masked keys are zero-filled so that P·V sees zeros.
+  auto load_tile = [&](int slot) {
+    if constexpr (kFormat == KvEntryFormat::kBf16) {
+      const uint32_t stage = smem_base + L::kKv + slot * kTileBytes;
+#pragma unroll
+      for (int i = 0; i < kTileKeys * 64 / kThreads; ++i) {
+        const int u = tid + i * kThreads, key = u / 64, chunk = u % 64;
+        const uint8_t* src = key_data[slot * kTileKeys + key];
+        cp_async_16(stage + row_offset(key, chunk), src ? src + chunk * 16 : reinterpret_cast<const uint8_t*>(q),
+                    src != nullptr);
+      }
+    } else {
+      const uint32_t stage = smem_base + L::kRaw + slot * kRawTileBytes;
+      constexpr int kChunks = kKvFp8DataBytes / 16;  // 36
+#pragma unroll
+      for (int i = 0; i < kTileKeys * kChunks / kThreads; ++i) {
+        const int u = tid + i * kThreads, key = u / kChunks, chunk = u % kChunks;
+        const uint8_t* src = key_data[slot * kTileKeys + key];
+        cp_async_16(stage + key * kKvFp8DataBytes + chunk * 16,
+                    src ? src + chunk * 16 : reinterpret_cast<const uint8_t*>(q), src != nullptr);
+      }
+      if (tid < kTileKeys) {
+        const uint8_t* src = key_scales[slot * kTileKeys + tid];
+        cp_async_8(stage + kTileKeys * kKvFp8DataBytes + tid * kKvFp8ScaleBytes,
+                   src ? src : reinterpret_cast<const uint8_t*>(q), src != nullptr);
+      }
+    }
+  };
+
+  float acc[4][8][4];  // O rows (heads) 16·mt + …, dims 64·warp + 8·nt + …
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.0f;
+  // S layout: warp (mw, nw) computes heads 16·mw … +15 against keys 32·nw … +31 of the tile.
+  const int mw = warp & 3, nw = warp >> 2;
+  const int row0 = 16 * mw + (lane >> 2), row1 = row0 + 8;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};  // log2 domain, rows row0 / row1
+  const float scale_log2 = p.scale * kLog2e;
+
+  if (tile_begin < tile_end) {
+    resolve_tile(tile_begin, 0);
+#pragma unroll
+    for (int i = 0; i < kHeadsPerCta * 64 / kThreads; ++i) {
+      const int u = tid + i * kThreads, h = u / 64, chunk = u % 64;
+      cp_async_16(smem_base + L::kQ + row_offset(h, chunk), q_token + h * kKvHeadDim + chunk * 8, true);
+    }
+    __syncthreads();
+    load_tile(0);
+    cp_async_commit();
+    for (int tile = tile_begin; tile < tile_end; ++tile) {
+      const int slot = (tile - tile_begin) & 1;
+      const bool has_next = tile + 1 < tile_end;
+      if (has_next) resolve_tile(tile + 1, slot ^ 1);
+      __syncthreads();  // next tile's addresses visible; the previous tile's readers are done with its stage
+      if (has_next) load_tile(slot ^ 1);
+      cp_async_commit();
+      cp_async_wait_one();
+      __syncthreads();  // this tile's bytes visible to every thread
+      uint32_t kv_stage;
+      if constexpr (kFormat == KvEntryFormat::kFp8) {
+        // Dequantize: 64 keys × 28 chunks of 16 e4m3 (one scale each) → bf16, and the 64 × 8 rope chunks as is.
+        const uint8_t* raw = smem + L::kRaw + slot * kRawTileBytes;
+        uint8_t* tile_bf16 = smem + L::kKv;
+#pragma unroll
+        for (int i = 0; i < (kTileKeys * 28 + kThreads - 1) / kThreads; ++i) {
+          const int u = tid + i * kThreads;
+          if (u < kTileKeys * 28) {
+            const int key = u / 28, chunk = u % 28;
+            const uint4 bytes = *reinterpret_cast<const uint4*>(raw + key * kKvFp8DataBytes + chunk * 16);
+            const uint8_t scale_byte = raw[kTileKeys * kKvFp8DataBytes + key * kKvFp8ScaleBytes + chunk / 4];
+            const float scale = __uint_as_float(static_cast<uint32_t>(scale_byte) << 23);
+            uint4 lo, hi;
+            lo.x = dequant_pair(bytes.x & 0xffff, scale);
+            lo.y = dequant_pair(bytes.x >> 16, scale);
+            lo.z = dequant_pair(bytes.y & 0xffff, scale);
+            lo.w = dequant_pair(bytes.y >> 16, scale);
+            hi.x = dequant_pair(bytes.z & 0xffff, scale);
+            hi.y = dequant_pair(bytes.z >> 16, scale);
+            hi.z = dequant_pair(bytes.w & 0xffff, scale);
+            hi.w = dequant_pair(bytes.w >> 16, scale);
+            *reinterpret_cast<uint4*>(tile_bf16 + row_offset(key, 2 * chunk)) = lo;
+            *reinterpret_cast<uint4*>(tile_bf16 + row_offset(key, 2 * chunk + 1)) = hi;
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < kTileKeys * 8 / kThreads; ++i) {
+          const int u = tid + i * kThreads, key = u / 8, chunk = u % 8;
+          *reinterpret_cast<uint4*>(tile_bf16 + row_offset(key, 56 + chunk)) =
+              *reinterpret_cast<const uint4*>(raw + key * kKvFp8DataBytes + kKvNopeDim + chunk * 16);
+        }
+        __syncthreads();
+        kv_stage = smem_base + L::kKv;
+      } else {
+        kv_stage = smem_base + L::kKv + slot * kTileBytes;
+      }
+
+      // S = Q·Kᵀ for this warp's 16 heads × 32 keys over the 512 channels.
+      float s[4][4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[j][e] = 0.0f;
+#pragma unroll 4
+      for (int ks = 0; ks < kKvHeadDim / 16; ++ks) {
+        uint32_t a[4];
+        ldmatrix_x4(a, smem_base + L::kQ + row_offset(16 * mw + (lane & 15), 2 * ks + (lane >> 4)));
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+          uint32_t b[4];
+          const int key = 32 * nw + 16 * jj + (lane & 7) + ((lane >> 4) << 3);
+          ldmatrix_x4(b, kv_stage + row_offset(key, 2 * ks + ((lane >> 3) & 1)));
+          mma_bf16(s[2 * jj], a, b[0], b[1]);
+          mma_bf16(s[2 * jj + 1], a, b[2], b[3]);
+        }
+      }
+      // Online softmax (base 2): mask, tile row maxima shared between the two key halves, rescale, P → bf16.
+      float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int key = 32 * nw + 8 * j + 2 * (lane & 3) + e;
+          const bool valid = key_data[slot * kTileKeys + key] != nullptr;
+          s[j][e] = valid ? s[j][e] * scale_log2 : -INFINITY;
+          s[j][2 + e] = valid ? s[j][2 + e] * scale_log2 : -INFINITY;
+          tile_max[0] = fmaxf(tile_max[0], s[j][e]);
+          tile_max[1] = fmaxf(tile_max[1], s[j][2 + e]);
+        }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+      }
+      if ((lane & 3) == 0) {
+        row_max[nw * 64 + row0] = tile_max[0];
+        row_max[nw * 64 + row1] = tile_max[1];
+      }
+      __syncthreads();
+      float shift[2], alpha[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = r == 0 ? row0 : row1;
+        const float m_new = fmaxf(m_run[r], fmaxf(row_max[row], row_max[64 + row]));
+        shift[r] = m_new == -INFINITY ? 0.0f : m_new;  // a row with no valid key yet keeps p = 0, not NaN
+        alpha[r] = exp2f(m_run[r] - shift[r]);
+        m_run[r] = m_new;
+        l_run[r] *= alpha[r];
+      }
+      uint8_t* p_tile = smem + L::kP;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int key = 32 * nw + 8 * j + 2 * (lane & 3);
+        const float p0 = exp2f(s[j][0] - shift[0]), p1 = exp2f(s[j][1] - shift[0]);
+        const float p2 = exp2f(s[j][2] - shift[1]), p3 = exp2f(s[j][3] - shift[1]);
+        l_run[0] += p0 + p1;
+        l_run[1] += p2 + p3;
+        *reinterpret_cast<uint32_t*>(p_tile + p_offset(row0, key >> 3) + (key & 7) * 2) = pack_bf16(p0, p1);
+        *reinterpret_cast<uint32_t*>(p_tile + p_offset(row1, key >> 3) + (key & 7) * 2) = pack_bf16(p2, p3);
+      }
+      if (nw == 0 && (lane & 3) == 0) {
+        alpha_of_row[row0] = alpha[0];
+        alpha_of_row[row1] = alpha[1];
+      }
+      __syncthreads();
+
+      // O = alpha·O + P·V: warp w owns channels 64·w … 64·w+63 of all 64 heads.
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt) {
+        const float a0 = alpha_of_row[16 * mt + (lane >> 2)], a1 = alpha_of_row[16 * mt + (lane >> 2) + 8];
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          acc[mt][nt][0] *= a0;
+          acc[mt][nt][1] *= a0;
+          acc[mt][nt][2] *= a1;
+          acc[mt][nt][3] *= a1;
+        }
+      }
+#pragma unroll
+      for (int kk = 0; kk < kTileKeys / 16; ++kk) {
+        uint32_t pa[4][4];
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt)
+          ldmatrix_x4(pa[mt], smem_base + L::kP + p_offset(16 * mt + (lane & 15), 2 * kk + (lane >> 4)));
+#pragma unroll
+        for (int ntp = 0; ntp < 4; ++ntp) {
+          uint32_t b[4];
+          const int key = 16 * kk + (lane & 7) + (((lane >> 3) & 1) << 3);
+          ldmatrix_x4_trans(b, kv_stage + row_offset(key, 8 * warp + 2 * ntp + (lane >> 4)));
+#pragma unroll
+          for (int mt = 0; mt < 4; ++mt) {
+            mma_bf16(acc[mt][2 * ntp], pa[mt], b[0], b[1]);
+            mma_bf16(acc[mt][2 * ntp + 1], pa[mt], b[2], b[3]);
+          }
+        }
+      }
+    }
+  }
+
+  // Row sums: over the 4 lanes of a row, then over the two key halves.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+  }
+  if ((lane & 3) == 0) {
+    row_sum[nw * 64 + row0] = l_run[0];
+    row_sum[nw * 64 + row1] = l_run[1];
+    if (nw == 0) {
+      row_final_max[row0] = m_run[0];
+      row_final_max[row1] = m_run[1];
+    }
+  }
+  __syncthreads();
+
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = 16 * mt + (lane >> 2) + 8 * half;
+      const int64_t head = int64_t{head_group} * kHeadsPerCta + row;
+      const float m = row_final_max[row], l = row_sum[row] + row_sum[64 + row];
+      if constexpr (kSplit) {
+        float* o = partial_o + ((int64_t{split} * p.tokens + token) * p.heads + head) * kKvHeadDim;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          const int dim = 64 * warp + 8 * nt + 2 * (lane & 3);
+          *reinterpret_cast<float2*>(o + dim) = make_float2(acc[mt][nt][2 * half], acc[mt][nt][2 * half + 1]);
+        }
+        if (warp == 0 && (lane & 3) == 0) {
+          float* ml = partial_ml + ((int64_t{split} * p.tokens + token) * p.heads + head) * 2;
+          ml[0] = m;
+          ml[1] = l;
+        }
+      } else {
+        // The sink joins the denominator only: o = Σ p v / (Σ p + 2^(sink·log2e − m)); no key → zeros.
+        const float inverse = l > 0.0f ? 1.0f / (l + exp2f(p.sinks[head] * kLog2e - m)) : 0.0f;
+        uint16_t* o = out + (token * p.heads + head) * kKvHeadDim;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          const int dim = 64 * warp + 8 * nt + 2 * (lane & 3);
+          float a = acc[mt][nt][2 * half] * inverse, b = acc[mt][nt][2 * half + 1] * inverse;
+          if (dim >= kKvNopeDim) inverse_rope_pair(a, b, p, (dim - kKvNopeDim) / 2, position);
+          *reinterpret_cast<uint32_t*>(o + dim) = pack_bf16(a, b);
+        }
+      }
+    }
+}
+
+// Merges the splits of one (token, head): m = max m_s, l = Σ 2^(m_s − m) l_s, O = Σ 2^(m_s − m) O_s, then the
+// sink, the inverse RoPE and the bf16 store. 128 threads × 4 channels.
+__global__ void __launch_bounds__(128) sparse_attention_combine_kernel(const SparseAttentionParams p,
+                                                                       const float* __restrict__ partial_o,
+                                                                       const float* __restrict__ partial_ml,
+                                                                       uint16_t* __restrict__ out, int splits) {
+  const int64_t head = blockIdx.x, token = blockIdx.y;
+  const int dim = 4 * threadIdx.x;
+  float m = -INFINITY;
+  for (int s = 0; s < splits; ++s) m = fmaxf(m, partial_ml[((int64_t{s} * p.tokens + token) * p.heads + head) * 2]);
+  float4 o = make_float4(0, 0, 0, 0);
+  float l = 0.0f;
+  if (m != -INFINITY) {
+    for (int s = 0; s < splits; ++s) {
+      const int64_t index = (int64_t{s} * p.tokens + token) * p.heads + head;
+      const float weight = exp2f(partial_ml[index * 2] - m);  // a split with no key: 2^(−inf) = 0
+      if (weight == 0.0f) continue;
+      l += weight * partial_ml[index * 2 + 1];
+      const float4 part = *reinterpret_cast<const float4*>(partial_o + index * kKvHeadDim + dim);
+      o.x += weight * part.x;
+      o.y += weight * part.y;
+      o.z += weight * part.z;
+      o.w += weight * part.w;
+    }
+  }
+  const float inverse = l > 0.0f ? 1.0f / (l + exp2f(p.sinks[head] * kLog2e - m)) : 0.0f;
+  float v[4] = {o.x * inverse, o.y * inverse, o.z * inverse, o.w * inverse};
+  if (dim >= kKvNopeDim) {
+    const int position = p.positions[token];
+    inverse_rope_pair(v[0], v[1], p, (dim - kKvNopeDim) / 2, position);
+    inverse_rope_pair(v[2], v[3], p, (dim - kKvNopeDim) / 2 + 1, position);
+  }
+  uint2 packed;
+  packed.x = pack_bf16(v[0], v[1]);
+  packed.y = pack_bf16(v[2], v[3]);
+  *reinterpret_cast<uint2*>(out + (token * p.heads + head) * kKvHeadDim + dim) = packed;
+}
+
+template <KvEntryFormat kFormat, bool kSplit>
+cudaError_t launch(const SparseAttentionParams& p, const uint16_t* q, uint16_t* out, float* partial_o,
+                   float* partial_ml, int splits, cudaStream_t stream) {
+  auto kernel = sparse_attention_kernel<kFormat, kSplit>;
+  constexpr int kSmem = SmemLayout<kFormat>::kBytes;
+  static const cudaError_t attribute = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (attribute != cudaSuccess) return attribute;
+  const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(p.heads / kHeadsPerCta),
+                  static_cast<unsigned>(p.tokens));
+  kernel<<<grid, kThreads, kSmem, stream>>>(p, q, out, partial_o, partial_ml, splits);
+  return cudaGetLastError();
+}
+
+int current_multiprocessors() {
+  int device = 0, count = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 1;
+  if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 1;
+  return std::max(count, 1);
+}
+
+}  // namespace
+
+int64_t sparse_attention_splits(const SparseAttentionParams& p, int multiprocessors) {
+  const int64_t max_keys = p.window_size + (p.compressed_lengths ? p.compressed_stride : 0);
+  const int64_t max_tiles = std::max<int64_t>(1, (max_keys + kTileKeys - 1) / kTileKeys);
+  if (p.num_splits > 0) return std::min(p.num_splits, max_tiles);
+  const int64_t ctas = std::max<int64_t>(1, p.tokens * (p.heads / kHeadsPerCta));
+  return std::clamp<int64_t>((multiprocessors + ctas - 1) / ctas, 1, max_tiles);
+}
+
+size_t sparse_attention_workspace_bytes(const SparseAttentionParams& p, int multiprocessors) {
+  const int64_t splits = sparse_attention_splits(p, multiprocessors);
+  if (splits <= 1) return 0;
+  return static_cast<size_t>(splits * p.tokens * p.heads) * (kKvHeadDim + 2) * sizeof(float);
+}
+
+cudaError_t sparse_attention(const SparseAttentionParams& p, const uint16_t* q, uint16_t* out, void* workspace,
+                             size_t workspace_bytes, cudaStream_t stream) {
+  if (p.tokens == 0) return cudaSuccess;
+  if (p.heads <= 0 || p.heads % kHeadsPerCta != 0 || p.tokens > 65535) return cudaErrorInvalidValue;
+  const int multiprocessors = current_multiprocessors();
+  const int splits = static_cast<int>(sparse_attention_splits(p, multiprocessors));
+  const bool fp8 = p.format == KvEntryFormat::kFp8;
+  if (splits == 1) {
+    return fp8 ? launch<KvEntryFormat::kFp8, false>(p, q, out, nullptr, nullptr, 1, stream)
+               : launch<KvEntryFormat::kBf16, false>(p, q, out, nullptr, nullptr, 1, stream);
+  }
+  if (workspace == nullptr || workspace_bytes < sparse_attention_workspace_bytes(p, multiprocessors))
+    return cudaErrorInvalidValue;
+  float* partial_o = static_cast<float*>(workspace);
+  float* partial_ml = partial_o + static_cast<int64_t>(splits) * p.tokens * p.heads * kKvHeadDim;
+  const cudaError_t status = fp8 ? launch<KvEntryFormat::kFp8, true>(p, q, out, partial_o, partial_ml, splits, stream)
+                                 : launch<KvEntryFormat::kBf16, true>(p, q, out, partial_o, partial_ml, splits, stream);
+  if (status != cudaSuccess) return status;
+  sparse_attention_combine_kernel<<<dim3(static_cast<unsigned>(p.heads), static_cast<unsigned>(p.tokens)), 128, 0,
+                                    stream>>>(p, partial_o, partial_ml, out, splits);
+  return cudaGetLastError();
+}
+
+}  // namespace dsv4::ops::cuda

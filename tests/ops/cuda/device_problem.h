@@ -1,0 +1,73 @@
+// Device copies of a sparse-attention problem (tests/ops/sparse_attention_problem.h) for the GPU tests and kbench.
+#pragma once
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "../sparse_attention_problem.h"
+
+namespace dsv4::testing {
+
+#define DSV4_CUDA_OK(call)                                                                       \
+  do {                                                                                           \
+    const cudaError_t status_ = (call);                                                          \
+    if (status_ != cudaSuccess) {                                                                \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(status_)); \
+      std::abort();                                                                              \
+    }                                                                                            \
+  } while (0)
+
+template <typename T>
+T* to_device(const std::vector<T>& host) {
+  T* device = nullptr;
+  DSV4_CUDA_OK(cudaMalloc(&device, std::max<size_t>(1, host.size()) * sizeof(T)));
+  if (!host.empty()) DSV4_CUDA_OK(cudaMemcpy(device, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return device;
+}
+
+struct DeviceProblem {
+  uint8_t* arena = nullptr;
+  int32_t *window_table = nullptr, *compressed_table = nullptr, *indices = nullptr, *lengths = nullptr,
+          *positions = nullptr;
+  float *sinks = nullptr, *inv_freq = nullptr;
+  uint16_t *q = nullptr, *out = nullptr;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  size_t out_elements = 0;
+
+  explicit DeviceProblem(const AttentionProblem& pr) {
+    arena = to_device(pr.arena);
+    window_table = to_device(pr.window_table);
+    compressed_table = to_device(pr.compressed_table);
+    indices = to_device(pr.indices);
+    lengths = to_device(pr.lengths);
+    positions = to_device(pr.positions);
+    sinks = to_device(pr.sinks);
+    inv_freq = to_device(pr.inv_freq);
+    q = to_device(pr.q);
+    out_elements = pr.q.size();
+    DSV4_CUDA_OK(cudaMalloc(&out, out_elements * sizeof(uint16_t)));
+  }
+  DeviceProblem(const DeviceProblem&) = delete;
+  DeviceProblem& operator=(const DeviceProblem&) = delete;
+  ~DeviceProblem() {
+    for (void* p : {static_cast<void*>(arena), static_cast<void*>(window_table), static_cast<void*>(compressed_table),
+                    static_cast<void*>(indices), static_cast<void*>(lengths), static_cast<void*>(positions),
+                    static_cast<void*>(sinks), static_cast<void*>(inv_freq), static_cast<void*>(q),
+                    static_cast<void*>(out), workspace})
+      if (p) cudaFree(p);
+  }
+  ops::SparseAttentionParams params(const AttentionProblem& pr) const {
+    return pr.params(arena, window_table, compressed_table, indices, lengths, positions, sinks, inv_freq);
+  }
+  void reserve_workspace(size_t bytes) {
+    if (bytes <= workspace_bytes) return;
+    if (workspace) DSV4_CUDA_OK(cudaFree(workspace));
+    DSV4_CUDA_OK(cudaMalloc(&workspace, bytes));
+    workspace_bytes = bytes;
+  }
+};
+
+}  // namespace dsv4::testing

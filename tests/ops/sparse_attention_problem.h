@@ -1,0 +1,263 @@
+// A random sparse-attention decode problem over a paged KV arena laid out as the cache manager lays it out
+// (cache/block_pool.h, cache/kv_entry_format.h): shared by the CPU-twin test, the GPU test and kbench.
+// Blocks get shuffled global ids in pages with a tail, the layer under test is not the group's first, unwritten
+// arena bytes are 0xff (NaN in bf16 and e4m3), and only the blocks the selected keys touch are allocated.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <random>
+#include <unordered_map>
+#include <vector>
+
+#include "cache/kv_entry_format.h"
+#include "core/dtype.h"
+#include "ops/cpu/sparse_attention.h"
+
+namespace dsv4::testing {
+
+struct AttentionProblemSpec {
+  int64_t heads = 64;
+  KvEntryFormat format = KvEntryFormat::kFp8;
+  std::vector<int32_t> positions;  // one query token per request
+  int64_t ratio = 4;               // 4: CSA (top_k random picks), 128: HCA (every visible entry), 0: SWA only
+  int64_t top_k = 512;
+  double invalid_fraction = 0.0;  // picks replaced by −1
+  int64_t window = 128;
+  int64_t window_entries_per_block = 64;
+  int64_t compressed_entries_per_block = 64;  // 64 for C4 groups, 2 for C128
+  int64_t layers_in_group = 2;                // the tested layer is index 1
+  float sink_max = 6.0f;                      // sinks ~ U(-2, sink_max): large enough to move the output
+  uint32_t seed = 1;
+  bool keep_reference = true;  // keep each token's keys (dequantized, in order) for the reference formula
+};
+
+struct AttentionProblem {
+  AttentionProblemSpec spec;
+  std::vector<uint8_t> arena;
+  int64_t page_bytes = 0, blocks_per_page = 3;
+  int64_t window_block_bytes = 0, compressed_block_bytes = 0;
+  int64_t window_region = 0, compressed_region = 0;
+  int64_t window_stride = 0, compressed_table_stride = 0;
+  std::vector<int32_t> window_table, compressed_table;
+  std::vector<int32_t> indices, lengths, positions;
+  int64_t compressed_stride = 1;
+  std::vector<uint16_t> q;
+  std::vector<float> sinks, inv_freq;
+  int64_t unique_keys = 0;  // distinct entries read (bytes counted for bandwidth)
+  // reference_keys[t]: the keys of token t (window, then the valid picks), dequantized without the arena.
+  std::vector<std::vector<float>> reference_keys;
+
+  int64_t tokens() const { return static_cast<int64_t>(positions.size()); }
+
+  // Parameters over `arena_base` and table pointers (host or device copies of the vectors above).
+  ops::SparseAttentionParams params(uint8_t* arena_base, const int32_t* window_table_ptr,
+                                    const int32_t* compressed_table_ptr, const int32_t* indices_ptr,
+                                    const int32_t* lengths_ptr, const int32_t* positions_ptr, const float* sinks_ptr,
+                                    const float* inv_freq_ptr) const {
+    ops::SparseAttentionParams p;
+    p.tokens = tokens();
+    p.heads = spec.heads;
+    p.scale = 1.0f / std::sqrt(512.0f);
+    p.format = spec.format;
+    p.window = {arena_base, page_bytes, blocks_per_page, window_block_bytes, window_region,
+                static_cast<int32_t>(spec.window_entries_per_block), window_table_ptr, window_stride};
+    p.window_size = spec.window;
+    p.compressed = {arena_base, page_bytes, blocks_per_page, compressed_block_bytes, compressed_region,
+                    static_cast<int32_t>(spec.compressed_entries_per_block), compressed_table_ptr,
+                    compressed_table_stride};
+    p.compressed_indices = indices_ptr;
+    p.compressed_lengths = spec.ratio > 0 ? lengths_ptr : nullptr;
+    p.compressed_stride = compressed_stride;
+    p.positions = positions_ptr;
+    p.sinks = sinks_ptr;
+    p.rope_inv_freq = inv_freq_ptr;
+    return p;
+  }
+  ops::SparseAttentionParams host_params() {
+    return params(arena.data(), window_table.data(), compressed_table.data(), indices.data(), lengths.data(),
+                  positions.data(), sinks.data(), inv_freq.data());
+  }
+};
+
+inline AttentionProblem make_attention_problem(const AttentionProblemSpec& spec) {
+  AttentionProblem pr;
+  pr.spec = spec;
+  pr.positions = spec.positions;
+  std::mt19937 rng(spec.seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int64_t T = pr.tokens();
+  const KvEntryFormat f = spec.format;
+
+  // Selected compressed entries per token.
+  std::vector<std::vector<int32_t>> picks(T);
+  int64_t max_picks = 1;
+  for (int64_t t = 0; t < T; ++t) {
+    if (spec.ratio == 0) continue;
+    const int64_t visible = (int64_t{pr.positions[t]} + 1) / spec.ratio;
+    if (spec.ratio == 128) {
+      for (int64_t e = 0; e < visible; ++e) picks[t].push_back(static_cast<int32_t>(e));
+    } else {
+      const int64_t k = std::min(spec.top_k, visible);
+      // k distinct entries of [0, visible): a partial Fisher-Yates over a sparse map keeps 1M contexts cheap.
+      std::vector<int32_t> chosen;
+      std::unordered_map<int64_t, int64_t> swapped;
+      auto value_at = [&](int64_t i) {
+        const auto it = swapped.find(i);
+        return it == swapped.end() ? i : it->second;
+      };
+      for (int64_t i = 0; i < k; ++i) {
+        const int64_t j = i + static_cast<int64_t>(rng() % static_cast<uint32_t>(visible - i));
+        const int64_t vi = value_at(i), vj = value_at(j);
+        chosen.push_back(static_cast<int32_t>(vj));
+        swapped[j] = vi;
+        swapped[i] = vj;
+      }
+      picks[t] = chosen;
+    }
+    for (auto& e : picks[t])
+      if (std::uniform_real_distribution<double>(0, 1)(rng) < spec.invalid_fraction) e = -1;
+    max_picks = std::max<int64_t>(max_picks, static_cast<int64_t>(picks[t].size()));
+  }
+  pr.compressed_stride = max_picks;
+
+  // Block tables: window blocks for positions t−W+1 … t, compressed blocks holding the picks.
+  const int64_t wepb = spec.window_entries_per_block, cepb = spec.compressed_entries_per_block;
+  pr.window_region = kv_region_bytes(f, wepb);
+  pr.compressed_region = kv_region_bytes(f, cepb);
+  pr.window_block_bytes = pr.window_region * spec.layers_in_group;
+  pr.compressed_block_bytes = pr.compressed_region * spec.layers_in_group;
+  pr.page_bytes = (pr.blocks_per_page * std::max(pr.window_block_bytes, pr.compressed_block_bytes) + 4095) / 4096 *
+                      4096 + 4096;
+  int64_t max_pos = 0;
+  for (auto p : pr.positions) max_pos = std::max<int64_t>(max_pos, p);
+  pr.window_stride = max_pos / wepb + 1;
+  pr.compressed_table_stride = std::max<int64_t>(1, (max_pos + 1) / std::max<int64_t>(spec.ratio, 1) / cepb + 1);
+  pr.window_table.assign(T * pr.window_stride, -1);
+  pr.compressed_table.assign(T * pr.compressed_table_stride, -1);
+  std::vector<std::pair<int64_t, int64_t>> window_needed, compressed_needed;  // (token, logical block)
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t pos = pr.positions[t], first = std::max<int64_t>(0, pos - spec.window + 1);
+    for (int64_t b = first / wepb; b <= pos / wepb; ++b) window_needed.emplace_back(t, b);
+    std::vector<int64_t> blocks;
+    for (auto e : picks[t])
+      if (e >= 0) blocks.push_back(e / cepb);
+    std::sort(blocks.begin(), blocks.end());
+    blocks.erase(std::unique(blocks.begin(), blocks.end()), blocks.end());
+    for (auto b : blocks) compressed_needed.emplace_back(t, b);
+  }
+  // Window blocks live in the first pages, compressed blocks in later ones; ids are shuffled within each.
+  const int64_t window_pages = (static_cast<int64_t>(window_needed.size()) + pr.blocks_per_page - 1) / pr.blocks_per_page;
+  const int64_t compressed_pages =
+      (static_cast<int64_t>(compressed_needed.size()) + pr.blocks_per_page - 1) / pr.blocks_per_page;
+  auto assign = [&](const std::vector<std::pair<int64_t, int64_t>>& needed, int64_t first_page,
+                    std::vector<int32_t>& table, int64_t stride) {
+    std::vector<int32_t> ids(needed.size());
+    std::iota(ids.begin(), ids.end(), static_cast<int32_t>(first_page * pr.blocks_per_page));
+    std::shuffle(ids.begin(), ids.end(), rng);
+    for (size_t i = 0; i < needed.size(); ++i) table[needed[i].first * stride + needed[i].second] = ids[i];
+  };
+  assign(window_needed, 0, pr.window_table, pr.window_stride);
+  assign(compressed_needed, window_pages, pr.compressed_table, pr.compressed_table_stride);
+  pr.arena.assign(static_cast<size_t>((window_pages + compressed_pages + 1) * pr.page_bytes), 0xff);
+
+  // Entries: random K=V vectors (rope channels included), written through the quantizer.
+  ops::SparseAttentionParams p = pr.host_params();
+  std::vector<uint16_t> kv(kKvHeadDim);
+  std::vector<std::unordered_map<int32_t, std::vector<float>>> images(T);  // compressed entry -> its key
+  pr.reference_keys.resize(T);
+  auto write = [&](const PagedKvPool& pool, int64_t t, int32_t entry) {
+    const float magnitude = 0.5f + 1.5f * std::uniform_real_distribution<float>(0, 1)(rng);
+    for (auto& v : kv) v = f32_to_bf16(magnitude * normal(rng));
+    const int32_t row = static_cast<int32_t>(t);
+    KvWriteParams w{1, f, true, pool, &entry, &row};
+    write_kv_entries(w, kv.data());
+    std::vector<float> image(kKvHeadDim);
+    if (spec.keep_reference) {  // the same vector through a private, unpaged entry
+      uint8_t scratch[kKvBf16EntryBytes + kKvFp8ScaleBytes];
+      const KvEntryAddress local{scratch, scratch + kKvBf16EntryBytes};
+      kv_quantize_entry(f, kv.data(), local, true);
+      kv_dequantize_entry(f, local, image.data());
+    }
+    return image;
+  };
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t pos = pr.positions[t];
+    auto& ref = pr.reference_keys[t];
+    for (int64_t e = std::max<int64_t>(0, pos - spec.window + 1); e <= pos; ++e) {
+      const std::vector<float> image = write(p.window, t, static_cast<int32_t>(e));
+      if (spec.keep_reference) ref.insert(ref.end(), image.begin(), image.end());
+      ++pr.unique_keys;
+    }
+    for (const int32_t e : picks[t]) {
+      if (e < 0) continue;
+      if (!images[t].count(e)) {
+        images[t][e] = write(p.compressed, t, e);
+        ++pr.unique_keys;
+      }
+      if (spec.keep_reference) ref.insert(ref.end(), images[t][e].begin(), images[t][e].end());
+    }
+    images[t].clear();
+  }
+  pr.indices.assign(T * pr.compressed_stride, -7);  // past each length: never read
+  pr.lengths.assign(T, 0);
+  for (int64_t t = 0; t < T; ++t) {
+    pr.lengths[t] = static_cast<int32_t>(picks[t].size());
+    std::copy(picks[t].begin(), picks[t].end(), pr.indices.begin() + t * pr.compressed_stride);
+  }
+  pr.q.resize(static_cast<size_t>(T * spec.heads * kKvHeadDim));
+  for (auto& v : pr.q) v = f32_to_bf16(normal(rng));
+  pr.sinks.resize(static_cast<size_t>(spec.heads));
+  for (auto& s : pr.sinks) s = std::uniform_real_distribution<float>(-2.0f, spec.sink_max)(rng);
+  for (int i = 0; i < kKvRopeDim / 2; ++i) pr.inv_freq.push_back(std::pow(10000.0f, -2.0f * i / kKvRopeDim));
+  return pr;
+}
+
+// The attention of docs/kernels/attention.md in double precision over reference_keys: softmax with the sink in
+// the denominator, then the rope channels rotated by −t (angles as the model computes them: fp32 inv_freq · t).
+inline std::vector<double> reference_attention(const AttentionProblem& pr) {
+  const int64_t H = pr.spec.heads, d = kKvHeadDim;
+  std::vector<double> out(static_cast<size_t>(pr.tokens() * H * d));
+  for (int64_t t = 0; t < pr.tokens(); ++t) {
+    const std::vector<float>& keys = pr.reference_keys[t];
+    const int64_t n = static_cast<int64_t>(keys.size()) / d;
+    std::vector<double> logits(static_cast<size_t>(n));
+    for (int64_t h = 0; h < H; ++h) {
+      const uint16_t* qh = &pr.q[(t * H + h) * d];
+      double m = pr.sinks[h];
+      for (int64_t j = 0; j < n; ++j) {
+        double dot = 0;
+        for (int64_t c = 0; c < d; ++c) dot += double(bf16_to_f32(qh[c])) * keys[j * d + c];
+        logits[j] = dot / std::sqrt(512.0);
+        m = std::max(m, logits[j]);
+      }
+      double denominator = std::exp(pr.sinks[h] - m);
+      for (auto& l : logits) denominator += (l = std::exp(l - m));
+      double* o = &out[(t * H + h) * d];
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t c = 0; c < d; ++c) o[c] += logits[j] / denominator * keys[j * d + c];
+      if (n == 0) continue;
+      for (int i = 0; i < kKvRopeDim / 2; ++i) {
+        const double angle = pr.inv_freq[i] * static_cast<float>(pr.positions[t]);
+        const double a = o[kKvNopeDim + 2 * i], b = o[kKvNopeDim + 2 * i + 1];
+        o[kKvNopeDim + 2 * i] = a * std::cos(angle) + b * std::sin(angle);
+        o[kKvNopeDim + 2 * i + 1] = b * std::cos(angle) - a * std::sin(angle);
+      }
+    }
+  }
+  return out;
+}
+
+// ‖actual − expected‖ / ‖expected‖ over tokens × heads × 512 (bf16 actual); NaN makes it NaN.
+inline double relative_l2(const std::vector<uint16_t>& actual, const std::vector<double>& expected) {
+  double err = 0, norm = 0;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    const double a = bf16_to_f32(actual[i]);
+    err += (a - expected[i]) * (a - expected[i]);
+    norm += expected[i] * expected[i];
+  }
+  return norm > 0 ? std::sqrt(err / norm) : std::sqrt(err);
+}
+
+}  // namespace dsv4::testing
