@@ -112,9 +112,11 @@ void EngineService::admit(std::unique_ptr<Job> job) {
     update.error_status = 400;
     update.error = error.what();
     update.done = true;
+    {
+      std::lock_guard lock(mutex_);
+      --active_;
+    }
     job->listener(std::move(update));
-    std::lock_guard lock(mutex_);
-    --active_;
     return;
   }
   job->choices.reserve(added.size());
@@ -231,12 +233,15 @@ void EngineService::process(const std::vector<RequestOutput>& outputs) {
         update.usage.cached_tokens += job->choices[i].cached_tokens;
       }
     }
-    job->listener(std::move(update));
-    if (job->unfinished == 0) {
-      jobs_.erase(job->id);
+    // A finished job leaves the active count before its last update goes out: a client that saw `done` never
+    // sees the job still counted.
+    const bool finished = job->unfinished == 0;
+    if (finished) {
       std::lock_guard lock(mutex_);
       --active_;
     }
+    job->listener(std::move(update));
+    if (finished) jobs_.erase(job->id);
   }
 }
 
