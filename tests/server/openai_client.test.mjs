@@ -156,3 +156,29 @@ test('tokenize / detokenize round trip; metrics expose the engine', async () => 
   assert.ok(values['dsv4:prefix_cache_hits_total'] >= 256);
   assert.ok('dsv4:kv_cache_group_used_blocks{group="swa_kv"}' in values, Object.keys(values).join(' '));
 });
+
+test('SIGTERM drains: a running stream finishes, new requests are refused, exit 0', async () => {
+  const own = await startServer();
+  const ownClient = new OpenAI({ apiKey: API_KEY, baseURL: own.baseURL + '/v1', maxRetries: 0 });
+  const stream = await ownClient.completions.create({
+    model, prompt: 'drain me', max_tokens: 40, temperature: 0, ignore_eos: true, stream: true,
+    stream_options: { include_usage: true } });
+  const iterator = stream[Symbol.asyncIterator]();
+  let text = (await iterator.next()).value.choices[0].text;
+  own.child.kill('SIGTERM');
+  await new Promise((r) => setTimeout(r, 100));
+  const refused = await fetch(own.baseURL + '/health').then((r) => r.status, () => 'refused');
+  assert.ok(refused === 'refused' || refused === 503, String(refused));
+  let finish = null, usage = null;
+  for (let next = await iterator.next(); !next.done; next = await iterator.next()) {
+    if (next.value.usage) usage = next.value.usage;
+    for (const choice of next.value.choices) {
+      text += choice.text;
+      if (choice.finish_reason) finish = choice.finish_reason;
+    }
+  }
+  assert.equal(finish, 'length');
+  assert.equal(usage.completion_tokens, 40, 'the running request was served to the end');
+  const [code] = await (await import('node:events')).once(own.child, 'exit');
+  assert.equal(code, 0);
+});
