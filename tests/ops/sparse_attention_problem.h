@@ -30,6 +30,7 @@ struct AttentionProblemSpec {
   int64_t layers_in_group = 2;                // the tested layer is index 1
   float sink_max = 6.0f;                      // sinks ~ U(-2, sink_max): large enough to move the output
   uint32_t seed = 1;
+  int64_t pick_span = 0;  // CSA picks drawn from the first pick_span visible entries (0: all); kbench bounds memory
   bool keep_reference = true;  // keep each token's keys (dequantized, in order) for the reference formula
 };
 
@@ -99,7 +100,8 @@ inline AttentionProblem make_attention_problem(const AttentionProblemSpec& spec)
     if (spec.ratio == 128) {
       for (int64_t e = 0; e < visible; ++e) picks[t].push_back(static_cast<int32_t>(e));
     } else {
-      const int64_t k = std::min(spec.top_k, visible);
+      const int64_t span = spec.pick_span > 0 ? std::min(spec.pick_span, visible) : visible;
+      const int64_t k = std::min(spec.top_k, span);
       // k distinct entries of [0, visible): a partial Fisher-Yates over a sparse map keeps 1M contexts cheap.
       std::vector<int32_t> chosen;
       std::unordered_map<int64_t, int64_t> swapped;
@@ -108,7 +110,7 @@ inline AttentionProblem make_attention_problem(const AttentionProblemSpec& spec)
         return it == swapped.end() ? i : it->second;
       };
       for (int64_t i = 0; i < k; ++i) {
-        const int64_t j = i + static_cast<int64_t>(rng() % static_cast<uint32_t>(visible - i));
+        const int64_t j = i + static_cast<int64_t>(rng() % static_cast<uint32_t>(span - i));
         const int64_t vi = value_at(i), vj = value_at(j);
         chosen.push_back(static_cast<int32_t>(vj));
         swapped[j] = vi;
