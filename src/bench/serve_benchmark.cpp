@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cmath>
 #include <deque>
+#include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 
@@ -111,7 +112,9 @@ class StreamingRequest : public std::enable_shared_from_this<StreamingRequest> {
 
   void on_write(beast::error_code error) {
     if (error) return fail("sending the request: " + error.message());
-    parser_.body_limit(boost::none);  // a stream is as long as the generation; the idle timeout bounds it
+    // A stream is as long as the generation; the idle timeout bounds it. Not boost::none: Boost 1.74 compares
+    // a Content-Length against an empty optional as "exceeded" and fails every non-chunked response.
+    parser_.body_limit(std::numeric_limits<std::uint64_t>::max());
     stream_.expires_after(idle_timeout_);
     http::async_read_header(stream_, buffer_, parser_, [self = shared_from_this()](beast::error_code error, size_t) {
       self->on_header(error);
