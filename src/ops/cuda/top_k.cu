@@ -1,0 +1,290 @@
+#include "ops/cuda/top_k.h"
+
+#include <cstdint>
+
+namespace dsv4::ops::cuda {
+namespace {
+
+constexpr int kThreads = 1024;
+constexpr int kWarpsPerCta = kThreads / 32;
+constexpr int kPerThread = 16;
+constexpr int kChunk = kThreads * kPerThread;          // 16,384 columns per chunk CTA
+static_assert(kTopKMaxColumns / kChunk * kTopKMaxK <= kChunk, "the merge CTA holds every chunk's candidates");
+constexpr int kCompositeBits = 56;                     // 32 bits of ordered score, 24 bits of inverted index
+constexpr int kIndexBits = 24;
+
+// fp32 -> uint32 whose unsigned order is the float order; 0 marks "not a candidate" (−inf, NaN, masked). −0.0 is
+// folded onto +0.0 because the CPU twin compares them equal (then the lower index wins).
+__device__ __forceinline__ uint32_t ordered_key(float score) {
+  if (!(score > -INFINITY)) return 0;  // −inf and NaN
+  if (score == 0.0f) score = 0.0f;
+  const uint32_t bits = __float_as_uint(score);
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// Unique total order: higher score first, then lower index; a chosen candidate is one whose (key, inverted index)
+// pair is at least the threshold's. Selecting the k largest pairs is exactly the twin's selection, with no tie
+// left to chance. The index is inverted so that larger means lower.
+struct Threshold {
+  uint32_t key;
+  uint32_t inverted_index;
+};
+__device__ __forceinline__ uint32_t inverted(int32_t index) {
+  return (1u << kIndexBits) - 1u - static_cast<uint32_t>(index);
+}
+__device__ __forceinline__ bool chosen_by(const Threshold& t, uint32_t key, int32_t index) {
+  return key != 0 && (key > t.key || (key == t.key && inverted(index) >= t.inverted_index));
+}
+
+struct SelectShared {
+  uint32_t histogram[256];
+  uint32_t warp_count[kWarpsPerCta];
+  uint32_t warp_max[kWarpsPerCta];
+  uint32_t warp_min[kWarpsPerCta];
+  uint32_t found_bin, found_above, found_count, total;
+};
+
+// Radix select in one CTA over the kPerThread candidates of every thread (key 0 = none): the threshold of the
+// min(k, candidates) best (key, inverted index) pairs. Starts below the bits every candidate shares (the common
+// prefix of the largest and smallest key), takes 8 bits per pass — score bits, then index bits when scores tie —
+// and stops as soon as the bin that crosses k holds exactly the number still needed. Index passes use 32-bit
+// arithmetic only, so sixteen candidates per thread stay in registers at 1024 threads.
+__device__ Threshold select_threshold(const uint32_t (&key)[kPerThread], const int32_t (&index)[kPerThread], int k,
+                                      SelectShared& sh) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  uint32_t count = 0, kmax = 0, kmin = 0xffffffffu;
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i)
+    if (key[i] != 0) {
+      ++count;
+      kmax = max(kmax, key[i]);
+      kmin = min(kmin, key[i]);
+    }
+  for (int offset = 16; offset > 0; offset /= 2) {
+    count += __shfl_xor_sync(0xffffffffu, count, offset);
+    kmax = max(kmax, __shfl_xor_sync(0xffffffffu, kmax, offset));
+    kmin = min(kmin, __shfl_xor_sync(0xffffffffu, kmin, offset));
+  }
+  if (lane == 0) {
+    sh.warp_count[warp] = count;
+    sh.warp_max[warp] = kmax;
+    sh.warp_min[warp] = kmin;
+  }
+  for (int i = threadIdx.x; i < 256; i += kThreads) sh.histogram[i] = 0;
+  __syncthreads();
+  if (warp == 0) {
+    count = sh.warp_count[lane];
+    kmax = sh.warp_max[lane];
+    kmin = sh.warp_min[lane];
+    for (int offset = 16; offset > 0; offset /= 2) {
+      count += __shfl_xor_sync(0xffffffffu, count, offset);
+      kmax = max(kmax, __shfl_xor_sync(0xffffffffu, kmax, offset));
+      kmin = min(kmin, __shfl_xor_sync(0xffffffffu, kmin, offset));
+    }
+    if (lane == 0) {
+      sh.total = count;
+      sh.found_bin = kmax;
+      sh.found_above = kmin;
+    }
+  }
+  __syncthreads();
+  const uint32_t total = sh.total;
+  if (total <= static_cast<uint32_t>(k)) return {1u, 0u};  // every candidate
+  kmax = sh.found_bin;
+  kmin = sh.found_above;
+  int resolved = __clz(kmax ^ kmin);                  // leading key bits all candidates share (32: all equal)
+  // the resolved top bits of the key, the rest zero (shifts by 32 are avoided: undefined in C++)
+  const uint32_t key_prefix_mask = resolved == 32 ? 0xffffffffu : ~(0xffffffffu >> resolved);
+  uint32_t key_prefix = kmax & key_prefix_mask;
+  uint32_t index_prefix = 0;  // resolved − 32 top bits of the inverted index, in the low bits
+  uint32_t need = static_cast<uint32_t>(k);
+  __syncthreads();  // everyone has read the scalars before warp 0 overwrites them
+  while (resolved < kCompositeBits) {
+    const bool on_key = resolved < 32;
+    const int bits = on_key ? min(8, 32 - resolved) : min(8, kCompositeBits - resolved);
+    const uint32_t mask = (1u << bits) - 1u;
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      if (key[i] == 0) continue;
+      uint32_t digit;
+      bool match;
+      if (on_key) {
+        match = resolved == 0 || ((key[i] ^ key_prefix) >> (32 - resolved)) == 0;
+        digit = (key[i] >> (32 - resolved - bits)) & mask;
+      } else {
+        const int done = resolved - 32;
+        const uint32_t inv = inverted(index[i]);
+        match = key[i] == key_prefix && (done == 0 || (inv >> (kIndexBits - done)) == index_prefix);
+        digit = (inv >> (kIndexBits - done - bits)) & mask;
+      }
+      if (match) atomicAdd(&sh.histogram[digit], 1u);
+    }
+    __syncthreads();
+    if (warp == 0) {
+      uint32_t mine[8], sum = 0;
+#pragma unroll
+      for (int b = 0; b < 8; ++b) {
+        mine[b] = sh.histogram[8 * lane + b];
+        sum += mine[b];
+        sh.histogram[8 * lane + b] = 0;  // ready for the next pass
+      }
+      // candidates in the bins of higher lanes
+      uint32_t above = sum;
+      for (int offset = 1; offset < 32; offset *= 2) {
+        const uint32_t v = __shfl_down_sync(0xffffffffu, above, offset);
+        if (lane + offset < 32) above += v;
+      }
+      above -= sum;
+      if (above < need && above + sum >= need) {
+#pragma unroll
+        for (int b = 7; b >= 0; --b) {
+          if (above + mine[b] >= need) {
+            sh.found_bin = 8 * lane + b;
+            sh.found_above = above;
+            sh.found_count = mine[b];
+            break;
+          }
+          above += mine[b];
+        }
+      }
+    }
+    __syncthreads();
+    const uint32_t bin = sh.found_bin, above = sh.found_above, in_bin = sh.found_count;
+    __syncthreads();
+    need -= above;
+    if (on_key)
+      key_prefix |= bin << (32 - resolved - bits);
+    else
+      index_prefix = (index_prefix << bits) | bin;
+    resolved += bits;
+    if (in_bin == need) break;  // the whole bin is taken
+  }
+  // Bits not resolved are zero: every candidate matching the prefix is at or above the threshold.
+  if (resolved <= 32) return {key_prefix, 0u};
+  return {key_prefix, index_prefix << (kCompositeBits - resolved)};
+}
+
+// Appends this thread's chosen candidates at out_key/out_index[atomic slot]; *counter ends at the number chosen.
+// The order is arbitrary; the set is exact.
+__device__ __forceinline__ void compact(const uint32_t (&key)[kPerThread], const int32_t (&index)[kPerThread],
+                                        const Threshold& threshold, uint32_t* counter, uint32_t* out_key,
+                                        int32_t* out_index) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const bool take = chosen_by(threshold, key[i], index[i]);
+    const uint32_t ballot = __ballot_sync(0xffffffffu, take);
+    if (ballot == 0) continue;
+    uint32_t base = 0;
+    if (lane == __ffs(ballot) - 1) base = atomicAdd(counter, static_cast<uint32_t>(__popc(ballot)));
+    base = __shfl_sync(0xffffffffu, base, __ffs(ballot) - 1);
+    if (take) {
+      const uint32_t slot = base + __popc(ballot & ((1u << lane) - 1u));
+      if (out_key) out_key[slot] = key[i];
+      out_index[slot] = index[i];
+    }
+  }
+}
+
+struct Workspace {
+  uint32_t* keys;     // [rows, chunks, k]
+  int32_t* indices;   // [rows, chunks, k]
+  uint32_t* counts;   // [rows, chunks]
+};
+
+__global__ void __launch_bounds__(kThreads, 1) chunk_select_kernel(const TopKParams p, Workspace ws, int chunks) {
+  __shared__ SelectShared sh;
+  __shared__ uint32_t counter;
+  const int64_t row = blockIdx.y;
+  const int chunk = blockIdx.x;
+  int64_t length = p.columns;
+  if (p.row_lengths) length = max(int64_t{0}, min(length, static_cast<int64_t>(p.row_lengths[row])));
+  const float* scores = p.scores + row * p.row_stride;
+  uint32_t key[kPerThread];
+  int32_t index[kPerThread];
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    index[i] = chunk * kChunk + i * kThreads + static_cast<int>(threadIdx.x);
+    key[i] = index[i] < length ? ordered_key(__ldg(scores + index[i])) : 0;
+  }
+  if (threadIdx.x == 0) counter = 0;
+  const Threshold threshold = select_threshold(key, index, static_cast<int>(p.k), sh);
+  const int64_t base = (row * chunks + chunk) * p.k;
+  compact(key, index, threshold, &counter, ws.keys + base, ws.indices + base);
+  __syncthreads();
+  if (threadIdx.x == 0) ws.counts[row * chunks + chunk] = counter;
+}
+
+__global__ void __launch_bounds__(kThreads, 1) merge_select_kernel(const TopKParams p, Workspace ws, int chunks) {
+  __shared__ SelectShared sh;
+  __shared__ uint32_t counter;
+  __shared__ int32_t chosen[kTopKMaxK];
+  const int64_t row = blockIdx.x;
+  const int k = static_cast<int>(p.k);
+  uint32_t key[kPerThread];
+  int32_t index[kPerThread];
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int slot = i * kThreads + static_cast<int>(threadIdx.x);
+    const int chunk = slot / k, within = slot % k;
+    key[i] = 0;
+    index[i] = 0;
+    if (chunk < chunks && within < static_cast<int>(ws.counts[row * chunks + chunk])) {
+      const int64_t at = (row * chunks + chunk) * p.k + within;
+      key[i] = ws.keys[at];
+      index[i] = ws.indices[at];
+    }
+  }
+  if (threadIdx.x == 0) counter = 0;
+  for (int i = threadIdx.x; i < kTopKMaxK; i += kThreads) chosen[i] = INT32_MAX;
+  const Threshold threshold = select_threshold(key, index, k, sh);
+  compact(key, index, threshold, &counter, nullptr, chosen);
+  __syncthreads();
+  const uint32_t n = counter;
+  // Bitonic sort of the chosen entries (padding INT32_MAX sorts last), so the output does not depend on the
+  // order the atomics handed out slots in.
+  for (int size = 2; size <= kTopKMaxK; size *= 2)
+    for (int stride = size / 2; stride > 0; stride /= 2) {
+      const int i = threadIdx.x, j = i ^ stride;
+      if (j > i) {
+        const bool ascending = (i & size) == 0;
+        const int32_t a = chosen[i], b = chosen[j];
+        if ((a > b) == ascending) {
+          chosen[i] = b;
+          chosen[j] = a;
+        }
+      }
+      __syncthreads();
+    }
+  for (int i = threadIdx.x; i < k; i += kThreads)
+    p.indices[row * p.k + i] = i < static_cast<int>(n) ? chosen[i] : -1;
+  if (threadIdx.x == 0) p.lengths[row] = static_cast<int32_t>(n);
+}
+
+int chunks_of(int64_t columns) { return static_cast<int>((columns + kChunk - 1) / kChunk); }
+
+}  // namespace
+
+size_t top_k_workspace_bytes(int64_t rows, int64_t columns, int64_t k) {
+  const auto slots = static_cast<size_t>(rows) * static_cast<size_t>(chunks_of(columns));
+  return slots * static_cast<size_t>(k) * 8 + slots * 4 + 64;
+}
+
+cudaError_t top_k(const TopKParams& p, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  if (p.k <= 0 || p.k > kTopKMaxK || p.columns > kTopKMaxColumns || p.columns < 0 || p.rows > 65535 ||
+      p.row_stride < p.columns)
+    return cudaErrorInvalidValue;
+  if (p.rows == 0) return cudaSuccess;
+  if (workspace_bytes < top_k_workspace_bytes(p.rows, p.columns, p.k)) return cudaErrorInvalidValue;
+  const int chunks = p.columns == 0 ? 1 : chunks_of(p.columns);
+  const auto slots = static_cast<size_t>(p.rows) * static_cast<size_t>(chunks);
+  Workspace ws;
+  ws.keys = static_cast<uint32_t*>(workspace);
+  ws.indices = reinterpret_cast<int32_t*>(ws.keys + slots * p.k);
+  ws.counts = reinterpret_cast<uint32_t*>(ws.indices + slots * p.k);
+  chunk_select_kernel<<<dim3(chunks, static_cast<unsigned>(p.rows)), kThreads, 0, stream>>>(p, ws, chunks);
+  merge_select_kernel<<<static_cast<unsigned>(p.rows), kThreads, 0, stream>>>(p, ws, chunks);
+  return cudaGetLastError();
+}
+
+}  // namespace dsv4::ops::cuda

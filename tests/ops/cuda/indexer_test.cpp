@@ -1,0 +1,211 @@
+// The index-key writer, indexer-scores and top-k kernels against their CPU twins, at production shapes (64 heads,
+// head_dim 128, k 512/1024, 262,144 candidates) and corner cases; outputs poisoned, repeats bitwise. Skips
+// without a GPU.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "../indexer_paged_fixture.h"
+#include "cache/index_key_writer.h"
+#include "ops/cpu/indexer_paged.h"
+#include "ops/cuda/device.h"
+#include "ops/cuda/indexer_scores.h"
+#include "ops/cuda/top_k.h"
+
+namespace dsv4::ops::cuda {
+namespace {
+
+#define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
+
+class CudaIndexerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (list_devices().empty()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+template <typename T>
+T* to_device(const std::vector<T>& host) {
+  T* d = nullptr;
+  if (cudaMalloc(&d, std::max<size_t>(1, host.size()) * sizeof(T)) != cudaSuccess) return nullptr;
+  cudaMemcpy(d, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice);
+  return d;
+}
+template <typename T>
+std::vector<T> to_host(const T* d, size_t n) {
+  std::vector<T> h(n);
+  cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost);
+  return h;
+}
+
+TEST_F(CudaIndexerTest, WriterMatchesCpuQuantizerByteForByte) {
+  for (const IndexKeyDtype dtype : {IndexKeyDtype::kFp8, IndexKeyDtype::kBf16}) {
+    const auto c = testing::make_paged_case(dtype, {1000, 77}, {}, 1, 31);
+    std::mt19937 rng(4);
+    const int64_t count = 1077;
+    std::vector<uint16_t> keys = testing::random_bf16(count * 128, rng, 2.0f);
+    for (int ch = 0; ch < 128; ++ch) keys[5 * 128 + ch] = f32_to_bf16(1e-7f * ch);  // tiny: subnormal e4m3, floor
+    for (int ch = 0; ch < 128; ++ch) keys[6 * 128 + ch] = 0;                        // all zero
+    std::vector<int64_t> slots;
+    for (int r = 0; r < 2; ++r)
+      for (int e = 0; e < (r == 0 ? 1000 : 77); ++e)
+        slots.push_back(int64_t{c.block_tables[r * c.block_table_stride + e / 64]} * 64 + e % 64);
+    auto expected = c.pool;
+    write_index_keys_cpu(c.layout, keys.data(), slots.data(), count, expected.data());
+    std::byte* d_pool = to_device(c.pool);
+    uint16_t* d_keys = to_device(keys);
+    int64_t* d_slots = to_device(slots);
+    CUDA_OK(write_index_keys_cuda(c.layout, d_keys, d_slots, count, d_pool, nullptr));
+    const auto actual = to_host(d_pool, c.pool.size());
+    cudaFree(d_pool);
+    cudaFree(d_keys);
+    cudaFree(d_slots);
+    size_t mismatches = 0;
+    for (size_t i = 0; i < actual.size(); ++i) mismatches += actual[i] != expected[i];
+    EXPECT_EQ(mismatches, 0u) << (dtype == IndexKeyDtype::kFp8 ? "fp8" : "bf16");
+  }
+}
+
+void check_scores(IndexKeyDtype dtype, const std::vector<int32_t>& entries,
+                  const std::vector<std::pair<int32_t, int32_t>>& queries, int64_t max_entries, uint32_t seed) {
+  const auto c = testing::make_paged_case(dtype, entries, queries, max_entries, seed);
+  const size_t n = queries.size() * static_cast<size_t>(max_entries);
+  std::vector<float> expected(n);
+  cpu::indexer_scores_paged(c.params(expected.data()));
+
+  std::byte* d_pool = to_device(c.pool);
+  int32_t* d_tables = to_device(c.block_tables);
+  int32_t* d_entries = to_device(c.request_entries);
+  int32_t* d_request = to_device(c.token_request);
+  int32_t* d_position = to_device(c.token_position);
+  uint16_t* d_q = to_device(c.q);
+  float* d_w = to_device(c.weights);
+  float* d_scores = nullptr;
+  CUDA_OK(cudaMalloc(&d_scores, n * 4));
+  IndexerScoresParams p = c.params(d_scores);
+  p.pool = d_pool;
+  p.block_tables = d_tables;
+  p.request_entries = d_entries;
+  p.token_request = d_request;
+  p.token_position = d_position;
+  p.q = d_q;
+  p.weights = d_w;
+  CUDA_OK(cudaMemset(d_scores, 0xff, n * 4));  // NaN wherever the kernel fails to write
+  CUDA_OK(indexer_scores(p, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  const auto actual = to_host(d_scores, n);
+  CUDA_OK(cudaMemset(d_scores, 0xff, n * 4));
+  CUDA_OK(indexer_scores(p, nullptr));
+  const auto repeat = to_host(d_scores, n);
+  for (void* ptr : std::initializer_list<void*>{d_pool, d_tables, d_entries, d_request, d_position, d_q, d_w, d_scores})
+    cudaFree(ptr);
+  EXPECT_EQ(std::memcmp(actual.data(), repeat.data(), n * 4), 0) << "not bitwise repeatable";
+  for (size_t t = 0; t < queries.size(); ++t) {
+    double err = 0, norm = 0;
+    for (int64_t s = 0; s < max_entries; ++s) {
+      const float a = actual[t * max_entries + s], e = expected[t * max_entries + s];
+      ASSERT_FALSE(std::isnan(a)) << "unwritten score " << t << " " << s;
+      if (std::isinf(e)) {
+        ASSERT_EQ(a, e) << t << " " << s;
+        continue;
+      }
+      ASSERT_FALSE(std::isinf(a)) << t << " " << s;
+      err += (double(a) - e) * (double(a) - e);
+      norm += double(e) * e;
+    }
+    EXPECT_LE(std::sqrt(err / std::max(norm, 1e-30)), 3e-5) << "token " << t;  // fp32 sums in another order
+  }
+}
+
+TEST_F(CudaIndexerTest, ScoresMatchCpuTwinDecodeAndPrefill) {
+  for (const IndexKeyDtype dtype : {IndexKeyDtype::kFp8, IndexKeyDtype::kBf16}) {
+    // Requests: 2049 entries (decode, ragged tail), 77 (prefill queries straddling the 64-entry page boundary),
+    // 0 (no entry: all −inf), 1.
+    const std::vector<int32_t> entries = {2049, 77, 0, 1};
+    std::vector<std::pair<int32_t, int32_t>> queries = {{0, 8199}, {2, 3}, {3, 4}, {3, 2}, {0, 1000}};
+    for (int pos : {0, 3, 4, 255, 256, 259, 307, 310}) queries.push_back({1, pos});
+    check_scores(dtype, entries, queries, 2061, dtype == IndexKeyDtype::kFp8 ? 1 : 2);
+  }
+}
+
+TEST_F(CudaIndexerTest, ScoresMatchCpuTwinAt32KEntries) {
+  check_scores(IndexKeyDtype::kFp8, {32768 + 37, 32768}, {{0, 4 * (32768 + 37)}, {1, 4 * 32768 - 1}, {1, 90000}},
+               32768 + 40, 3);
+}
+
+void check_top_k(int64_t rows, int64_t columns, int64_t stride, int64_t k, const std::vector<float>& scores,
+                 const std::vector<int32_t>& lengths_in) {
+  std::vector<int32_t> expected(rows * k), expected_lengths(rows);
+  TopKParams cp{rows, columns, stride, k, scores.data(), lengths_in.empty() ? nullptr : lengths_in.data(),
+                expected.data(), expected_lengths.data()};
+  cpu::top_k(cp);
+  float* d_scores = to_device(scores);
+  int32_t* d_row_lengths = lengths_in.empty() ? nullptr : to_device(lengths_in);
+  int32_t *d_indices, *d_lengths;
+  ASSERT_EQ(cudaMalloc(&d_indices, rows * k * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_lengths, rows * 4), cudaSuccess);
+  const size_t ws_bytes = top_k_workspace_bytes(rows, columns, k);
+  void* d_ws;
+  ASSERT_EQ(cudaMalloc(&d_ws, ws_bytes), cudaSuccess);
+  TopKParams p{rows, columns, stride, k, d_scores, d_row_lengths, d_indices, d_lengths};
+  std::vector<int32_t> first;
+  for (int run = 0; run < 2; ++run) {
+    cudaMemset(d_indices, 0x7f, rows * k * 4);  // poison
+    cudaMemset(d_lengths, 0x7f, rows * 4);
+    cudaMemset(d_ws, 0x5a, ws_bytes);
+    ASSERT_EQ(top_k(p, d_ws, ws_bytes, nullptr), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const auto indices = to_host(d_indices, rows * k);
+    const auto lengths = to_host(d_lengths, rows);
+    EXPECT_EQ(lengths, expected_lengths) << rows << "x" << columns << " k " << k;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < k; ++i)
+        ASSERT_EQ(indices[r * k + i], expected[r * k + i]) << "row " << r << " slot " << i << " of " << columns;
+    if (run == 0) first = indices;
+    else EXPECT_EQ(first, indices) << "not bitwise repeatable";
+  }
+  cudaFree(d_scores);
+  if (d_row_lengths) cudaFree(d_row_lengths);
+  cudaFree(d_indices);
+  cudaFree(d_lengths);
+  cudaFree(d_ws);
+}
+
+TEST_F(CudaIndexerTest, TopKMatchesCpuTwinAt262144Candidates) {
+  for (const int64_t k : {512, 1024}) {
+    const int64_t rows = 4, columns = 262144;
+    std::vector<float> scores = testing::random_scores(rows, columns, static_cast<uint32_t>(k));
+    // Row 1: the k-th score is tied many times across chunks; row 2: only 300 valid.
+    for (int64_t i = 0; i < columns; ++i) {
+      if (i % 97 == 0) scores[columns + i] = 3.0f;
+      if (i % 1000 >= 1) scores[2 * columns + i] = -INFINITY;
+    }
+    check_top_k(rows, columns, columns, k, scores, {});
+    check_top_k(rows, columns, columns, k, scores, {262144, 100003, 262144, 513});
+  }
+}
+
+TEST_F(CudaIndexerTest, TopKCornerCases) {
+  // Short rows, ragged lengths not multiples of 4 or 128, a padded stride, no valid entry, all tied, few valid.
+  for (const int64_t k : {512, 1024}) {
+    const int64_t rows = 6, columns = 16384 + 131, stride = columns + 5;
+    std::vector<float> scores = testing::random_scores(rows, stride, 77);
+    std::fill(scores.begin() + 1 * stride, scores.begin() + 2 * stride, -INFINITY);  // nothing valid
+    std::fill(scores.begin() + 2 * stride, scores.begin() + 3 * stride, 1.5f);       // all tied
+    for (int64_t i = 0; i < stride; ++i)
+      if (i % 50 != 7) scores[3 * stride + i] = -INFINITY;  // ~330 valid < k
+    check_top_k(rows, columns, stride, k, scores, {});
+    check_top_k(rows, columns, stride, k, scores, {16515, 100, 16384, 1, 0, 1023});
+    check_top_k(3, 2047, 2047, k, testing::random_scores(3, 2047, 5), {});
+    check_top_k(2, 7, 7, k, testing::random_scores(2, 7, 6), {});
+  }
+}
+
+}  // namespace
+}  // namespace dsv4::ops::cuda
