@@ -135,9 +135,16 @@ class FakeOpenAiServer {
       const int open = ++open_streams_;
       for (int peak = peak_open_; open > peak && !peak_open_.compare_exchange_weak(peak, open);) {
       }
+      // The stream stops counting as open just before [DONE] goes out: from then on the client may (rightly)
+      // consider the request finished and start another, while this thread still writes the last chunk.
       struct Closing {
         std::atomic<int>& open;
-        ~Closing() { --open; }
+        bool closed = false;
+        void close() {
+          if (!closed) --open;
+          closed = true;
+        }
+        ~Closing() { close(); }
       } closing{open_streams_};
 
       if (reply.status != 200) {
@@ -196,6 +203,7 @@ class FakeOpenAiServer {
       if (reply.usage_tokens)
         send_event(R"({"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":)" +
                    std::to_string(*reply.usage_tokens) + "}}");
+      closing.close();
       if (reply.send_done) send_event("[DONE]");
       boost::asio::write(socket, http::make_chunk_last());
     } catch (const std::exception&) {
