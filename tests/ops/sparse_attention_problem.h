@@ -30,6 +30,7 @@ struct AttentionProblemSpec {
   int64_t layers_in_group = 2;                // the tested layer is index 1
   float sink_max = 6.0f;                      // sinks ~ U(-2, sink_max): large enough to move the output
   uint32_t seed = 1;
+  int64_t prefill_chunk = 0;  // > 0: token t's last (rng mod prefill_chunk) window positions come from a chunk pool
   int64_t pick_span = 0;  // CSA picks drawn from the first pick_span visible entries (0: all); kbench bounds memory
   bool keep_reference = true;  // keep each token's keys (dequantized, in order) for the reference formula
 };
@@ -41,7 +42,7 @@ struct AttentionProblem {
   int64_t window_block_bytes = 0, compressed_block_bytes = 0;
   int64_t window_region = 0, compressed_region = 0;
   int64_t window_stride = 0, compressed_table_stride = 0;
-  std::vector<int32_t> window_table, compressed_table;
+  std::vector<int32_t> window_table, compressed_table, chunk_table, chunk_starts;
   std::vector<int32_t> indices, lengths, positions;
   int64_t compressed_stride = 1;
   std::vector<uint16_t> q;
@@ -56,7 +57,8 @@ struct AttentionProblem {
   ops::SparseAttentionParams params(uint8_t* arena_base, const int32_t* window_table_ptr,
                                     const int32_t* compressed_table_ptr, const int32_t* indices_ptr,
                                     const int32_t* lengths_ptr, const int32_t* positions_ptr, const float* sinks_ptr,
-                                    const float* inv_freq_ptr) const {
+                                    const float* inv_freq_ptr, const int32_t* chunk_table_ptr,
+                                    const int32_t* chunk_starts_ptr) const {
     ops::SparseAttentionParams p;
     p.tokens = tokens();
     p.heads = spec.heads;
@@ -74,11 +76,16 @@ struct AttentionProblem {
     p.positions = positions_ptr;
     p.sinks = sinks_ptr;
     p.rope_inv_freq = inv_freq_ptr;
+    if (spec.prefill_chunk > 0) {
+      p.chunk = p.window;
+      p.chunk.block_table = chunk_table_ptr;
+      p.chunk_starts = chunk_starts_ptr;
+    }
     return p;
   }
   ops::SparseAttentionParams host_params() {
     return params(arena.data(), window_table.data(), compressed_table.data(), indices.data(), lengths.data(),
-                  positions.data(), sinks.data(), inv_freq.data());
+                  positions.data(), sinks.data(), inv_freq.data(), chunk_table.data(), chunk_starts.data());
   }
 };
 
@@ -138,10 +145,17 @@ inline AttentionProblem make_attention_problem(const AttentionProblemSpec& spec)
   pr.compressed_table_stride = std::max<int64_t>(1, (max_pos + 1) / std::max<int64_t>(spec.ratio, 1) / cepb + 1);
   pr.window_table.assign(T * pr.window_stride, -1);
   pr.compressed_table.assign(T * pr.compressed_table_stride, -1);
-  std::vector<std::pair<int64_t, int64_t>> window_needed, compressed_needed;  // (token, logical block)
+  std::vector<std::pair<int64_t, int64_t>> window_needed, compressed_needed, chunk_needed;  // (token, block)
+  pr.chunk_table.assign(T * pr.window_stride, -1);
+  pr.chunk_starts.assign(T, 0);
   for (int64_t t = 0; t < T; ++t) {
     const int64_t pos = pr.positions[t], first = std::max<int64_t>(0, pos - spec.window + 1);
     for (int64_t b = first / wepb; b <= pos / wepb; ++b) window_needed.emplace_back(t, b);
+    if (spec.prefill_chunk > 0) {
+      pr.chunk_starts[t] = static_cast<int32_t>(
+          std::max<int64_t>(0, pos - static_cast<int64_t>(rng() % static_cast<uint32_t>(spec.prefill_chunk))));
+      for (int64_t b = 0; b <= (pos - pr.chunk_starts[t]) / wepb; ++b) chunk_needed.emplace_back(t, b);
+    }
     std::vector<int64_t> blocks;
     for (auto e : picks[t])
       if (e >= 0) blocks.push_back(e / cepb);
@@ -153,6 +167,7 @@ inline AttentionProblem make_attention_problem(const AttentionProblemSpec& spec)
   const int64_t window_pages = (static_cast<int64_t>(window_needed.size()) + pr.blocks_per_page - 1) / pr.blocks_per_page;
   const int64_t compressed_pages =
       (static_cast<int64_t>(compressed_needed.size()) + pr.blocks_per_page - 1) / pr.blocks_per_page;
+  const int64_t chunk_pages = (static_cast<int64_t>(chunk_needed.size()) + pr.blocks_per_page - 1) / pr.blocks_per_page;
   auto assign = [&](const std::vector<std::pair<int64_t, int64_t>>& needed, int64_t first_page,
                     std::vector<int32_t>& table, int64_t stride) {
     std::vector<int32_t> ids(needed.size());
@@ -162,7 +177,8 @@ inline AttentionProblem make_attention_problem(const AttentionProblemSpec& spec)
   };
   assign(window_needed, 0, pr.window_table, pr.window_stride);
   assign(compressed_needed, window_pages, pr.compressed_table, pr.compressed_table_stride);
-  pr.arena.assign(static_cast<size_t>((window_pages + compressed_pages + 1) * pr.page_bytes), 0xff);
+  assign(chunk_needed, window_pages + compressed_pages, pr.chunk_table, pr.window_stride);
+  pr.arena.assign(static_cast<size_t>((window_pages + compressed_pages + chunk_pages + 1) * pr.page_bytes), 0xff);
 
   // Entries: random K=V vectors (rope channels included), written through the quantizer.
   ops::SparseAttentionParams p = pr.host_params();
@@ -188,7 +204,11 @@ inline AttentionProblem make_attention_problem(const AttentionProblemSpec& spec)
     const int64_t pos = pr.positions[t];
     auto& ref = pr.reference_keys[t];
     for (int64_t e = std::max<int64_t>(0, pos - spec.window + 1); e <= pos; ++e) {
-      const std::vector<float> image = write(p.window, t, static_cast<int32_t>(e));
+      // A chunk position is written to the chunk pool only: its paged window slot stays 0xff (NaN), so reading
+      // the wrong source shows.
+      const bool from_chunk = spec.prefill_chunk > 0 && e >= pr.chunk_starts[t];
+      const std::vector<float> image = from_chunk ? write(p.chunk, t, static_cast<int32_t>(e - pr.chunk_starts[t]))
+                                                  : write(p.window, t, static_cast<int32_t>(e));
       if (spec.keep_reference) ref.insert(ref.end(), image.begin(), image.end());
       ++pr.unique_keys;
     }

@@ -55,6 +55,19 @@ TEST(SparseAttentionTwin, CornerCases) {
   expect_twin_matches_formula(spec, "swa");
 }
 
+TEST(SparseAttentionTwin, PrefillChunkKeys) {
+  // Prefill: each query's most recent window keys come from the step's chunk pool; the paged slots of those
+  // positions hold NaN, so a read from the wrong pool fails the check.
+  for (const int64_t ratio : {int64_t{4}, int64_t{128}, int64_t{0}}) {
+    AttentionProblemSpec spec;
+    spec.ratio = ratio;
+    spec.compressed_entries_per_block = ratio == 128 ? 2 : 64;
+    spec.prefill_chunk = 200;  // from none of the window up to all of it
+    spec.positions = {0, 5, 127, 128, 129, 300, 1000, 4095, 16383, 16384};
+    expect_twin_matches_formula(spec, ratio == 4 ? "prefill csa" : ratio == 128 ? "prefill hca" : "prefill swa");
+  }
+}
+
 TEST(SparseAttentionTwin, SinkAndSelectionMatter) {
   // The formula check above could pass with the sink or the picks ignored only if they did not move the
   // output; make sure they do at these magnitudes.

@@ -21,7 +21,9 @@ void sparse_attention(const SparseAttentionParams& p, const uint16_t* q, uint16_
     const int64_t row = p.rows ? p.rows[i] : i, position = p.positions[i];
     std::vector<KvEntryAddress> addresses;
     for (int64_t pos = std::max<int64_t>(0, position - p.window_size + 1); pos <= position; ++pos)
-      addresses.push_back(kv_entry_address(p.window, p.format, row, pos));
+      addresses.push_back(p.chunk_starts && pos >= p.chunk_starts[i]
+                              ? kv_entry_address(p.chunk, p.format, row, pos - p.chunk_starts[i])
+                              : kv_entry_address(p.window, p.format, row, pos));
     const int64_t selected = p.compressed_lengths ? p.compressed_lengths[i] : 0;
     for (int64_t k = 0; k < selected; ++k) {
       const int32_t entry = p.compressed_indices[i * p.compressed_stride + k];

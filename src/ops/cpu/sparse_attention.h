@@ -8,6 +8,8 @@
 // One softmax over both with the per-head sink in the denominator only (ops/cpu/attention.h, model_spec.md §6.5):
 //   o_h = Σ_j exp(s_j − m) kv_j / (Σ_j exp(s_j − m) + exp(sink_h − m)),  s_j = scale · q_h · kv_j,
 // then the output's rope channels (448…511) rotate by −t_i (inverse interleaved RoPE, model_spec.md §6.6).
+// Prefill is the same computation with several query tokens per request (rows) and the chunk's own keys in a
+// separate pool (chunk_starts below): SWA, CSA (per-query top-k) and HCA (per-query visible entries) layers.
 // q and out are [tokens, heads, 512] bf16; a token with no key outputs zeros.
 #pragma once
 #include <cstdint>
@@ -33,6 +35,12 @@ struct SparseAttentionParams {
   const float* rope_inv_freq = nullptr;  // [32]: the layer's RoPE frequencies (main or compress/YaRN)
   float rope_attention_scaling = 1.0f;
   int64_t num_splits = 0;  // CUDA: key splits per (token, 64 heads); 0 = choose from the grid size
+  // Prefill: the step's own chunk is not in the paged window yet (the manager holds window blocks only for the
+  // step's last `window` positions). With chunk_starts set, window positions ≥ chunk_starts[i] are read from
+  // `chunk` (entry position − chunk_starts[i], same table row) instead; causality is the window rule itself
+  // (query t reads positions ≤ t). nullptr: decode, every window key from `window`.
+  PagedKvPool chunk;
+  const int32_t* chunk_starts = nullptr;  // [tokens]
 };
 
 namespace cpu {

@@ -5,6 +5,7 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 
 namespace dsv4::ops::cuda {
@@ -120,6 +121,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t table_row = p.rows ? p.rows[token] : token;
   const int position = p.positions[token];
+  const int chunk_start = p.chunk_starts ? p.chunk_starts[token] : INT_MAX;  // prefill: own chunk from p.chunk
   const int window_keys = static_cast<int>(position + 1 < p.window_size ? position + 1 : p.window_size);
   const int compressed_keys = p.compressed_lengths ? p.compressed_lengths[token] : 0;
   const int num_keys = window_keys + compressed_keys;
@@ -135,7 +137,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int k = tile * kTileKeys + tid;
     KvEntryAddress address;
     if (k < window_keys) {
-      address = kv_entry_address(p.window, kFormat, table_row, position - window_keys + 1 + k);
+      const int window_position = position - window_keys + 1 + k;
+      address = chunk_start <= window_position
+                    ? kv_entry_address(p.chunk, kFormat, table_row, window_position - chunk_start)
+                    : kv_entry_address(p.window, kFormat, table_row, window_position);
     } else if (k < num_keys) {
       const int32_t entry = p.compressed_indices[token * p.compressed_stride + (k - window_keys)];
       if (entry >= 0) address = kv_entry_address(p.compressed, kFormat, table_row, entry);

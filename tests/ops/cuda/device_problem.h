@@ -30,7 +30,7 @@ T* to_device(const std::vector<T>& host) {
 struct DeviceProblem {
   uint8_t* arena = nullptr;
   int32_t *window_table = nullptr, *compressed_table = nullptr, *indices = nullptr, *lengths = nullptr,
-          *positions = nullptr;
+          *positions = nullptr, *chunk_table = nullptr, *chunk_starts = nullptr;
   float *sinks = nullptr, *inv_freq = nullptr;
   uint16_t *q = nullptr, *out = nullptr;
   void* workspace = nullptr;
@@ -44,6 +44,8 @@ struct DeviceProblem {
     indices = to_device(pr.indices);
     lengths = to_device(pr.lengths);
     positions = to_device(pr.positions);
+    chunk_table = to_device(pr.chunk_table);
+    chunk_starts = to_device(pr.chunk_starts);
     sinks = to_device(pr.sinks);
     inv_freq = to_device(pr.inv_freq);
     q = to_device(pr.q);
@@ -56,11 +58,13 @@ struct DeviceProblem {
     for (void* p : {static_cast<void*>(arena), static_cast<void*>(window_table), static_cast<void*>(compressed_table),
                     static_cast<void*>(indices), static_cast<void*>(lengths), static_cast<void*>(positions),
                     static_cast<void*>(sinks), static_cast<void*>(inv_freq), static_cast<void*>(q),
-                    static_cast<void*>(out), workspace})
+                    static_cast<void*>(out), static_cast<void*>(chunk_table), static_cast<void*>(chunk_starts),
+                    workspace})
       if (p) cudaFree(p);
   }
   ops::SparseAttentionParams params(const AttentionProblem& pr) const {
-    return pr.params(arena, window_table, compressed_table, indices, lengths, positions, sinks, inv_freq);
+    return pr.params(arena, window_table, compressed_table, indices, lengths, positions, sinks, inv_freq, chunk_table,
+                     chunk_starts);
   }
   void reserve_workspace(size_t bytes) {
     if (bytes <= workspace_bytes) return;

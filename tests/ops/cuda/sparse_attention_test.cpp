@@ -112,6 +112,20 @@ TEST_F(CudaSparseAttention, HcaEveryEntry) {
   }
 }
 
+TEST_F(CudaSparseAttention, PrefillChunkKeys) {
+  for (const KvEntryFormat format : {KvEntryFormat::kFp8, KvEntryFormat::kBf16})
+    for (const int64_t ratio : {int64_t{4}, int64_t{128}, int64_t{0}}) {
+      AttentionProblemSpec spec;
+      spec.format = format;
+      spec.ratio = ratio;
+      spec.compressed_entries_per_block = ratio == 128 ? 2 : 64;
+      spec.prefill_chunk = 200;
+      for (int i = 0; i < 40; ++i) spec.positions.push_back(16000 + 37 * i);
+      spec.positions.push_back(3);
+      check(spec, "prefill ratio " + std::to_string(ratio), {1, 4});
+    }
+}
+
 TEST_F(CudaSparseAttention, CornerCases) {
   AttentionProblemSpec spec;
   spec.invalid_fraction = 0.3;
