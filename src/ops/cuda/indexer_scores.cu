@@ -89,27 +89,26 @@ __device__ __forceinline__ void load_tile(const IndexerScoresParams& p, const un
   }
 }
 
+// The A fragments of k-step s for both m-tiles, from the raw key bytes.
 template <IndexKeyDtype kDtype>
-__device__ __forceinline__ void to_fragments(const KeyTile<kDtype>& tile, uint32_t (&a)[2][8][4]) {
+__device__ __forceinline__ void fragments_of_step(const KeyTile<kDtype>& tile, int s, uint32_t (&a)[2][4]) {
 #pragma unroll
   for (int m = 0; m < 2; ++m)
 #pragma unroll
-    for (int s = 0; s < 8; ++s)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if constexpr (kDtype == IndexKeyDtype::kFp8) {
-          // word s of the row: channels 32t + 4s .. +3
-          const uint4& vec = tile.raw[m][h][s / 4];
-          const uint32_t word = (s % 4 == 0) ? vec.x : (s % 4 == 1) ? vec.y : (s % 4 == 2) ? vec.z : vec.w;
-          a[m][s][h] = e4m3x2_to_bf16x2(word, 0x1404);      // channels +0, +1: logical k 2t, 2t+1
-          a[m][s][2 + h] = e4m3x2_to_bf16x2(word, 0x3424);  // channels +2, +3: logical k 2t+8, 2t+9
-        } else {
-          // bf16 words 2s, 2s+1 of the row
-          const uint4& vec = tile.raw[m][h][s / 2];
-          a[m][s][h] = (s % 2 == 0) ? vec.x : vec.z;
-          a[m][s][2 + h] = (s % 2 == 0) ? vec.y : vec.w;
-        }
+    for (int h = 0; h < 2; ++h) {
+      if constexpr (kDtype == IndexKeyDtype::kFp8) {
+        // word s of the row: channels 32t + 4s .. +3
+        const uint4& vec = tile.raw[m][h][s / 4];
+        const uint32_t word = (s % 4 == 0) ? vec.x : (s % 4 == 1) ? vec.y : (s % 4 == 2) ? vec.z : vec.w;
+        a[m][h] = e4m3x2_to_bf16x2(word, 0x1404);      // channels +0, +1: logical k 2t, 2t+1
+        a[m][2 + h] = e4m3x2_to_bf16x2(word, 0x3424);  // channels +2, +3: logical k 2t+8, 2t+9
+      } else {
+        // bf16 words 2s, 2s+1 of the row
+        const uint4& vec = tile.raw[m][h][s / 2];
+        a[m][h] = (s % 2 == 0) ? vec.x : vec.z;
+        a[m][2 + h] = (s % 2 == 0) ? vec.y : vec.w;
       }
+    }
 }
 
 template <IndexKeyDtype kDtype, int kMinBlocks>
@@ -157,29 +156,40 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   for (int it = 0; it < tiles_per_cta; ++it) {
     const int64_t entry0 = first_entry + static_cast<int64_t>(it) * kCtaEntries + warp * kWarpEntries;
     if (entry0 >= p.max_entries) break;
-    uint32_t a[2][8][4];
-    to_fragments<kDtype>(tile, a);
-    const float scale = tile.scale;
+    const KeyTile<kDtype> current = tile;
     if (it + 1 < tiles_per_cta) load_tile<kDtype>(p, pool, table, entry0 + kCtaEntries, visible, g, t, tile);
 
     float part[2][2] = {{0, 0}, {0, 0}};  // [m][h]: Σ over this lane's heads of w · relu(q · k), rows 16m + 8h + g
     if (entry0 < visible) {
+      // k-steps outside, the 8 head tiles inside: 16 independent accumulator chains hide the mma latency (the
+      // head-tile-outer order left 2 chains of 8 dependent mma and ran at ~240 TFLOP/s).
+      float acc[2][8][4];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        float acc[2][4] = {{0, 0, 0, 0}, {0, 0, 0, 0}};
+      for (int m = 0; m < 2; ++m)
 #pragma unroll
-        for (int s = 0; s < 8; ++s) {
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[m][j][i] = 0.0f;
+#pragma unroll
+      for (int s = 0; s < 8; ++s) {
+        uint32_t a[2][4];
+        fragments_of_step<kDtype>(current, s, a);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
           const uint2 b = *reinterpret_cast<const uint2*>(q_lane + j * 8 * kQRowBytes + s * 8);
-          mma_bf16(acc[0], a[0][s], b.x, b.y);
-          mma_bf16(acc[1], a[1][s], b.x, b.y);
-        }
-#pragma unroll
-        for (int m = 0; m < 2; ++m) {
-          part[m][0] += w[j][0] * fmaxf(acc[m][0], 0.0f) + w[j][1] * fmaxf(acc[m][1], 0.0f);
-          part[m][1] += w[j][0] * fmaxf(acc[m][2], 0.0f) + w[j][1] * fmaxf(acc[m][3], 0.0f);
+          mma_bf16(acc[0][j], a[0], b.x, b.y);
+          mma_bf16(acc[1][j], a[1], b.x, b.y);
         }
       }
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+          part[m][0] += w[j][0] * fmaxf(acc[m][j][0], 0.0f) + w[j][1] * fmaxf(acc[m][j][1], 0.0f);
+          part[m][1] += w[j][0] * fmaxf(acc[m][j][2], 0.0f) + w[j][1] * fmaxf(acc[m][j][3], 0.0f);
+        }
     }
+    const float scale = current.scale;
 #pragma unroll
     for (int m = 0; m < 2; ++m)
 #pragma unroll

@@ -5,11 +5,12 @@
 namespace dsv4::ops::cuda {
 namespace {
 
-constexpr int kThreads = 1024;
+constexpr int kThreads = 1024;  // the merge CTA; chunk CTAs have 512 (k ≤ 512) or 1024 threads
 constexpr int kWarpsPerCta = kThreads / 32;
 constexpr int kPerThread = 16;
-constexpr int kChunk = kThreads * kPerThread;          // 16,384 columns per chunk CTA
-static_assert(kTopKMaxColumns / kChunk * kTopKMaxK <= kChunk, "the merge CTA holds every chunk's candidates");
+constexpr int kChunk = kThreads * kPerThread;          // 16,384 columns per chunk CTA for k > 512
+static_assert(kTopKMaxColumns / kChunk * kTopKMaxK <= kChunk && kTopKMaxColumns / (kChunk / 2) * 512 <= kChunk,
+              "the merge CTA holds every chunk's candidates");
 constexpr int kCompositeBits = 56;                     // 32 bits of ordered score, 24 bits of inverted index
 constexpr int kIndexBits = 24;
 
@@ -49,6 +50,7 @@ struct SelectShared {
 // prefix of the largest and smallest key), takes 8 bits per pass — score bits, then index bits when scores tie —
 // and stops as soon as the bin that crosses k holds exactly the number still needed. Index passes use 32-bit
 // arithmetic only, so sixteen candidates per thread stay in registers at 1024 threads.
+template <int kCtaThreads>
 __device__ Threshold select_threshold(const uint32_t (&key)[kPerThread], const int32_t (&index)[kPerThread], int k,
                                       SelectShared& sh) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -70,12 +72,13 @@ __device__ Threshold select_threshold(const uint32_t (&key)[kPerThread], const i
     sh.warp_max[warp] = kmax;
     sh.warp_min[warp] = kmin;
   }
-  for (int i = threadIdx.x; i < 256; i += kThreads) sh.histogram[i] = 0;
+  for (int i = threadIdx.x; i < 256; i += kCtaThreads) sh.histogram[i] = 0;
   __syncthreads();
   if (warp == 0) {
-    count = sh.warp_count[lane];
-    kmax = sh.warp_max[lane];
-    kmin = sh.warp_min[lane];
+    const bool real = lane < kCtaThreads / 32;
+    count = real ? sh.warp_count[lane] : 0;
+    kmax = real ? sh.warp_max[lane] : 0;
+    kmin = real ? sh.warp_min[lane] : 0xffffffffu;
     for (int offset = 16; offset > 0; offset /= 2) {
       count += __shfl_xor_sync(0xffffffffu, count, offset);
       kmax = max(kmax, __shfl_xor_sync(0xffffffffu, kmax, offset));
@@ -105,19 +108,25 @@ __device__ Threshold select_threshold(const uint32_t (&key)[kPerThread], const i
     const uint32_t mask = (1u << bits) - 1u;
 #pragma unroll
     for (int i = 0; i < kPerThread; ++i) {
-      if (key[i] == 0) continue;
-      uint32_t digit;
-      bool match;
-      if (on_key) {
-        match = resolved == 0 || ((key[i] ^ key_prefix) >> (32 - resolved)) == 0;
-        digit = (key[i] >> (32 - resolved - bits)) & mask;
-      } else {
-        const int done = resolved - 32;
-        const uint32_t inv = inverted(index[i]);
-        match = key[i] == key_prefix && (done == 0 || (inv >> (kIndexBits - done)) == index_prefix);
-        digit = (inv >> (kIndexBits - done - bits)) & mask;
+      uint32_t digit = 0;
+      bool match = false;
+      if (key[i] != 0) {
+        if (on_key) {
+          match = resolved == 0 || ((key[i] ^ key_prefix) >> (32 - resolved)) == 0;
+          digit = (key[i] >> (32 - resolved - bits)) & mask;
+        } else {
+          const int done = resolved - 32;
+          const uint32_t inv = inverted(index[i]);
+          match = key[i] == key_prefix && (done == 0 || (inv >> (kIndexBits - done)) == index_prefix);
+          digit = (inv >> (kIndexBits - done - bits)) & mask;
+        }
       }
-      if (match) atomicAdd(&sh.histogram[digit], 1u);
+      // Scores cluster in few bins (the first pass sees sign and exponent), and lanes adding to one shared
+      // counter serialise: one atomic per distinct digit per warp instead (the first version, one per candidate,
+      // took ~24 us on 2,048 candidates).
+      if (__ballot_sync(0xffffffffu, match) == 0) continue;
+      const uint32_t peers = __match_any_sync(0xffffffffu, match ? digit : 0xffffffffu);
+      if (match && lane == __ffs(peers) - 1) atomicAdd(&sh.histogram[digit], static_cast<uint32_t>(__popc(peers)));
     }
     __syncthreads();
     if (warp == 0) {
@@ -192,7 +201,11 @@ struct Workspace {
   uint32_t* counts;   // [rows, chunks]
 };
 
-__global__ void __launch_bounds__(kThreads, 1) chunk_select_kernel(const TopKParams p, Workspace ws, int chunks) {
+// Threads · 16 columns per CTA. 512 threads when k ≤ 512: two CTAs per SM then overlap one's loads with the
+// other's passes.
+template <int kCtaThreads>
+__global__ void __launch_bounds__(kCtaThreads, 1024 / kCtaThreads) chunk_select_kernel(const TopKParams p,
+                                                                                 Workspace ws, int chunks) {
   __shared__ SelectShared sh;
   __shared__ uint32_t counter;
   const int64_t row = blockIdx.y;
@@ -204,11 +217,11 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_select_kernel(const TopKPar
   int32_t index[kPerThread];
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) {
-    index[i] = chunk * kChunk + i * kThreads + static_cast<int>(threadIdx.x);
+    index[i] = chunk * (kCtaThreads * kPerThread) + i * kCtaThreads + static_cast<int>(threadIdx.x);
     key[i] = index[i] < length ? ordered_key(__ldg(scores + index[i])) : 0;
   }
   if (threadIdx.x == 0) counter = 0;
-  const Threshold threshold = select_threshold(key, index, static_cast<int>(p.k), sh);
+  const Threshold threshold = select_threshold<kCtaThreads>(key, index, static_cast<int>(p.k), sh);
   const int64_t base = (row * chunks + chunk) * p.k;
   compact(key, index, threshold, &counter, ws.keys + base, ws.indices + base);
   __syncthreads();
@@ -237,7 +250,7 @@ __global__ void __launch_bounds__(kThreads, 1) merge_select_kernel(const TopKPar
   }
   if (threadIdx.x == 0) counter = 0;
   for (int i = threadIdx.x; i < kTopKMaxK; i += kThreads) chosen[i] = INT32_MAX;
-  const Threshold threshold = select_threshold(key, index, k, sh);
+  const Threshold threshold = select_threshold<kThreads>(key, index, k, sh);
   compact(key, index, threshold, &counter, nullptr, chosen);
   __syncthreads();
   const uint32_t n = counter;
@@ -261,12 +274,15 @@ __global__ void __launch_bounds__(kThreads, 1) merge_select_kernel(const TopKPar
   if (threadIdx.x == 0) p.lengths[row] = static_cast<int32_t>(n);
 }
 
-int chunks_of(int64_t columns) { return static_cast<int>((columns + kChunk - 1) / kChunk); }
+int chunk_columns(int64_t k) { return k <= 512 ? kChunk / 2 : kChunk; }
+int chunks_of(int64_t columns, int64_t k) {
+  return columns == 0 ? 1 : static_cast<int>((columns + chunk_columns(k) - 1) / chunk_columns(k));
+}
 
 }  // namespace
 
 size_t top_k_workspace_bytes(int64_t rows, int64_t columns, int64_t k) {
-  const auto slots = static_cast<size_t>(rows) * static_cast<size_t>(chunks_of(columns));
+  const auto slots = static_cast<size_t>(rows) * static_cast<size_t>(chunks_of(columns, k));
   return slots * static_cast<size_t>(k) * 8 + slots * 4 + 64;
 }
 
@@ -276,13 +292,17 @@ cudaError_t top_k(const TopKParams& p, void* workspace, size_t workspace_bytes, 
     return cudaErrorInvalidValue;
   if (p.rows == 0) return cudaSuccess;
   if (workspace_bytes < top_k_workspace_bytes(p.rows, p.columns, p.k)) return cudaErrorInvalidValue;
-  const int chunks = p.columns == 0 ? 1 : chunks_of(p.columns);
+  const int chunks = chunks_of(p.columns, p.k);
   const auto slots = static_cast<size_t>(p.rows) * static_cast<size_t>(chunks);
   Workspace ws;
   ws.keys = static_cast<uint32_t*>(workspace);
   ws.indices = reinterpret_cast<int32_t*>(ws.keys + slots * p.k);
   ws.counts = reinterpret_cast<uint32_t*>(ws.indices + slots * p.k);
-  chunk_select_kernel<<<dim3(chunks, static_cast<unsigned>(p.rows)), kThreads, 0, stream>>>(p, ws, chunks);
+  const dim3 grid(chunks, static_cast<unsigned>(p.rows));
+  if (p.k <= 512)
+    chunk_select_kernel<kThreads / 2><<<grid, kThreads / 2, 0, stream>>>(p, ws, chunks);
+  else
+    chunk_select_kernel<kThreads><<<grid, kThreads, 0, stream>>>(p, ws, chunks);
   merge_select_kernel<<<static_cast<unsigned>(p.rows), kThreads, 0, stream>>>(p, ws, chunks);
   return cudaGetLastError();
 }

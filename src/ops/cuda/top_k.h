@@ -17,8 +17,8 @@ inline constexpr int64_t kTopKMaxK = 1024;
 // Bytes of workspace top_k needs for `rows` rows of `columns` scores and this k.
 size_t top_k_workspace_bytes(int64_t rows, int64_t columns, int64_t k);
 
-// Two launches, no allocation and no host synchronisation (CUDA-graph safe): (1) every 16,384-column chunk of a
-// row selects its exact top-k by radix select in one CTA; (2) one CTA per row selects the top-k among the
+// Two launches, no allocation and no host synchronisation (CUDA-graph safe): (1) every chunk of a row (8,192 columns
+// for k ≤ 512, 16,384 above) selects its exact top-k by radix select in one CTA; (2) one CTA per row selects the top-k among the
 // chunks' candidates (the global top-k is contained in the union of the chunks' top-k) and sorts it by entry.
 cudaError_t top_k(const TopKParams& p, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
