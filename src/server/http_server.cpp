@@ -228,7 +228,7 @@ class Session : public std::enable_shared_from_this<Session> {
   // The response is written: read the next request, unless a disconnect watch is still armed (then it is
   // cancelled first; two reads may not be pending on one socket).
   void after_response() {
-    if (!keep_alive_) return close();
+    if (!keep_alive_) return lingering_close();
     if (watching_) {
       resume_after_watch_ = true;
       beast::error_code ignored;
@@ -236,6 +236,24 @@ class Session : public std::enable_shared_from_this<Session> {
       return;
     }
     read_request();
+  }
+
+  // A response sent before the whole request was read (413, a malformed request) must not be followed by a
+  // plain close: unread bytes make the kernel answer with a reset and the client loses the response. Shut the
+  // sending side and discard what still arrives, for a few seconds at most (nginx's lingering close).
+  void lingering_close() {
+    beast::error_code ignored;
+    stream_.socket().shutdown(tcp::socket::shutdown_send, ignored);
+    stream_.expires_after(std::chrono::seconds(5));
+    drain_.resize(64 * 1024);
+    drain_read();
+  }
+
+  void drain_read() {
+    stream_.async_read_some(net::buffer(drain_), [self = shared_from_this()](beast::error_code ec, size_t) {
+      if (ec) return self->close();
+      self->drain_read();
+    });
   }
 
   void close() {
@@ -542,6 +560,7 @@ class Session : public std::enable_shared_from_this<Session> {
   bool in_generation_ = false, headers_sent_ = false, client_gone_ = false, stream_done_ = false;
   bool watching_ = false, resume_after_watch_ = false, writing_ = false;
   std::deque<std::string> writes_;
+  std::vector<char> drain_;
 };
 
 void HttpServer::Impl::accept() {
