@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
 #include "ops/cpu/attention.h"
@@ -13,6 +14,7 @@
 #include "ops/cpu/linear.h"
 #include "ops/cpu/moe.h"
 #include "ops/cpu/norm.h"
+#include "ops/cpu/quantize.h"
 
 namespace dsv4 {
 
@@ -48,6 +50,84 @@ std::vector<float> project(const float* x, int64_t rows, int64_t in, const Tenso
   std::vector<float> y(static_cast<size_t>(rows * weight.dim(0)));
   linear(x, rows, in, weight.ptr(), weight.dim(0), y.data());
   return y;
+}
+
+// ---- DeepSeek numerics (docs/numerics.md): the reference's roundings, applied only in Numerics::kDeepSeek. ----
+
+void bf16(std::vector<float>& x) { round_to_bf16(x.data(), static_cast<int64_t>(x.size())); }
+
+// The reference's linear() for an FP8 / FP4 weight (model_spec.md §3.2): each row's activation quantized per 128
+// channels to e4m3 with UE8M0 scales, fp32 accumulation (the dequantized weights are exact), bf16 output.
+std::vector<float> project_fp8(const float* x, int64_t rows, int64_t in, const Tensor& weight) {
+  std::vector<float> quantized(x, x + rows * in);
+  for (int64_t r = 0; r < rows; ++r) quantize_e4m3_blocks(&quantized[r * in], in, 128);
+  std::vector<float> y = project(quantized.data(), rows, in, weight);
+  bf16(y);
+  return y;
+}
+
+// A bf16 F.linear (wo_a, indexer weights_proj): bf16 operands, fp32 accumulation, bf16 output.
+std::vector<float> project_bf16(const float* x, int64_t rows, int64_t in, const Tensor& weight) {
+  std::vector<float> y = project(x, rows, in, weight);
+  bf16(y);
+  return y;
+}
+
+// `q *= rsqrt(q.square().mean(-1) + eps)` on a bf16 tensor (§6.1 step 3): every intermediate rounded to bf16,
+// the mean accumulated in fp32.
+void head_rms_norm_bf16(float* q, int64_t rows, int64_t dim, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = q + r * dim;
+    float sum = 0;
+    for (int64_t i = 0; i < dim; ++i) sum += bf16_to_f32(f32_to_bf16(row[i] * row[i]));
+    const float mean = bf16_to_f32(f32_to_bf16(sum / static_cast<float>(dim)));
+    const float inv = bf16_to_f32(f32_to_bf16(1.0f / std::sqrt(bf16_to_f32(f32_to_bf16(mean + eps)))));
+    for (int64_t i = 0; i < dim; ++i) row[i] = bf16_to_f32(f32_to_bf16(row[i] * inv));
+  }
+}
+
+// The reference's indexer score on bf16 tensors (§8 step 6): q·k (fp32 accumulate) → bf16, relu, × w → bf16,
+// head sum (fp32 accumulate) → bf16. `head_weights` already carry index_head_dim^-0.5 · heads^-0.5.
+void indexer_scores_bf16(const IndexerParams& p, const float* q, const float* head_weights, const float* const* keys,
+                         int64_t num_entries, float* scores) {
+  for (int64_t s = 0; s < num_entries; ++s) {
+    float score = 0;
+    for (int64_t h = 0; h < p.heads; ++h) {
+      const float* qh = q + h * p.head_dim;
+      float dot = 0;
+      for (int64_t i = 0; i < p.head_dim; ++i) dot += qh[i] * keys[s][i];
+      score += bf16_to_f32(f32_to_bf16(std::max(bf16_to_f32(f32_to_bf16(dot)), 0.0f) * head_weights[h]));
+    }
+    scores[s] = bf16_to_f32(f32_to_bf16(score));
+  }
+}
+
+// sparse_attn as the reference kernel computes it (§6.5): fp32 logits, the probabilities exp(s − m) rounded to bf16
+// before P·V (fp32 accumulation), the fp32 denominator with the sink, bf16 output.
+void sink_attention_bf16(const SinkAttentionParams& p, const float* q, const float* const* keys, int64_t num_keys,
+                         const float* sinks, float* out) {
+  const int64_t d = p.head_dim;
+  std::vector<float> logits(static_cast<size_t>(num_keys));
+  for (int64_t h = 0; h < p.heads; ++h) {
+    const float* qh = q + h * d;
+    float* oh = out + h * d;
+    float max_logit = -INFINITY;
+    for (int64_t j = 0; j < num_keys; ++j) {
+      float dot = 0;
+      for (int64_t i = 0; i < d; ++i) dot += qh[i] * keys[j][i];
+      logits[j] = dot * p.scale;
+      max_logit = std::max(max_logit, logits[j]);
+    }
+    float denominator = std::exp(sinks[h] - max_logit);
+    std::fill(oh, oh + d, 0.0f);
+    for (int64_t j = 0; j < num_keys; ++j) {
+      const float weight = std::exp(logits[j] - max_logit);
+      denominator += weight;
+      const float rounded = bf16_to_f32(f32_to_bf16(weight));
+      for (int64_t i = 0; i < d; ++i) oh[i] += rounded * keys[j][i];
+    }
+    for (int64_t i = 0; i < d; ++i) oh[i] = bf16_to_f32(f32_to_bf16(num_keys ? oh[i] / denominator : 0.0f));
+  }
 }
 
 }  // namespace
@@ -92,6 +172,13 @@ Tensor DeepseekV4Model::forward(std::span<const SequenceChunk> batch, LogitsMode
   for (int64_t t = 0; t < N; ++t)
     for (int64_t s = 0; s < hc; ++s)
       std::memcpy(&streams[(t * hc + s) * D], weights_.embed.ptr() + step.token_ids[t] * D, D * sizeof(float));
+  // kDeepSeek: the residual streams and every sublayer input are bf16 tensors (§4, §5); norms and mHC mixing
+  // compute in fp32 and round their outputs.
+  const bool deepseek = c.numerics == Numerics::kDeepSeek;
+  auto to_bf16 = [deepseek](std::vector<float>& x) {
+    if (deepseek) bf16(x);
+  };
+  to_bf16(streams);
 
   const HyperConnectionParams hp{hc, D, c.hc_sinkhorn_iters, static_cast<float>(c.hc_eps),
                                  static_cast<float>(c.rms_norm_eps)};
@@ -103,16 +190,22 @@ Tensor DeepseekV4Model::forward(std::span<const SequenceChunk> batch, LogitsMode
     // Attention site: collapse the streams, norm, attend, expand back (mHC).
     hc_pre(hp, streams.data(), N, l.hc_attn_fn.ptr(), l.hc_attn_base.ptr(), l.hc_attn_scale.ptr(), collapsed.data(),
            post.data(), comb.data());
+    to_bf16(collapsed);
     rms_norm(collapsed.data(), N, D, D, l.attn_norm.ptr(), eps, collapsed.data());
+    to_bf16(collapsed);
     attention(layer, step, batch, collapsed.data(), sublayer_out.data());
     hc_post(hp, sublayer_out.data(), streams.data(), N, post.data(), comb.data(), next_streams.data());
+    to_bf16(next_streams);
     streams.swap(next_streams);
     // MoE site.
     hc_pre(hp, streams.data(), N, l.hc_ffn_fn.ptr(), l.hc_ffn_base.ptr(), l.hc_ffn_scale.ptr(), collapsed.data(),
            post.data(), comb.data());
+    to_bf16(collapsed);
     rms_norm(collapsed.data(), N, D, D, l.ffn_norm.ptr(), eps, collapsed.data());
+    to_bf16(collapsed);
     moe(layer, step, collapsed.data(), sublayer_out.data());
     hc_post(hp, sublayer_out.data(), streams.data(), N, post.data(), comb.data(), next_streams.data());
+    to_bf16(next_streams);
     streams.swap(next_streams);
   }
   for (size_t r = 0; r < batch.size(); ++r)
@@ -133,7 +226,9 @@ Tensor DeepseekV4Model::forward(std::span<const SequenceChunk> batch, LogitsMode
   std::vector<float> final_hidden(static_cast<size_t>(R * D));
   hc_head(hp, selected.data(), R, weights_.hc_head_fn.ptr(), weights_.hc_head_base.ptr(), weights_.hc_head_scale.ptr(),
           final_hidden.data());
+  to_bf16(final_hidden);
   rms_norm(final_hidden.data(), R, D, D, weights_.norm.ptr(), eps, final_hidden.data());
+  to_bf16(final_hidden);  // the fp32 LM head then reads bf16 values (§4 step 3)
   Tensor logits({R, c.vocab_size});
   linear(final_hidden.data(), R, D, weights_.head.ptr(), c.vocab_size, logits.ptr());
   return logits;
@@ -150,6 +245,8 @@ void DeepseekV4Model::compress(int64_t layer, EntryKind kind, const StepLayout& 
   const int64_t N = step.tokens, D = c.hidden_size, width = p.width();
   const std::vector<float> kv = project(x, N, D, w.wkv), gate = project(x, N, D, w.wgate);
   const float eps = static_cast<float>(c.rms_norm_eps);
+  const bool deepseek = c.numerics == Numerics::kDeepSeek;
+  const int64_t rope_dim = rope_compress_.rope_dim();
   // Requests are independent; within one, tokens enter the compressor in order.
   ThreadPool::global().parallel_for(static_cast<int64_t>(batch.size()), [&](int64_t begin, int64_t end) {
     std::vector<float> entry(static_cast<size_t>(p.head_dim));
@@ -164,8 +261,23 @@ void DeepseekV4Model::compress(int64_t layer, EntryKind kind, const StepLayout& 
           continue;
         // Entry w = position / ratio: RMSNorm, then RoPE at the window's first position w·ratio.
         const int64_t entry_position = position / p.ratio * p.ratio;
+        if (deepseek) round_to_bf16(entry.data(), p.head_dim);  // kv.to(bf16) before the norm (§7.1)
         rms_norm(entry.data(), 1, p.head_dim, p.head_dim, w.norm.ptr(), eps, entry.data());
+        if (deepseek) round_to_bf16(entry.data(), p.head_dim);
         apply_rope(entry.data(), 1, p.head_dim, 1, p.head_dim, &entry_position, rope_compress_);
+        if (deepseek) {
+          round_to_bf16(entry.data(), p.head_dim);
+          if (kind == EntryKind::kMain) {
+            // FP8 simulation of the non-rope channels, one UE8M0 scale per 64 (§3.3).
+            quantize_e4m3_blocks(entry.data(), p.head_dim - rope_dim, 64);
+          } else {
+            // Indexer keys: Hadamard rotation, then FP4 simulation per 32 (§3.5, §8).
+            hadamard_transform(entry.data(), p.head_dim, 1.0f / std::sqrt(static_cast<float>(p.head_dim)));
+            round_to_bf16(entry.data(), p.head_dim);
+            quantize_e2m1_blocks(entry.data(), p.head_dim, 32);
+          }
+          round_to_bf16(entry.data(), p.head_dim);
+        }
         std::memcpy(state.append_entry(layer, kind), entry.data(), entry.size() * sizeof(float));
       }
     }
@@ -182,16 +294,31 @@ void DeepseekV4Model::attention(int64_t layer, const StepLayout& step, std::span
   const int64_t W = c.sliding_window, ratio = c.compress_rate(layer);
   const float eps = static_cast<float>(c.rms_norm_eps);
 
+  // kDeepSeek: FP8 linears quantize their input (project_fp8), every intermediate is a bf16 tensor (to_bf16).
+  const bool deepseek = c.numerics == Numerics::kDeepSeek;
+  auto to_bf16 = [deepseek](std::vector<float>& v) {
+    if (deepseek) bf16(v);
+  };
+  auto fp8_linear = [deepseek](const float* in, int64_t rows, int64_t width, const Tensor& weight) {
+    return deepseek ? project_fp8(in, rows, width, weight) : project(in, rows, width, weight);
+  };
   // Query: low-rank, weighted norm, up-projection, per-head unweighted norm, RoPE at the token position.
-  std::vector<float> q_residual = project(x, N, D, l.wq_a);
+  std::vector<float> q_residual = fp8_linear(x, N, D, l.wq_a);
   rms_norm(q_residual.data(), N, c.q_lora_rank, c.q_lora_rank, l.q_norm.ptr(), eps, q_residual.data());
-  std::vector<float> q = project(q_residual.data(), N, c.q_lora_rank, l.wq_b);
-  rms_norm(q.data(), N * H, d, d, nullptr, eps, q.data());
+  to_bf16(q_residual);
+  std::vector<float> q = fp8_linear(q_residual.data(), N, c.q_lora_rank, l.wq_b);
+  if (deepseek) head_rms_norm_bf16(q.data(), N * H, d, eps);
+  else rms_norm(q.data(), N * H, d, d, nullptr, eps, q.data());
   apply_rope(q.data(), N, H * d, H, d, step.positions.data(), rope);
+  to_bf16(q);
   // The shared K=V vector of each token.
-  std::vector<float> kv = project(x, N, D, l.wkv);
+  std::vector<float> kv = fp8_linear(x, N, D, l.wkv);
   rms_norm(kv.data(), N, d, d, l.kv_norm.ptr(), eps, kv.data());
+  to_bf16(kv);
   apply_rope(kv.data(), N, d, 1, d, step.positions.data(), rope);
+  to_bf16(kv);
+  if (deepseek)  // FP8 simulation of the non-rope channels, one UE8M0 scale per 64 (§3.3, §6.2)
+    for (int64_t t = 0; t < N; ++t) quantize_e4m3_blocks(&kv[t * d], d - rope.rope_dim(), 64);
 
   // Compressed entries first: a query sees the entries its own chunk completes.
   if (type != AttentionType::kSlidingWindow) compress(layer, EntryKind::kMain, step, batch, x);
@@ -199,11 +326,22 @@ void DeepseekV4Model::attention(int64_t layer, const StepLayout& step, std::span
   const IndexerParams ip{c.index_n_heads, c.index_head_dim};
   if (type == AttentionType::kCompressedSparse) {
     compress(layer, EntryKind::kIndex, step, batch, x);
-    index_q = project(q_residual.data(), N, c.q_lora_rank, l.indexer_wq_b);
+    index_q = fp8_linear(q_residual.data(), N, c.q_lora_rank, l.indexer_wq_b);
     apply_rope(index_q.data(), N, ip.heads * ip.head_dim, ip.heads, ip.head_dim, step.positions.data(), rope_compress_);
-    index_weights = project(x, N, D, l.indexer_weights_proj);
-    const float head_scale = 1.0f / std::sqrt(static_cast<float>(ip.heads));
+    if (deepseek) {  // Hadamard rotation, then FP4 simulation per 32 (§3.5, §8 step 3)
+      bf16(index_q);
+      const float scale = 1.0f / std::sqrt(static_cast<float>(ip.head_dim));
+      for (int64_t row = 0; row < N * ip.heads; ++row) hadamard_transform(&index_q[row * ip.head_dim], ip.head_dim, scale);
+      bf16(index_q);
+      for (int64_t row = 0; row < N * ip.heads; ++row) quantize_e2m1_blocks(&index_q[row * ip.head_dim], ip.head_dim, 32);
+      bf16(index_q);
+    }
+    index_weights = deepseek ? project_bf16(x, N, D, l.indexer_weights_proj) : project(x, N, D, l.indexer_weights_proj);
+    // kDeepSeek folds index_head_dim^-0.5 into the weights (a bf16 product, §8 step 5); kHf applies it per score.
+    const float head_scale = 1.0f / std::sqrt(static_cast<float>(ip.heads)) *
+                             (deepseek ? 1.0f / std::sqrt(static_cast<float>(ip.head_dim)) : 1.0f);
     for (float& weight : index_weights) weight *= head_scale;
+    to_bf16(index_weights);
   }
 
   std::vector<float> attended(static_cast<size_t>(N * H * d));
@@ -229,18 +367,20 @@ void DeepseekV4Model::attention(int64_t layer, const StepLayout& step, std::span
           index_keys.resize(static_cast<size_t>(visible));
           scores.resize(static_cast<size_t>(visible));
           for (int64_t e = 0; e < visible; ++e) index_keys[e] = state.entry(layer, EntryKind::kIndex, e);
-          indexer_scores(ip, &index_q[t * ip.heads * ip.head_dim], &index_weights[t * ip.heads], index_keys.data(),
-                         visible, scores.data());
+          (deepseek ? indexer_scores_bf16 : indexer_scores)(ip, &index_q[t * ip.heads * ip.head_dim],
+                                                            &index_weights[t * ip.heads], index_keys.data(), visible,
+                                                            scores.data());
           for (const int32_t e : top_k_indices(scores.data(), visible, c.index_topk))
             keys.push_back(state.entry(layer, EntryKind::kMain, e));
         }
       }
-      sink_attention(ap, &q[t * H * d], keys.data(), static_cast<int64_t>(keys.size()), l.attn_sink.ptr(),
+      (deepseek ? sink_attention_bf16 : sink_attention)(ap, &q[t * H * d], keys.data(), static_cast<int64_t>(keys.size()), l.attn_sink.ptr(),
                      &attended[t * H * d]);
     }
   });
   // K=V carried RoPE into the values: rotate the output back by −t.
   apply_rope(attended.data(), N, H * d, H, d, step.positions.data(), rope, /*inverse=*/true);
+  to_bf16(attended);
   // The window keeps the last W raw K=V vectors of every request (written after all reads of this step).
   for (size_t r = 0; r < batch.size(); ++r) {
     const auto length = static_cast<int64_t>(batch[r].token_ids.size());
@@ -254,7 +394,14 @@ void DeepseekV4Model::attention(int64_t layer, const StepLayout& step, std::span
   for (int64_t g = 0; g < G; ++g)
     linear_strided(&attended[g * group_width], N, group_width, H * d, l.wo_a.ptr() + g * o_lora * group_width, o_lora,
                    &grouped[g * o_lora], G * o_lora);
-  linear(grouped.data(), N, G * o_lora, l.wo_b.ptr(), D, out);
+  if (!deepseek) {
+    linear(grouped.data(), N, G * o_lora, l.wo_b.ptr(), D, out);
+    return;
+  }
+  // kDeepSeek: wo_a is a bf16 einsum without activation quantization (§2.1, §6.6); wo_b an FP8 linear.
+  bf16(grouped);
+  const std::vector<float> projected = project_fp8(grouped.data(), N, G * o_lora, l.wo_b);
+  std::copy(projected.begin(), projected.end(), out);
 }
 
 void DeepseekV4Model::moe(int64_t layer, const StepLayout& step, const float* x, float* out) {
@@ -277,6 +424,10 @@ void DeepseekV4Model::moe(int64_t layer, const StepLayout& step, const float* x,
     for (int64_t k = 0; k < K; ++k) assigned[chosen[t * K + k]].emplace_back(t, weights[t * K + k]);
   std::fill(out, out + N * D, 0.0f);
   const float limit = static_cast<float>(c.swiglu_limit);
+  if (c.numerics == Numerics::kDeepSeek) {
+    moe_deepseek(layer, N, x, assigned, out);
+    return;
+  }
   std::vector<float> rows, gate_up, activated, expert_out;
   for (int64_t e = 0; e < E; ++e) {
     const auto& tokens = assigned[e];
@@ -299,6 +450,44 @@ void DeepseekV4Model::moe(int64_t layer, const StepLayout& step, const float* x,
   activated.resize(static_cast<size_t>(N * I));
   swiglu_clamped(gate_up.data(), N, I, limit, activated.data());
   linear(activated.data(), N, I, l.shared_w2.ptr(), D, out, /*beta=*/1.0f);
+}
+
+// MoE.forward of the reference (§9 step 5–7): the expert input quantized per 128 (one quantization serves w1 and
+// w3), gate/up bf16 then fp32, clamped SwiGLU times the routing weight in fp32, rounded to bf16, w2 (FP8/FP4
+// linear) to bf16, accumulated in fp32 in expert order, the shared expert last, the sum rounded to bf16.
+void DeepseekV4Model::moe_deepseek(int64_t layer, int64_t tokens, const float* x,
+                                   const std::vector<std::vector<std::pair<int64_t, float>>>& assigned, float* out) {
+  const ModelConfig& c = config_;
+  const LayerWeights& l = weights_.layers[static_cast<size_t>(layer)];
+  const int64_t D = c.hidden_size, I = c.moe_intermediate_size;
+  const float limit = static_cast<float>(c.swiglu_limit);
+  auto expert = [&](const float* rows, int64_t n, const Tensor& w13, const Tensor& w2, const float* weights) {
+    std::vector<float> gate_up = project_fp8(rows, n, D, w13);
+    std::vector<float> activated(static_cast<size_t>(n * I));
+    swiglu_clamped(gate_up.data(), n, I, limit, activated.data());
+    if (weights)
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < I; ++j) activated[i * I + j] *= weights[i];
+    bf16(activated);
+    return project_fp8(activated.data(), n, I, w2);
+  };
+  std::vector<float> rows, weights;
+  for (size_t e = 0; e < assigned.size(); ++e) {
+    const auto& tokens = assigned[e];
+    if (tokens.empty()) continue;
+    const auto n = static_cast<int64_t>(tokens.size());
+    rows.resize(static_cast<size_t>(n * D));
+    weights.resize(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      std::memcpy(&rows[i * D], x + tokens[i].first * D, D * sizeof(float));
+      weights[i] = tokens[i].second;
+    }
+    const std::vector<float> y = expert(rows.data(), n, l.experts_w13[e], l.experts_w2[e], weights.data());
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < D; ++j) out[tokens[i].first * D + j] += y[i * D + j];
+  }
+  const std::vector<float> shared = expert(x, tokens, l.shared_w13, l.shared_w2, nullptr);
+  for (int64_t i = 0; i < tokens * D; ++i) out[i] = bf16_to_f32(f32_to_bf16(out[i] + shared[i]));
 }
 
 }  // namespace dsv4

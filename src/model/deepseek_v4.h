@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "core/tensor.h"
@@ -43,6 +44,9 @@ class DeepseekV4Model {
   void compress(int64_t layer, EntryKind kind, const StepLayout& step, std::span<const SequenceChunk> batch,
                 const float* x);
   void moe(int64_t layer, const StepLayout& step, const float* x, float* out);
+  // The routed and shared experts under Numerics::kDeepSeek (`assigned`: per expert, (token, routing weight)).
+  void moe_deepseek(int64_t layer, int64_t tokens, const float* x,
+                    const std::vector<std::vector<std::pair<int64_t, float>>>& assigned, float* out);
 
   ModelConfig config_;
   ModelWeights weights_;

@@ -19,6 +19,10 @@ enum class AttentionType {
 enum class MlpType { kHashMoe, kMoe };
 enum class ScoringFunc { kSqrtSoftplus, kSoftmax, kSigmoid };
 enum class RopeKind { kMain, kCompress };  // SWA layers use main; CSA/HCA layers use compress for everything
+// Numerical recipe of the CPU forward (docs/numerics.md). kHf: transformers' exact fp32 math (the default).
+// kDeepSeek: DeepSeek's own inference code — bf16 activations, FP8 activation quantization for every FP8/FP4
+// linear, FP8-simulated KV entries, Hadamard + FP4-simulated indexer (model_spec.md §3.2, §3.3, §3.5, §8).
+enum class Numerics { kHf, kDeepSeek };
 
 const char* attention_type_name(AttentionType type);
 const char* mlp_type_name(MlpType type);
@@ -76,6 +80,7 @@ struct ModelConfig {
   int64_t qk_rope_head_dim = 64;  // int(head_dim * partial_rotary_factor)
   RopeParameters rope_main, rope_compress;
   std::string torch_dtype = "bfloat16";  // "dtype"/"torch_dtype" of config.json (storage hint only)
+  Numerics numerics = Numerics::kHf;      // a run option, not part of config.json
 
   // Parses an HF config.json object. Throws dsv4::Error naming the field and value on any problem.
   static ModelConfig from_json(const nlohmann::json& json);

@@ -1,0 +1,89 @@
+// Numerics::kDeepSeek (docs/numerics.md): against goldens of DeepSeek's own inference code
+// (tools/reference/deepseek_reference.py, fixtures under tests/fixtures/deepseek_goldens/, skipped when absent),
+// against the kHf path (a small, non-zero difference), and its own prefill / decode consistency.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "core/npy.h"
+#include "test_models.h"
+
+namespace dsv4 {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::vector<float> last_logits(DeepseekV4Model& model, const std::vector<int32_t>& ids,
+                               const std::vector<int64_t>& chunks) {
+  auto state = model.new_sequence_state();
+  Tensor logits;
+  int64_t offset = 0;
+  for (const int64_t length : chunks) {
+    const SequenceChunk chunk{state.get(), std::span<const int32_t>(ids).subspan(offset, length)};
+    logits = model.forward(std::span(&chunk, 1), LogitsMode::kLastPerSequence);
+    offset += length;
+  }
+  return logits.data;
+}
+
+std::vector<fs::path> golden_dirs() {
+  std::vector<fs::path> dirs;
+  const fs::path root = fs::path(DSV4_FIXTURES) / "deepseek_goldens";
+  if (fs::is_directory(root))
+    for (const auto& entry : fs::directory_iterator(root))
+      if (fs::is_regular_file(entry.path() / "golden.json")) dirs.push_back(entry.path());
+  std::sort(dirs.begin(), dirs.end());
+  return dirs;
+}
+
+TEST(DeepSeekNumerics, MatchesTheReferenceGoldens) {
+  const std::vector<fs::path> dirs = golden_dirs();
+  if (dirs.empty()) GTEST_SKIP() << "no goldens under tests/fixtures/deepseek_goldens (tools/reference/deepseek_reference.py)";
+  for (const fs::path& dir : dirs) {
+    std::ifstream in(dir / "golden.json");
+    const auto golden = nlohmann::json::parse(in);
+    const std::vector<int32_t> ids = golden["ids"].get<std::vector<int32_t>>();
+    ModelConfig config = ModelConfig::from_file((dir / "config.json").string());
+    config.numerics = Numerics::kDeepSeek;
+    DeepseekV4Model model(config, ModelWeights::load(config, dir.string()));
+    // The reference returns the last position's logits: prefill, and after each decode step.
+    const NpyArray expected = read_npy((dir / "logits.npy").string());
+    const std::vector<float> actual = last_logits(model, ids, {static_cast<int64_t>(ids.size())});
+    ASSERT_EQ(actual.size(), expected.data.size()) << dir;
+    const double error = testing::relative_l2(actual.data(), expected.data.data(), actual.size());
+    std::printf("deepseek golden %s: relative L2 %.3g\n", dir.filename().c_str(), error);
+    EXPECT_LE(error, 1e-3) << dir;
+  }
+}
+
+TEST(DeepSeekNumerics, DiffersFromHfByQuantizationNoiseOnly) {
+  ModelConfig config = ModelConfig::preset("tiny");
+  const ModelWeights weights = random_weights(config, 0);
+  DeepseekV4Model hf(config, weights);
+  config.numerics = Numerics::kDeepSeek;
+  DeepseekV4Model deepseek(config, weights);
+  const std::vector<int32_t> ids = testing::random_ids(40, config.vocab_size, 3);
+  const std::vector<float> a = last_logits(hf, ids, {40}), b = last_logits(deepseek, ids, {40});
+  const double error = testing::relative_l2(b.data(), a.data(), a.size());
+  std::printf("tiny preset, 40 tokens: kDeepSeek vs kHf last-token logits relative L2 %.4g\n", error);
+  EXPECT_GT(error, 1e-4);  // the quantizers are live
+  EXPECT_LT(error, 0.2);   // and only perturb the function
+}
+
+TEST(DeepSeekNumerics, PrefillAndDecodeAgree) {
+  ModelConfig config = testing::small_config();
+  config.numerics = Numerics::kDeepSeek;
+  DeepseekV4Model model = testing::random_model(config, 5);
+  const std::vector<int32_t> ids = testing::random_ids(37, config.vocab_size, 9);
+  const std::vector<float> one_shot = last_logits(model, ids, {37});
+  std::vector<int64_t> decode = {12};
+  for (int i = 12; i < 37; ++i) decode.push_back(1);
+  const std::vector<float> stepped = last_logits(model, ids, decode);
+  EXPECT_LE(testing::relative_l2(stepped.data(), one_shot.data(), one_shot.size()), 1e-2);
+}
+
+}  // namespace
+}  // namespace dsv4
