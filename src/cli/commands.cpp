@@ -77,7 +77,7 @@ int init_random(const InitRandomOptions& options) {
 }
 
 int forward(const ForwardOptions& options) {
-  DeepseekV4Model model = load_model(options.model_dir);
+  DeepseekV4Model model = load_model(options.model_dir, options.numerics);
   const std::vector<int32_t> ids = to_token_ids(parse_int_list(options.ids, "--ids"), model.config().vocab_size);
   std::vector<int64_t> chunks = {static_cast<int64_t>(ids.size())};
   if (!options.chunks.empty()) chunks = parse_int_list(options.chunks, "--chunks");
@@ -147,7 +147,7 @@ int generate_parallel(Engine& engine, const std::vector<int32_t>& prompt, const 
 }
 
 int generate(const GenerateOptions& options) {
-  DeepseekV4Model model = load_model(options.model_dir);
+  DeepseekV4Model model = load_model(options.model_dir, options.numerics);
   DSV4_CHECK(options.ids.empty() != options.prompt.empty(), "generate: give exactly one of --ids or --prompt");
   DSV4_CHECK(!options.chat || !options.prompt.empty(), "--chat needs --prompt");
   std::optional<Tokenizer> tokenizer;

@@ -15,11 +15,13 @@ int init_random(const InitRandomOptions& options);
 
 struct ForwardOptions {
   std::string model_dir, ids, chunks, dump_logits;
+  std::string numerics = "hf";  // "hf" or "deepseek" (docs/numerics.md)
 };
 int forward(const ForwardOptions& options);
 
 struct GenerateOptions {
   std::string model_dir, ids;
+  std::string numerics = "hf";  // "hf" or "deepseek" (docs/numerics.md)
   // Text in, text out: --prompt (a raw prompt, or the user message with --chat), --tokenizer (default: the
   // model directory's tokenizer.json, else the DeepSeek one that scripts/setup.sh installs).
   std::string prompt, tokenizer_path;

@@ -27,6 +27,7 @@ int main(int argc, char** argv) {
   forward_cmd->add_option("--ids", fwd.ids, "comma-separated token ids")->required();
   forward_cmd->add_option("--chunks", fwd.chunks, "comma-separated chunk lengths fed through the cache in turn");
   forward_cmd->add_option("--dump-logits", fwd.dump_logits, "write float32 [T, vocab] logits as .npy");
+  forward_cmd->add_option("--numerics", fwd.numerics, "hf (exact fp32, default) or deepseek (DeepSeek's FP8/bf16 recipe)");
 
   dsv4::cli::GenerateOptions gen;
   auto* generate_cmd = app.add_subcommand("generate", "Greedy generation from token ids");
@@ -34,6 +35,7 @@ int main(int argc, char** argv) {
   auto* ids_option = generate_cmd->add_option("--ids", gen.ids, "comma-separated prompt token ids");
   generate_cmd->add_option("--prompt", gen.prompt, "prompt text (the user message with --chat)")->excludes(ids_option);
   generate_cmd->add_option("--tokenizer", gen.tokenizer_path, "tokenizer.json or its directory");
+  generate_cmd->add_option("--numerics", gen.numerics, "hf (exact fp32, default) or deepseek (DeepSeek's FP8/bf16 recipe)");
   generate_cmd->add_flag("--chat", gen.chat, "wrap --prompt in the DeepSeek-V4 chat format");
   generate_cmd->add_flag("--thinking", gen.thinking, "chat in thinking mode (<think> … </think>)");
   generate_cmd->add_option("--temperature", gen.temperature, "0 = greedy");

@@ -10,15 +10,19 @@
 
 namespace dsv4::cli {
 
-DeepseekV4Model load_model(const std::string& model_dir) {
+DeepseekV4Model load_model(const std::string& model_dir, const std::string& numerics) {
+  DSV4_CHECK(numerics == "hf" || numerics == "deepseek", "--numerics '" + numerics + "': expected hf or deepseek");
+  const Numerics mode = numerics == "deepseek" ? Numerics::kDeepSeek : Numerics::kHf;
   if (model_dir.empty()) {
     ModelConfig config = ModelConfig::preset("tiny");
+    config.numerics = mode;
     return DeepseekV4Model(config, random_weights(config, kDefaultModelSeed));
   }
   namespace fs = std::filesystem;
   DSV4_CHECK(fs::exists(model_dir), "model '" + model_dir + "' does not exist");
   const fs::path dir = fs::is_directory(model_dir) ? fs::path(model_dir) : fs::path(model_dir).parent_path();
   ModelConfig config = ModelConfig::from_file((dir / "config.json").string());
+  config.numerics = mode;
   return DeepseekV4Model(config, ModelWeights::load(config, model_dir));
 }
 

@@ -12,7 +12,8 @@ namespace dsv4::cli {
 inline constexpr uint64_t kDefaultModelSeed = 0;
 
 // A HF model directory (config.json + safetensors), or the embedded default when `model_dir` is empty.
-DeepseekV4Model load_model(const std::string& model_dir);
+// `numerics`: "hf" (default) or "deepseek" (docs/numerics.md); anything else throws dsv4::Error.
+DeepseekV4Model load_model(const std::string& model_dir, const std::string& numerics = "hf");
 
 // The tokenizer for text in/out: `explicit_path`, else the model directory's tokenizer.json, else the DeepSeek
 // tokenizer that scripts/setup.sh installs next to this checkout. Throws dsv4::Error when none is found.
