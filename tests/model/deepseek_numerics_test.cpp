@@ -31,7 +31,10 @@ std::vector<float> last_logits(DeepseekV4Model& model, const std::vector<int32_t
 
 std::vector<fs::path> golden_dirs() {
   std::vector<fs::path> dirs;
-  const fs::path root = fs::path(DSV4_FIXTURES) / "deepseek_goldens";
+  // DSV4_DEEPSEEK_GOLDENS points the test at another set, e.g. tests/fixtures/deepseek_goldens_unmatched (the
+  // reference run of docs/numerics.md that this mode does not yet match to 1e-3).
+  const char* override_root = std::getenv("DSV4_DEEPSEEK_GOLDENS");
+  const fs::path root = override_root ? fs::path(override_root) : fs::path(DSV4_FIXTURES) / "deepseek_goldens";
   if (fs::is_directory(root))
     for (const auto& entry : fs::directory_iterator(root))
       if (fs::is_regular_file(entry.path() / "golden.json")) dirs.push_back(entry.path());

@@ -133,7 +133,7 @@ def main():
             rows = [torch.randperm(t["experts"], generator=gen, device="cpu")[: t["top_k"]] for _ in range(shape[0])]
             tensors[name] = ("I32", torch.stack(rows).to(torch.int32))
         elif "hc_" in name and name.endswith("_scale"):
-            tensors[name] = ("F32", 0.5 + torch.rand(*shape, generator=gen, device="cpu"))
+            tensors[name] = ("F32", 0.5 + torch.rand(*shape, generator=gen, dtype=torch.float32, device="cpu"))
         elif "hc_" in name and name.endswith("_base"):
             tensors[name] = ("F32", 0.5 * randn(*shape))
         elif "hc_" in name and name.endswith("_fn"):
