@@ -179,6 +179,10 @@ class Session : public std::enable_shared_from_this<Session> {
       return send_error(error.status(), error.what(), error.param(), error.type());
     } catch (const Error& error) {
       return send_error(400, error.what());
+    } catch (const std::exception& error) {
+      // A bug, not the client's fault: answer 500 and keep serving every other connection.
+      std::fprintf(stderr, "dsv4 serve: internal error on %s: %s\n", path.c_str(), error.what());
+      return send_error(500, std::string("internal error: ") + error.what());
     }
   }
 
@@ -286,7 +290,7 @@ class Session : public std::enable_shared_from_this<Session> {
     } else {
       try {
         prompts.push_back(tokenizer.encode(encode_messages(request.messages, request.chat), false));
-      } catch (const Error& error) {
+      } catch (const std::exception& error) {  // dsv4::Error, or a JSON type error on a malformed message
         throw ApiError(400, error.what(), "messages");
       }
       echo_text.emplace_back();

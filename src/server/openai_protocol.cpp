@@ -281,7 +281,8 @@ ojson parse_body(std::string_view body) {
   ojson parsed;
   try {
     parsed = ojson::parse(body);
-  } catch (const ojson::parse_error& error) {
+  } catch (const ojson::exception& error) {
+    // parse_error, and out_of_range for a number literal past double's range (406).
     throw ApiError(400, std::string("invalid JSON body: ") + error.what());
   }
   if (!parsed.is_object()) throw ApiError(400, "the request body must be a JSON object");

@@ -93,6 +93,10 @@ TEST(OpenAiProtocol, InvalidFieldsNameThemselves) {
   // Not JSON, not an object.
   EXPECT_NE(std::string(parse_error(R"({"prompt": )").what()).find("invalid JSON"), std::string::npos);
   EXPECT_NE(std::string(parse_error("[1, 2]").what()).find("JSON object"), std::string::npos);
+  // A number literal past double's range is nlohmann's out_of_range, not a parse_error (found by the fuzzer).
+  EXPECT_NE(std::string(parse_error(R"({"prompt": "x", "temperature": 1e999})").what()).find("invalid JSON"),
+            std::string::npos);
+  EXPECT_EQ(parse_error("2222222220000000E00200000000E0000").status(), 400);
 }
 
 TEST(OpenAiProtocol, ChatMessagesOptionsAndTheirErrors) {
