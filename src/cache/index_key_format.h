@@ -16,11 +16,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__CUDACC__)
-#define DSV4_HOST_DEVICE __host__ __device__
-#else
-#define DSV4_HOST_DEVICE
-#endif
+#include "core/host_device.h"
 
 namespace dsv4 {
 

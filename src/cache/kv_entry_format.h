@@ -23,11 +23,7 @@
 
 #include "core/dtype.h"
 
-#if defined(__CUDACC__)
-#define DSV4_HOST_DEVICE __host__ __device__
-#else
-#define DSV4_HOST_DEVICE
-#endif
+#include "core/host_device.h"
 
 namespace dsv4 {
 
