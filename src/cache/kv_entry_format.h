@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cache/index_key_format.h"
 #include "core/dtype.h"
 
 #include "core/host_device.h"
@@ -100,25 +101,8 @@ inline uint8_t kv_scale_byte(float amax) {
   return static_cast<uint8_t>(exponent + 127);
 }
 
-// OCP E4M3 (finite, as torch.float8_e4m3fn), round to nearest even, saturating at ±448; the sign of zero kept.
-inline uint8_t f32_to_e4m3_rne(float value) {
-  const uint8_t sign = std::signbit(value) ? 0x80 : 0x00;
-  const float magnitude = std::fabs(value);
-  if (!(magnitude < kE4m3Max)) return static_cast<uint8_t>(sign | 0x7e);  // ±448 (also for inf; NaN is not expected)
-  if (magnitude < 0.015625f) {  // below 2^-6: subnormal steps of 2^-9; 8 steps is the smallest normal, code 0x08
-    return static_cast<uint8_t>(sign | static_cast<int>(std::nearbyint(std::ldexp(magnitude, 9))));
-  }
-  int exponent;
-  std::frexp(magnitude, &exponent);  // magnitude = f · 2^exponent, f in [0.5, 1)
-  exponent -= 1;                     // magnitude in [2^exponent, 2^(exponent+1))
-  int steps = static_cast<int>(std::nearbyint(std::ldexp(magnitude, 3 - exponent)));  // in [8, 16]
-  if (steps == 16) {
-    steps = 8;
-    exponent += 1;
-  }
-  const int code = ((exponent + 7) << 3) | (steps - 8);
-  return static_cast<uint8_t>(sign | std::min(code, 0x7e));
-}
+// f32_to_e4m3_rne (OCP E4M3 as torch.float8_e4m3fn, round to nearest even, saturating at ±448) is
+// cache/index_key_format.h's, shared by both cache formats.
 
 // One entry from 512 bf16 channels (already normed and rotated). FP8: the quantizer above; BF16: the channels as
 // given, or their quantize-dequantize image when `fake_quantize_nope` (the reference's QAT simulation).

@@ -147,7 +147,13 @@ int generate_parallel(Engine& engine, const std::vector<int32_t>& prompt, const 
 }
 
 int generate(const GenerateOptions& options) {
-  DeepseekV4Model model = load_model(options.model_dir, options.numerics);
+  BackendOptions backend_options;
+  backend_options.device = options.device;
+  backend_options.dtype = options.dtype;
+  backend_options.numerics = options.numerics;
+  backend_options.gpu_memory_utilization = options.gpu_memory_utilization;
+  LoadedBackend loaded = load_backend(options.model_dir, backend_options);
+  ModelBackend& model = *loaded.backend;
   DSV4_CHECK(options.ids.empty() != options.prompt.empty(), "generate: give exactly one of --ids or --prompt");
   DSV4_CHECK(!options.chat || !options.prompt.empty(), "--chat needs --prompt");
   std::optional<Tokenizer> tokenizer;
@@ -168,10 +174,12 @@ int generate(const GenerateOptions& options) {
   // The serving path: scheduler, hybrid KV cache manager, paged state, the sampler.
   EngineConfig engine_config;
   engine_config.max_num_batched_tokens = options.max_num_batched_tokens;
-  engine_config.kv_cache_bytes = static_cast<int64_t>(options.kv_cache_gib * (1 << 30));
+  engine_config.kv_cache_bytes = loaded.cache_bytes(static_cast<int64_t>(options.kv_cache_gib * (1 << 30)),
+                                                    options.kv_cache_gib_given, options.max_num_batched_tokens);
   engine_config.enable_prefix_caching = !options.no_prefix_caching;
   engine_config.checkpoint_interval = options.prefix_checkpoint_interval;
   Engine engine(model, engine_config);
+
   SamplingParams params;
   params.max_tokens = options.max_tokens;
   params.ignore_eos = options.ignore_eos;
@@ -225,9 +233,10 @@ int generate(const GenerateOptions& options) {
   }
   const double total = std::chrono::duration<double>(Clock::now() - start).count();
   const double decode_rate = generated > 1 ? (generated - 1) / (total - first_token_seconds) : 0.0;
-  std::printf("\nTTFT %.1f ms, %zu tokens (finished: %s%s), decode %.1f tokens/s\n", first_token_seconds * 1e3,
+  std::printf("\nTTFT %.1f ms, %zu tokens (finished: %s%s), decode %.1f tokens/s on %s\n", first_token_seconds * 1e3,
               generated, stopped.c_str(),
-              undecodable ? (", " + std::to_string(undecodable) + " ids without text").c_str() : "", decode_rate);
+              undecodable ? (", " + std::to_string(undecodable) + " ids without text").c_str() : "", decode_rate,
+              model.device_name());
   return 0;
 }
 

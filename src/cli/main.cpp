@@ -48,7 +48,12 @@ int main(int argc, char** argv) {
   generate_cmd->add_option("--max-tokens", gen.max_tokens, "tokens to generate");
   generate_cmd->add_flag("--ignore-eos", gen.ignore_eos, "keep going past the end-of-sequence token");
   generate_cmd->add_option("--max-num-batched-tokens", gen.max_num_batched_tokens, "token budget of one step");
-  generate_cmd->add_option("--kv-cache-gib", gen.kv_cache_gib, "KV cache pool size in GiB");
+  generate_cmd->add_option("--kv-cache-gib", gen.kv_cache_gib, "KV cache pool size in GiB")
+      ->each([&gen](const std::string&) { gen.kv_cache_gib_given = true; });
+  generate_cmd->add_option("--device", gen.device, "auto (CUDA when a GPU is visible), cpu, cuda or cuda:N");
+  generate_cmd->add_option("--dtype", gen.dtype, "CUDA precision: auto/bf16 (serving) or f32 (exact)");
+  generate_cmd->add_option("--gpu-memory-utilization", gen.gpu_memory_utilization,
+                           "CUDA: share of device memory for weights + KV cache (the cache takes the rest)");
   generate_cmd->add_flag("--no-prefix-caching", gen.no_prefix_caching, "disable prefix caching");
   generate_cmd->add_option("--prefix-checkpoint-interval", gen.prefix_checkpoint_interval,
                            "tokens between kept prefix-cache checkpoints (a multiple of 256)");

@@ -7,23 +7,97 @@
 
 #include "core/error.h"
 #include "model/random_init.h"
+#ifdef DSV4_HAVE_CUDA
+#include "model/cuda/deepseek_v4_cuda.h"
+#endif
 
 namespace dsv4::cli {
 
-DeepseekV4Model load_model(const std::string& model_dir, const std::string& numerics) {
+namespace {
+
+struct Checkpoint {
+  ModelConfig config;
+  ModelWeights weights;
+};
+
+Checkpoint load_checkpoint(const std::string& model_dir, const std::string& numerics) {
   DSV4_CHECK(numerics == "hf" || numerics == "deepseek", "--numerics '" + numerics + "': expected hf or deepseek");
   const Numerics mode = numerics == "deepseek" ? Numerics::kDeepSeek : Numerics::kHf;
   if (model_dir.empty()) {
     ModelConfig config = ModelConfig::preset("tiny");
     config.numerics = mode;
-    return DeepseekV4Model(config, random_weights(config, kDefaultModelSeed));
+    ModelWeights weights = random_weights(config, kDefaultModelSeed);
+    return {std::move(config), std::move(weights)};
   }
   namespace fs = std::filesystem;
   DSV4_CHECK(fs::exists(model_dir), "model '" + model_dir + "' does not exist");
   const fs::path dir = fs::is_directory(model_dir) ? fs::path(model_dir) : fs::path(model_dir).parent_path();
   ModelConfig config = ModelConfig::from_file((dir / "config.json").string());
   config.numerics = mode;
-  return DeepseekV4Model(config, ModelWeights::load(config, model_dir));
+  ModelWeights weights = ModelWeights::load(config, model_dir);
+  return {std::move(config), std::move(weights)};
+}
+
+}  // namespace
+
+DeepseekV4Model load_model(const std::string& model_dir, const std::string& numerics) {
+  Checkpoint checkpoint = load_checkpoint(model_dir, numerics);
+  return DeepseekV4Model(std::move(checkpoint.config), std::move(checkpoint.weights));
+}
+
+LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& options) {
+  const std::string& device = options.device;
+  DSV4_CHECK(device == "auto" || device == "cpu" || device == "cuda" || device.rfind("cuda:", 0) == 0,
+             "--device '" + device + "': expected auto, cpu, cuda or cuda:N");
+  DSV4_CHECK(options.dtype == "auto" || options.dtype == "bf16" || options.dtype == "bfloat16" ||
+                 options.dtype == "f32" || options.dtype == "float32",
+             "--dtype '" + options.dtype + "': expected auto, bf16 or f32");
+  DSV4_CHECK(options.gpu_memory_utilization > 0 && options.gpu_memory_utilization <= 1,
+             "--gpu-memory-utilization must be in (0, 1]");
+  bool cuda = device != "cpu" && device != "auto";
+#ifdef DSV4_HAVE_CUDA
+  if (device == "auto") cuda = cuda_device_available() && options.numerics == "hf";
+#else
+  DSV4_CHECK(!cuda, "--device " + device + ": this build has no CUDA backend (nvcc was not found at configure time)");
+#endif
+  Checkpoint checkpoint = load_checkpoint(model_dir, options.numerics);
+  LoadedBackend loaded;
+  loaded.gpu_memory_utilization = options.gpu_memory_utilization;
+  if (!cuda) {
+    loaded.cpu_model = std::make_unique<DeepseekV4Model>(std::move(checkpoint.config), std::move(checkpoint.weights));
+    loaded.backend = std::make_unique<CpuModelBackend>(*loaded.cpu_model);
+    return loaded;
+  }
+#ifdef DSV4_HAVE_CUDA
+  CudaModelOptions cuda_options;
+  if (device.rfind("cuda:", 0) == 0) {
+    const std::string index = device.substr(5);
+    DSV4_CHECK(!index.empty() && index.size() < 4 && index.find_first_not_of("0123456789") == std::string::npos,
+               "--device '" + device + "': expected cuda:N with N a device index");
+    cuda_options.device = std::stoi(index);
+  }
+  cuda_options.precision =
+      options.dtype == "f32" || options.dtype == "float32" ? CudaPrecision::kF32 : CudaPrecision::kBf16;
+  loaded.backend = std::make_unique<DeepseekV4CudaModel>(std::move(checkpoint.config), checkpoint.weights, cuda_options);
+  loaded.on_cuda = true;
+#endif
+  return loaded;
+}
+
+int64_t LoadedBackend::cache_bytes(int64_t requested_bytes, bool explicitly_requested,
+                                   int64_t max_batched_tokens) const {
+#ifdef DSV4_HAVE_CUDA
+  if (on_cuda && !explicitly_requested) {
+    const int64_t bytes = static_cast<const DeepseekV4CudaModel&>(*backend).cache_bytes_for_utilization(
+        gpu_memory_utilization, max_batched_tokens);
+    DSV4_CHECK(bytes > 0, "no device memory is left for the KV cache at --gpu-memory-utilization " +
+                              std::to_string(gpu_memory_utilization));
+    return bytes;
+  }
+#endif
+  (void)explicitly_requested;
+  (void)max_batched_tokens;
+  return requested_bytes;
 }
 
 // The installed tokenizer is looked for relative to the binary (build/dsv4 -> the checkout), then the working

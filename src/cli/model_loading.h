@@ -1,8 +1,10 @@
 // The model and tokenizer every text-serving subcommand loads (generate, serve, bench).
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 
+#include "engine/model_backend.h"
 #include "model/deepseek_v4.h"
 #include "tokenizer/tokenizer.h"
 
@@ -14,6 +16,27 @@ inline constexpr uint64_t kDefaultModelSeed = 0;
 // A HF model directory (config.json + safetensors), or the embedded default when `model_dir` is empty.
 // `numerics`: "hf" (default) or "deepseek" (docs/numerics.md); anything else throws dsv4::Error.
 DeepseekV4Model load_model(const std::string& model_dir, const std::string& numerics = "hf");
+
+// Where the engine runs: --device (auto: CUDA when this build has it and a GPU is visible, else the CPU; cpu;
+// cuda; cuda:N) and, on CUDA, --dtype (bf16, the default, or f32: the exact mode; auto = bf16).
+struct BackendOptions {
+  std::string device = "auto";
+  std::string dtype = "auto";
+  std::string numerics = "hf";
+  double gpu_memory_utilization = 0.9;  // CUDA: the share of device memory weights + cache may use
+};
+
+// A model ready for the engine. `cpu_model` is set (and `backend` wraps it) on the CPU.
+struct LoadedBackend {
+  std::unique_ptr<DeepseekV4Model> cpu_model;
+  std::unique_ptr<ModelBackend> backend;
+  bool on_cuda = false;
+  // KV-cache bytes for the engine: `requested_bytes` on the CPU (or when given explicitly, > 0), else on CUDA
+  // what --gpu-memory-utilization leaves after the weights and a step of `max_batched_tokens`.
+  int64_t cache_bytes(int64_t requested_bytes, bool explicitly_requested, int64_t max_batched_tokens) const;
+  double gpu_memory_utilization = 0.9;
+};
+LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& options);
 
 // The tokenizer for text in/out: `explicit_path`, else the model directory's tokenizer.json, else the DeepSeek
 // tokenizer that scripts/setup.sh installs next to this checkout. Throws dsv4::Error when none is found.

@@ -25,7 +25,11 @@ CLI::App* add_serve_command(CLI::App& app, ServeOptions& o) {
   cmd->add_option("--gpu-memory-utilization", o.gpu_memory_utilization,
                   "fraction of GPU memory for weights + KV cache (GPU backend; the CPU backend uses --kv-cache-gib)")
       ->check(CLI::Range(0.01, 1.0));
-  cmd->add_option("--kv-cache-gib", o.kv_cache_gib, "KV cache pool of the CPU backend, GiB");
+  cmd->add_option("--kv-cache-gib", o.kv_cache_gib,
+                  "KV cache pool, GiB (the CPU backend's size; on CUDA it overrides --gpu-memory-utilization)")
+      ->each([&o](const std::string&) { o.kv_cache_gib_given = true; });
+  cmd->add_option("--device", o.device, "auto (CUDA when a GPU is visible), cpu, cuda or cuda:N");
+  cmd->add_option("--dtype", o.dtype, "CUDA precision: auto/bf16 (serving) or f32 (exact)");
   cmd->add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", o.enable_prefix_caching,
                 "prefix caching (on by default, as in vLLM v1)");
   cmd->add_option("--prefix-checkpoint-interval", o.prefix_checkpoint_interval,
@@ -38,14 +42,20 @@ CLI::App* add_serve_command(CLI::App& app, ServeOptions& o) {
 }
 
 int serve(const ServeOptions& options) {
-  DeepseekV4Model model = load_model(options.model_dir);
+  BackendOptions backend_options;
+  backend_options.device = options.device;
+  backend_options.dtype = options.dtype;
+  backend_options.gpu_memory_utilization = options.gpu_memory_utilization;
+  LoadedBackend loaded = load_backend(options.model_dir, backend_options);
+  ModelBackend& model = *loaded.backend;
   const Tokenizer tokenizer = load_tokenizer(options.tokenizer_path, options.model_dir);
   EngineConfig engine;
   engine.max_num_seqs = options.max_num_seqs;
   engine.max_num_batched_tokens = options.max_num_batched_tokens;
   engine.max_model_len = options.max_model_len;
   DSV4_CHECK(options.kv_cache_gib > 0, "--kv-cache-gib must be positive");
-  engine.kv_cache_bytes = static_cast<int64_t>(options.kv_cache_gib * double(int64_t{1} << 30));
+  engine.kv_cache_bytes = loaded.cache_bytes(static_cast<int64_t>(options.kv_cache_gib * double(int64_t{1} << 30)),
+                                             options.kv_cache_gib_given, options.max_num_batched_tokens);
   engine.enable_prefix_caching = options.enable_prefix_caching;
   engine.checkpoint_interval = options.prefix_checkpoint_interval;
   server::ServerMetrics metrics;
@@ -65,9 +75,10 @@ int serve(const ServeOptions& options) {
   http.max_body_bytes = options.max_body_mib << 20;
   http.io_threads = options.io_threads;
   server::HttpServer server(http, service, tokenizer, metrics);
-  std::printf("dsv4 serve: model %s (max_model_len %lld) on http://%s:%u (CPU backend)\n",
+  std::printf("dsv4 serve: model %s (max_model_len %lld) on http://%s:%u (%s backend, KV cache %.2f GiB)\n",
               http.served_model_name.c_str(), static_cast<long long>(service.max_model_len()), options.host.c_str(),
-              static_cast<unsigned>(server.port()));
+              static_cast<unsigned>(server.port()), model.device_name(),
+              static_cast<double>(engine.kv_cache_bytes) / double(int64_t{1} << 30));
   std::fflush(stdout);
   server.run();
   std::printf("dsv4 serve: stopped\n");

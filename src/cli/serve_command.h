@@ -20,8 +20,10 @@ struct ServeOptions {
   int64_t max_model_len = 0;
   int64_t max_num_seqs = 256;
   int64_t max_num_batched_tokens = 2048;
+  std::string device = "auto", dtype = "auto";  // cli/model_loading.h BackendOptions
   double gpu_memory_utilization = 0.9;
   double kv_cache_gib = 1.0;
+  bool kv_cache_gib_given = false;  // sizes the cache on CUDA too when given
   bool enable_prefix_caching = true;
   int64_t prefix_checkpoint_interval = 1024;
   int64_t max_queued_requests = 4096;

@@ -17,36 +17,37 @@ SchedulerConfig scheduler_config(const EngineConfig& config, const ModelConfig& 
   return out;
 }
 
-HybridKvCacheManager make_manager(const EngineConfig& config, const ModelConfig& model) {
+HybridKvCacheManager make_manager(const EngineConfig& config, const ModelBackend& backend) {
   DSV4_CHECK(config.kv_cache_bytes > 0, "kv_cache_bytes = " + std::to_string(config.kv_cache_bytes) + ": must be positive");
   PrefixCacheOptions options;
   options.enabled = config.enable_prefix_caching;
   options.checkpoint_interval = config.checkpoint_interval;
-  return HybridKvCacheManager(CacheLayout::for_model(model, config.kv_storage, config.index_storage),
+  return HybridKvCacheManager(CacheLayout::for_model(backend.config(), backend.kv_storage(), backend.index_storage()),
                               config.kv_cache_bytes, options);
 }
 
 }  // namespace
 
 Engine::Engine(DeepseekV4Model& model, EngineConfig config)
+    : Engine(std::make_unique<CpuModelBackend>(model), nullptr, config) {}
+
+Engine::Engine(ModelBackend& backend, EngineConfig config) : Engine(nullptr, &backend, config) {}
+
+// `owned`, when given, is the backend (`backend` is then null).
+Engine::Engine(std::unique_ptr<ModelBackend> owned, ModelBackend* backend, EngineConfig config)
     : config_(config),
-      model_(model),
-      manager_(make_manager(config_, model.config())),
-      scheduler_(scheduler_config(config_, model.config()), manager_),
-      runner_(model),
-      arena_(manager_.pool().num_pages() * manager_.pool().page_bytes()) {
-  // The CPU backend keeps every request's state in the arena, addressed through the manager's block tables.
-  DSV4_CHECK(config_.kv_storage == KvStorage::kF32 && config_.index_storage == IndexStorage::kF32,
-             "the CPU backend stores the KV cache in fp32 (kv_storage / index_storage = f32)");
-  runner_.set_state_factory([this](const ScheduledChunk& chunk) -> std::unique_ptr<SequenceState> {
-    return std::make_unique<PagedSequenceState>(model_.config(), manager_, arena_, chunk.id);
-  });
-  runner_.set_copy_executor([this](std::span<const BlockCopy> copies) { arena_.execute(copies); });
+      owned_backend_(std::move(owned)),
+      backend_(owned_backend_ ? *owned_backend_ : *backend),
+      manager_(make_manager(config_, backend_)),
+      scheduler_(scheduler_config(config_, backend_.config()), manager_),
+      runner_(backend_) {
+  // Every request's state lives in the backend's arena, addressed through the manager's block tables.
+  backend_.bind_cache(manager_);
 }
 
 RequestId Engine::add_request(std::vector<int32_t> prompt, SamplingParams params) {
   const RequestId id = next_id_;
-  const int64_t vocab = model_.config().vocab_size;
+  const int64_t vocab = backend_.config().vocab_size;
   for (size_t i = 0; i < prompt.size(); ++i)
     if (prompt[i] < 0 || prompt[i] >= vocab)
       throw Error("request " + std::to_string(id) + ": prompt token " + std::to_string(i) + " = " +

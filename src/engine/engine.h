@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "cache/hybrid_kv_cache_manager.h"
+#include "engine/model_backend.h"
 #include "engine/model_runner.h"
-#include "engine/paged_sequence_state.h"
 #include "engine/request.h"
 #include "engine/scheduler.h"
 #include "model/deepseek_v4.h"
@@ -29,14 +29,14 @@ struct EngineConfig {
   int64_t kv_cache_bytes = int64_t{512} << 20;  // the block pool (CPU backend default)
   bool enable_prefix_caching = true;
   int64_t checkpoint_interval = 1024;  // tokens, a multiple of 256 (PrefixCacheOptions)
-  KvStorage kv_storage = KvStorage::kF32;        // the CPU backend stores fp32
-  IndexStorage index_storage = IndexStorage::kF32;
 };
 
 class Engine {
  public:
-  // The model must outlive the engine. Throws dsv4::Error for an invalid config.
+  // The model (or backend) must outlive the engine. Throws dsv4::Error for an invalid config. The first form runs
+  // the exact CPU backend (CpuModelBackend); the cache stores what the backend keeps (kv_storage()).
   Engine(DeepseekV4Model& model, EngineConfig config = {});
+  Engine(ModelBackend& backend, EngineConfig config = {});
 
   // Queues a request and returns its id. Throws dsv4::Error naming the numbers when it can never run (empty
   // prompt, an id outside the vocabulary, prompt + max_tokens > max_model_len, more than the pool holds).
@@ -59,12 +59,14 @@ class Engine {
   const SchedulerOutput& last_scheduled() const { return scheduled_; }
 
  private:
+  Engine(std::unique_ptr<ModelBackend> owned, ModelBackend* backend, EngineConfig config);
+
   EngineConfig config_;
-  DeepseekV4Model& model_;
+  std::unique_ptr<ModelBackend> owned_backend_;  // the CPU backend of the first constructor
+  ModelBackend& backend_;
   HybridKvCacheManager manager_;
   Scheduler scheduler_;
   ModelRunner runner_;
-  KvArena arena_;
   RequestId next_id_ = 0;
   // Reused every step.
   SchedulerOutput scheduled_;

@@ -6,18 +6,20 @@
 
 namespace dsv4 {
 
-ModelRunner::ModelRunner(DeepseekV4Model& model) : model_(model) {
-  for (const int64_t id : model.config().eos_token_ids) eos_token_ids_.push_back(static_cast<int32_t>(id));
+ModelRunner::ModelRunner(ModelBackend& backend) : backend_(backend) {
+  for (const int64_t id : backend.config().eos_token_ids) eos_token_ids_.push_back(static_cast<int32_t>(id));
 }
 
 void ModelRunner::execute_copies(std::span<const BlockCopy> copies) {
-  if (copy_executor_ && !copies.empty()) copy_executor_(copies);
+  if (copies.empty()) return;
+  if (copy_executor_) copy_executor_(copies);
+  else backend_.copy_blocks(copies);
 }
 
 std::unique_ptr<SequenceState> ModelRunner::make_state(const ScheduledChunk& chunk) {
   // The one place a request's model state is created.
   if (state_factory_) return state_factory_(chunk);
-  return model_.new_sequence_state();
+  return backend_.make_state(chunk.id);
 }
 
 void ModelRunner::execute(const SchedulerOutput& out, std::vector<int32_t>& sampled) {
@@ -38,8 +40,8 @@ void ModelRunner::execute(const SchedulerOutput& out, std::vector<int32_t>& samp
     num_recomputed_tokens_ += chunk.start - have;
     batch_.push_back({state.get(), chunk.context.subspan(static_cast<size_t>(have))});
   }
-  const Tensor logits = model_.forward(batch_, LogitsMode::kLastPerSequence);
-  const int64_t vocab = model_.config().vocab_size;
+  const Tensor logits = backend_.forward(batch_, LogitsMode::kLastPerSequence);
+  const int64_t vocab = backend_.config().vocab_size;
   if (logits.numel() != static_cast<int64_t>(out.scheduled.size()) * vocab)
     throw Error("model runner: logits " + logits.shape_string() + " for " + std::to_string(out.scheduled.size()) +
                 " requests");

@@ -1,4 +1,4 @@
-// ModelRunner: turns a SchedulerOutput into one DeepseekV4Model::forward and samples (engine/sampler.h, with each
+// ModelRunner: turns a SchedulerOutput into one ModelBackend::forward (engine/model_backend.h) and samples (engine/sampler.h, with each
 // request's SamplingParams) the requests whose chunk reached their last known token. It owns the per-request
 // SequenceState and sampler state (its generator), and executes the cache manager's block copies.
 //
@@ -22,7 +22,7 @@
 #include "cache/hybrid_kv_cache_manager.h"
 #include "engine/sampler.h"
 #include "engine/scheduler.h"
-#include "model/deepseek_v4.h"
+#include "engine/model_backend.h"
 
 namespace dsv4 {
 
@@ -32,7 +32,7 @@ class ModelRunner {
   using StateFactory = std::function<std::unique_ptr<SequenceState>(const ScheduledChunk& chunk)>;
   using CopyExecutor = std::function<void(std::span<const BlockCopy> copies)>;
 
-  explicit ModelRunner(DeepseekV4Model& model);
+  explicit ModelRunner(ModelBackend& backend);
 
   void set_state_factory(StateFactory factory) { state_factory_ = std::move(factory); }
   void set_copy_executor(CopyExecutor executor) { copy_executor_ = std::move(executor); }
@@ -65,7 +65,7 @@ class ModelRunner {
  private:
   std::unique_ptr<SequenceState> make_state(const ScheduledChunk& chunk);
 
-  DeepseekV4Model& model_;
+  ModelBackend& backend_;
   StateFactory state_factory_;
   CopyExecutor copy_executor_;
   std::unordered_map<RequestId, std::unique_ptr<SequenceState>> states_;

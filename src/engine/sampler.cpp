@@ -22,10 +22,6 @@ std::string num(int64_t value) { return std::to_string(value); }
 // Seeds the generators of requests without a seed: distinct per request, fixed per process run order.
 std::atomic<uint64_t> g_unseeded_counter{0x9e3779b97f4a7c15ull};
 
-// u in [0, 1) from the top 53 bits: the same on every standard library (std::uniform_real_distribution is
-// not).
-double uniform01(std::mt19937_64& rng) { return static_cast<double>(rng() >> 11) * 0x1.0p-53; }
-
 struct Scratch {
   std::vector<float> logits;        // [vocab] processed
   std::vector<int32_t> candidates;  // token ids still in the running
@@ -182,6 +178,9 @@ int32_t sample(std::span<const float> raw, const SamplingParams& params, Request
       std::nth_element(s.candidates.begin(), s.candidates.begin() + (params.top_k - 1), s.candidates.end(),
                        before);
       s.candidates.resize(static_cast<size_t>(params.top_k));
+      // The draw walks the kept set in vocabulary order, as it does without top_k (nth_element's order is the
+      // standard library's; the device sampler, ops/cuda/sampling.h, reproduces this one).
+      if (params.top_p >= 1.0) std::sort(s.candidates.begin(), s.candidates.end());
     }
     // Weights relative to the max kept logit (which is the global max: min_p / top_k keep it).
     const double lmax = static_cast<double>(max);
@@ -206,7 +205,7 @@ int32_t sample(std::span<const float> raw, const SamplingParams& params, Request
     double total = 0.0;
     for (size_t i = 0; i < s.candidates.size(); ++i)
       total += s.weights[i] = std::exp(static_cast<double>(l[s.candidates[i]]) - lmax);
-    const double u = uniform01(state.rng) * total;
+    const double u = draw_uniform(state) * total;
     double cum = 0.0;
     token = s.candidates.back();  // rounding: u * total past the last cumulative sum
     for (size_t i = 0; i < s.candidates.size(); ++i) {

@@ -11,7 +11,8 @@
 //      logits / temperature, then
 //   4. min_p: drop tokens with p < min_p * p_max (on the full tempered distribution; computed in logit
 //   space),
-//   5. top_k: the k largest (nth_element; ties broken by the lower index, so the kept set is deterministic),
+//   5. top_k: the k largest (nth_element; ties broken by the lower index, so the kept set is deterministic;
+//      without top_p the kept set is then walked in ascending index order, as without top_k),
 //   6. top_p: on the candidates sorted descending and renormalised, the smallest prefix whose cumulative
 //      probability is >= top_p (at least one token),
 //   7. one draw: u in [0, 1) from the request's generator (53 bits of a mt19937_64), inverted against the
@@ -43,6 +44,10 @@ struct RequestSamplerState {
   int64_t num_prompt_tokens = 0;  // splits prompt_and_output for the output-only penalties / min_tokens
   std::vector<int32_t> min_tokens_stop_ids;  // suppressed while the output is shorter than min_tokens
 };
+
+// u in [0, 1) from the top 53 bits of one draw of the request's generator: step 7's draw (the same on every standard
+// library; std::uniform_real_distribution is not). The device sampler's callers draw it with this too.
+inline double draw_uniform(RequestSamplerState& state) { return static_cast<double>(state.rng() >> 11) * 0x1.0p-53; }
 
 // The state of a request with these params: `eos_token_ids` are the model's (suppressed by min_tokens unless
 // ignore_eos).

@@ -46,6 +46,19 @@ EngineService::EngineService(DeepseekV4Model& model, const Tokenizer& tokenizer,
   if (engine_config_.max_model_len <= 0) engine_config_.max_model_len = model.config().max_position_embeddings;
   DSV4_CHECK(options_.max_queued_jobs >= 1, "max_queued_jobs must be at least 1");
   engine_ = std::make_unique<Engine>(model, engine_config_);
+  start();
+}
+
+EngineService::EngineService(ModelBackend& backend, const Tokenizer& tokenizer, EngineConfig config,
+                             ServiceOptions options, ServerMetrics& metrics)
+    : tokenizer_(tokenizer), engine_config_(config), options_(options), metrics_(metrics) {
+  if (engine_config_.max_model_len <= 0) engine_config_.max_model_len = backend.config().max_position_embeddings;
+  DSV4_CHECK(options_.max_queued_jobs >= 1, "max_queued_jobs must be at least 1");
+  engine_ = std::make_unique<Engine>(backend, engine_config_);
+  start();
+}
+
+void EngineService::start() {
   publish_gauges();
   thread_ = std::thread([this] { run(); });
 }

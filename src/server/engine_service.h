@@ -68,6 +68,9 @@ class EngineService {
   // The model and tokenizer must outlive the service; the engine is built and owned here.
   EngineService(DeepseekV4Model& model, const Tokenizer& tokenizer, EngineConfig config, ServiceOptions options,
                 ServerMetrics& metrics);
+  // The same over any backend (the CUDA one): the backend must outlive the service.
+  EngineService(ModelBackend& backend, const Tokenizer& tokenizer, EngineConfig config, ServiceOptions options,
+                ServerMetrics& metrics);
   ~EngineService();  // stops the engine thread; unfinished jobs are dropped without a final update
   EngineService(const EngineService&) = delete;
   EngineService& operator=(const EngineService&) = delete;
@@ -95,6 +98,7 @@ class EngineService {
   void publish_gauges();
 
   const Tokenizer& tokenizer_;
+  void start();  // the engine thread
   EngineConfig engine_config_;
   ServiceOptions options_;
   ServerMetrics& metrics_;

@@ -1,0 +1,59 @@
+// ModelBackend: what the engine needs from a model implementation — the forward over a batch of chunks, and the
+// paged KV cache it keeps that forward's state in. The scheduler and the cache manager never see a tensor; the
+// backend owns the bytes behind the manager's block tables (host memory for the CPU backend, one device arena
+// for the CUDA one) and executes the manager's block copies there.
+#pragma once
+#include <memory>
+#include <span>
+
+#include "cache/hybrid_kv_cache_manager.h"
+#include "engine/paged_sequence_state.h"
+#include "model/deepseek_v4.h"
+
+namespace dsv4 {
+
+class ModelBackend {
+ public:
+  virtual ~ModelBackend() = default;
+
+  virtual const ModelConfig& config() const = 0;
+  virtual const char* device_name() const = 0;  // "cpu", "cuda:0"
+  // The storage formats this backend keeps in the cache (they size the manager's blocks).
+  virtual KvStorage kv_storage() const = 0;
+  virtual IndexStorage index_storage() const = 0;
+  // Called once, by the engine, when its manager exists: allocates the arena behind the manager's pool.
+  virtual void bind_cache(const HybridKvCacheManager& manager) = 0;
+  // The model state of an admitted request in the arena (num_tokens() = its prefix hit).
+  virtual std::unique_ptr<SequenceState> make_state(RequestId id) = 0;
+  // Executes the manager's snapshot / restore copies in the arena.
+  virtual void copy_blocks(std::span<const BlockCopy> copies) = 0;
+  // One step (DeepseekV4Model::forward's contract); logits come back in host memory.
+  virtual Tensor forward(std::span<const SequenceChunk> batch, LogitsMode mode) = 0;
+};
+
+// The exact fp32 CPU backend: DeepseekV4Model over PagedSequenceState in a host arena.
+class CpuModelBackend final : public ModelBackend {
+ public:
+  explicit CpuModelBackend(DeepseekV4Model& model) : model_(model) {}
+
+  const ModelConfig& config() const override { return model_.config(); }
+  const char* device_name() const override { return "cpu"; }
+  KvStorage kv_storage() const override { return KvStorage::kF32; }
+  IndexStorage index_storage() const override { return IndexStorage::kF32; }
+  void bind_cache(const HybridKvCacheManager& manager) override {
+    manager_ = &manager;
+    arena_ = std::make_unique<KvArena>(manager.pool().num_pages() * manager.pool().page_bytes());
+  }
+  std::unique_ptr<SequenceState> make_state(RequestId id) override {
+    return std::make_unique<PagedSequenceState>(model_.config(), *manager_, *arena_, id);
+  }
+  void copy_blocks(std::span<const BlockCopy> copies) override { arena_->execute(copies); }
+  Tensor forward(std::span<const SequenceChunk> batch, LogitsMode mode) override { return model_.forward(batch, mode); }
+
+ private:
+  DeepseekV4Model& model_;
+  const HybridKvCacheManager* manager_ = nullptr;
+  std::unique_ptr<KvArena> arena_;
+};
+
+}  // namespace dsv4

@@ -1,0 +1,894 @@
+#include "model/cuda/deepseek_v4_cuda.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+
+#include <cuda_runtime.h>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/thread_pool.h"
+#include "ops/cuda/compressor.h"
+#include "ops/cuda/elementwise.h"
+#include "ops/cuda/embedding.h"
+#include "ops/cuda/gemm.h"
+#include "ops/cuda/hyper_connection.h"
+#include "ops/cuda/indexer_scores.h"
+#include "ops/cuda/moe_experts.h"
+#include "ops/cuda/moe_routing.h"
+#include "ops/cuda/paged_attention.h"
+#include "ops/cuda/rms_norm.h"
+#include "ops/cuda/rope.h"
+#include "ops/cuda/sparse_attention.h"
+#include "ops/cuda/top_k.h"
+
+namespace dsv4 {
+
+namespace cu = ops::cuda;
+
+namespace {
+
+void check_cuda(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) throw Error(std::string("CUDA: ") + what + ": " + cudaGetErrorString(status));
+}
+#define DSV4_CU(call) check_cuda((call), #call)
+
+// A request's state on the device: only its id and length live on the host; every byte is in the arena.
+class CudaSequenceState final : public SequenceState {
+ public:
+  CudaSequenceState(RequestId id, int64_t num_tokens, const ModelConfig& config) : id_(id), num_tokens_(num_tokens) {
+    for (int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
+      const int64_t ratio = config.compress_rate(layer);
+      entries_.push_back(ratio > 0 ? num_tokens / ratio : 0);
+    }
+  }
+  RequestId id() const { return id_; }
+  int64_t num_tokens() const override { return num_tokens_; }
+  void set_num_tokens(int64_t tokens) override { num_tokens_ = tokens; }
+  // The host-memory interface of the CPU model does not apply: the state is device memory.
+  float* window_kv(int64_t, int64_t) override { throw host_access(); }
+  float* compressor_kv_state(int64_t, EntryKind) override { throw host_access(); }
+  float* compressor_gate_state(int64_t, EntryKind) override { throw host_access(); }
+  int64_t num_entries(int64_t layer, EntryKind) const override { return entries_[static_cast<size_t>(layer)]; }
+  const float* entry(int64_t, EntryKind, int64_t) const override { throw host_access(); }
+  float* append_entry(int64_t, EntryKind) override { throw host_access(); }
+
+ private:
+  static Error host_access() { return Error("the CUDA backend's sequence state lives in device memory"); }
+  RequestId id_;
+  int64_t num_tokens_;
+  std::vector<int64_t> entries_;
+};
+
+// Device memory owned by the model, freed together.
+class DeviceAllocations {
+ public:
+  ~DeviceAllocations() {
+    for (void* p : blocks_) cudaFree(p);
+  }
+  void* allocate(size_t bytes) {
+    void* p = nullptr;
+    if (cudaMalloc(&p, std::max<size_t>(bytes, 16)) != cudaSuccess)
+      throw Error("out of device memory allocating " + std::to_string(bytes) + " bytes for the model");
+    blocks_.push_back(p);
+    total_ += bytes;
+    return p;
+  }
+  int64_t total() const { return static_cast<int64_t>(total_); }
+
+ private:
+  std::vector<void*> blocks_;
+  size_t total_ = 0;
+};
+
+// A growable device scratch buffer (activations of a step).
+struct Scratch {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  ~Scratch() { cudaFree(ptr); }
+  template <typename T>
+  T* get(size_t count) {
+    const size_t need = std::max<size_t>(count * sizeof(T), 16);
+    if (need > bytes) {
+      cudaFree(ptr);
+      ptr = nullptr;
+      bytes = 0;
+      check_cuda(cudaMalloc(&ptr, need), "scratch allocation");
+      bytes = need;
+    }
+    return static_cast<T*>(ptr);
+  }
+};
+
+struct CompressorDevice {
+  cu::GemmWeight wkv, wgate;
+  float *ape = nullptr, *norm = nullptr;
+};
+
+struct LayerDevice {
+  float *hc_attn_fn, *hc_attn_base, *hc_attn_scale, *hc_ffn_fn, *hc_ffn_base, *hc_ffn_scale;
+  float *attn_norm, *ffn_norm, *q_norm, *kv_norm, *attn_sink;
+  cu::GemmWeight wq_a, wq_b, wkv, wo_a, wo_b;
+  CompressorDevice compressor, indexer_compressor;
+  cu::GemmWeight indexer_wq_b, indexer_weights_proj;
+  cu::GemmWeight gate;
+  float* gate_bias = nullptr;
+  int32_t* tid2eid = nullptr;
+  void *experts_w13 = nullptr, *experts_w2 = nullptr;  // [E, 2I, D], [E, D, I] in the weight dtype
+  const void* const* expert_w13_pointers = nullptr;      // device [E]: expert e's w13 / w2 (ops/cuda/moe_experts.h)
+  const void* const* expert_w2_pointers = nullptr;
+  void *shared_w13 = nullptr, *shared_w2 = nullptr;
+};
+
+}  // namespace
+
+struct DeepseekV4CudaModel::Impl {
+  ModelConfig config;
+  CudaModelOptions options;
+  std::string device_label;
+  bool bf16 = true;
+  cudaStream_t stream = nullptr, index_stream = nullptr;
+  cudaEvent_t index_fork = nullptr, index_join = nullptr;
+  std::unique_ptr<cu::Gemm> gemm, index_gemm;
+  DeviceAllocations weights_memory;
+  int multiprocessors = 0;
+
+  // Weights.
+  void* embed = nullptr;  // [vocab, D] fp32 or bf16
+  cu::GemmWeight head;
+  float *norm = nullptr, *hc_head_fn = nullptr, *hc_head_base = nullptr, *hc_head_scale = nullptr;
+  std::vector<LayerDevice> layers;
+  float *inv_freq_main = nullptr, *inv_freq_compress = nullptr;
+  float scaling_main = 1.0f, scaling_compress = 1.0f;
+
+  // The cache.
+  const HybridKvCacheManager* manager = nullptr;
+  std::byte* arena = nullptr;
+  int64_t arena_bytes = 0;
+
+  // Per-step scratch.
+  std::map<std::string, Scratch> scratch;
+  template <typename T>
+  T* buffer(const char* name, size_t count) {
+    return scratch[name].get<T>(count);
+  }
+  std::vector<int32_t> host_meta;
+  int32_t* device_meta = nullptr;
+  size_t device_meta_capacity = 0;
+
+  ~Impl() {
+    cudaFree(arena);
+    cudaFree(device_meta);
+    if (index_fork) cudaEventDestroy(index_fork);
+    if (index_join) cudaEventDestroy(index_join);
+    if (index_stream) cudaStreamDestroy(index_stream);
+    if (stream) cudaStreamDestroy(stream);
+  }
+
+  cu::GemmDtype weight_dtype() const { return bf16 ? cu::GemmDtype::kBf16 : cu::GemmDtype::kF32; }
+
+  float* upload_f32(const Tensor& t) {
+    if (t.empty()) return nullptr;
+    auto* p = static_cast<float*>(weights_memory.allocate(t.data.size() * sizeof(float)));
+    DSV4_CU(cudaMemcpy(p, t.ptr(), t.data.size() * sizeof(float), cudaMemcpyHostToDevice));
+    return p;
+  }
+  // Copies `count` floats to `dst` in the weight dtype.
+  void upload_as_weight(const float* src, size_t count, void* dst) {
+    if (!bf16) {
+      DSV4_CU(cudaMemcpy(dst, src, count * sizeof(float), cudaMemcpyHostToDevice));
+      return;
+    }
+    std::vector<uint16_t> converted(count);
+    ThreadPool::global().parallel_for(static_cast<int64_t>(count), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) converted[i] = f32_to_bf16(src[i]);
+    }, 1 << 16);
+    DSV4_CU(cudaMemcpy(dst, converted.data(), count * sizeof(uint16_t), cudaMemcpyHostToDevice));
+  }
+  size_t weight_element_bytes() const { return bf16 ? 2 : 4; }
+  void* upload_weight(const Tensor& t) {
+    void* p = weights_memory.allocate(t.data.size() * weight_element_bytes());
+    upload_as_weight(t.ptr(), t.data.size(), p);
+    return p;
+  }
+  cu::GemmWeight linear(const Tensor& t) {
+    if (t.empty()) return {};
+    return {upload_weight(t), weight_dtype(), t.dim(0), t.dim(1), 0};
+  }
+  // Stacks same-shaped tensors [count, ...] in the weight dtype.
+  void* upload_stacked(const std::vector<Tensor>& tensors) {
+    if (tensors.empty()) return nullptr;
+    const size_t each = tensors[0].data.size();
+    auto* base = static_cast<std::byte*>(weights_memory.allocate(each * tensors.size() * weight_element_bytes()));
+    for (size_t i = 0; i < tensors.size(); ++i)
+      upload_as_weight(tensors[i].ptr(), each, base + i * each * weight_element_bytes());
+    return base;
+  }
+
+  // ---- per-step metadata (built on the host once, one upload) ----
+  struct Step {
+    int64_t tokens = 0, rows = 0, max_chunk = 0, max_position = 0;
+    std::vector<int64_t> offset, start, length;
+    // device pointers into device_meta
+    const int32_t *token_ids, *positions, *token_row, *chunk_start, *chunk_offset, *row_end, *last_rows,
+        *csa_visible, *chunk_table, *token_chunk_start, *row_offsets;
+    std::map<CacheGroupKind, std::pair<const int32_t*, int64_t>> tables;  // device table, stride
+  };
+  Step prepare(std::span<const SequenceChunk> batch);
+  PagedGroupView view(const Step& step, CacheGroupKind kind, int64_t layer) const;
+  PagedKvPool kv_pool(const Step& step, CacheGroupKind kind, int64_t layer) const;
+
+  // ---- the forward ----
+  Tensor forward(std::span<const SequenceChunk> batch, LogitsMode mode);
+  void attention(int64_t layer, const Step& step, const float* x, float* out);
+  void compress(int64_t layer, EntryKind kind, const Step& step, const void* x_operand, cudaStream_t on,
+                cu::Gemm& with);
+  void moe(int64_t layer, const Step& step, const float* x, float* out);
+  // x (fp32) as a GEMM operand of the weight dtype: x itself (kF32) or its bf16 copy in `name`.
+  const void* operand(const float* x, size_t count, const char* name, cudaStream_t on) {
+    if (!bf16) return x;
+    uint16_t* converted = buffer<uint16_t>(name, count);
+    DSV4_CU(cu::f32_to_bf16(x, converted, static_cast<int64_t>(count), on));
+    return converted;
+  }
+};
+
+DeepseekV4CudaModel::DeepseekV4CudaModel(ModelConfig config, const ModelWeights& weights, CudaModelOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  m.config = std::move(config);
+  m.options = options;
+  m.bf16 = options.precision == CudaPrecision::kBf16;
+  DSV4_CHECK(m.config.numerics == Numerics::kHf,
+             "the CUDA backend runs the hf numerics (--numerics deepseek is CPU-only for now)");
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) throw Error("no CUDA device is available");
+  DSV4_CHECK(options.device >= 0 && options.device < count,
+             "CUDA device " + std::to_string(options.device) + " does not exist (" + std::to_string(count) + " visible)");
+  DSV4_CU(cudaSetDevice(options.device));
+  cudaDeviceProp prop{};
+  DSV4_CU(cudaGetDeviceProperties(&prop, options.device));
+  m.multiprocessors = prop.multiProcessorCount;
+  m.device_label = "cuda:" + std::to_string(options.device) + " (" + prop.name + ")";
+  DSV4_CU(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
+  DSV4_CU(cudaStreamCreateWithFlags(&m.index_stream, cudaStreamNonBlocking));
+  DSV4_CU(cudaEventCreateWithFlags(&m.index_fork, cudaEventDisableTiming));
+  DSV4_CU(cudaEventCreateWithFlags(&m.index_join, cudaEventDisableTiming));
+  m.gemm = std::make_unique<cu::Gemm>();
+  m.index_gemm = std::make_unique<cu::Gemm>();
+
+  const ModelConfig& c = m.config;
+  m.embed = m.upload_weight(weights.embed);
+  m.head = m.linear(weights.head);
+  m.norm = m.upload_f32(weights.norm);
+  m.hc_head_fn = m.upload_f32(weights.hc_head_fn);
+  m.hc_head_base = m.upload_f32(weights.hc_head_base);
+  m.hc_head_scale = m.upload_f32(weights.hc_head_scale);
+  for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer) {
+    const LayerWeights& l = weights.layers[static_cast<size_t>(layer)];
+    LayerDevice d{};
+    d.hc_attn_fn = m.upload_f32(l.hc_attn_fn);
+    d.hc_attn_base = m.upload_f32(l.hc_attn_base);
+    d.hc_attn_scale = m.upload_f32(l.hc_attn_scale);
+    d.hc_ffn_fn = m.upload_f32(l.hc_ffn_fn);
+    d.hc_ffn_base = m.upload_f32(l.hc_ffn_base);
+    d.hc_ffn_scale = m.upload_f32(l.hc_ffn_scale);
+    d.attn_norm = m.upload_f32(l.attn_norm);
+    d.ffn_norm = m.upload_f32(l.ffn_norm);
+    d.q_norm = m.upload_f32(l.q_norm);
+    d.kv_norm = m.upload_f32(l.kv_norm);
+    d.attn_sink = m.upload_f32(l.attn_sink);
+    d.wq_a = m.linear(l.wq_a);
+    d.wq_b = m.linear(l.wq_b);
+    d.wkv = m.linear(l.wkv);
+    d.wo_a = m.linear(l.wo_a);
+    d.wo_b = m.linear(l.wo_b);
+    auto compressor = [&](const CompressorWeights& w) {
+      CompressorDevice out;
+      if (w.wkv.empty()) return out;
+      out.wkv = m.linear(w.wkv);
+      out.wgate = m.linear(w.wgate);
+      out.ape = m.upload_f32(w.ape);
+      out.norm = m.upload_f32(w.norm);
+      return out;
+    };
+    d.compressor = compressor(l.compressor);
+    d.indexer_compressor = compressor(l.indexer_compressor);
+    d.indexer_wq_b = m.linear(l.indexer_wq_b);
+    d.indexer_weights_proj = m.linear(l.indexer_weights_proj);
+    d.gate = m.linear(l.gate);
+    d.gate_bias = m.upload_f32(l.gate_bias);
+    if (!l.tid2eid.empty()) {
+      d.tid2eid = static_cast<int32_t*>(m.weights_memory.allocate(l.tid2eid.size() * sizeof(int32_t)));
+      DSV4_CU(cudaMemcpy(d.tid2eid, l.tid2eid.data(), l.tid2eid.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+    }
+    d.experts_w13 = m.upload_stacked(l.experts_w13);
+    d.experts_w2 = m.upload_stacked(l.experts_w2);
+    auto pointers = [&](void* stacked, const std::vector<Tensor>& tensors) -> const void* const* {
+      std::vector<const void*> host;
+      for (size_t e = 0; e < tensors.size(); ++e)
+        host.push_back(static_cast<const std::byte*>(stacked) + e * tensors[0].data.size() * m.weight_element_bytes());
+      auto* device = static_cast<const void**>(m.weights_memory.allocate(host.size() * sizeof(void*)));
+      DSV4_CU(cudaMemcpy(device, host.data(), host.size() * sizeof(void*), cudaMemcpyHostToDevice));
+      return device;
+    };
+    d.expert_w13_pointers = pointers(d.experts_w13, l.experts_w13);
+    d.expert_w2_pointers = pointers(d.experts_w2, l.experts_w2);
+    d.shared_w13 = m.upload_weight(l.shared_w13);
+    d.shared_w2 = m.upload_weight(l.shared_w2);
+    m.layers.push_back(d);
+  }
+  auto upload_vector = [&](const std::vector<float>& v) {
+    auto* p = static_cast<float*>(m.weights_memory.allocate(v.size() * sizeof(float)));
+    DSV4_CU(cudaMemcpy(p, v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice));
+    return p;
+  };
+  m.inv_freq_main = upload_vector(c.inv_freq(RopeKind::kMain));
+  m.inv_freq_compress = upload_vector(c.inv_freq(RopeKind::kCompress));
+  m.scaling_main = static_cast<float>(c.rope_for(RopeKind::kMain).attention_factor);
+  m.scaling_compress = static_cast<float>(c.rope_for(RopeKind::kCompress).attention_factor);
+}
+
+DeepseekV4CudaModel::~DeepseekV4CudaModel() = default;
+
+const ModelConfig& DeepseekV4CudaModel::config() const { return impl_->config; }
+const char* DeepseekV4CudaModel::device_name() const { return impl_->device_label.c_str(); }
+KvStorage DeepseekV4CudaModel::kv_storage() const { return impl_->bf16 ? KvStorage::kBf16 : KvStorage::kF32; }
+IndexStorage DeepseekV4CudaModel::index_storage() const {
+  return impl_->bf16 ? IndexStorage::kBf16 : IndexStorage::kF32;
+}
+int64_t DeepseekV4CudaModel::weight_bytes() const { return impl_->weights_memory.total(); }
+
+int64_t DeepseekV4CudaModel::cache_bytes_for_utilization(double utilization, int64_t max_tokens) const {
+  size_t free_bytes = 0, total_bytes = 0;
+  DSV4_CU(cudaMemGetInfo(&free_bytes, &total_bytes));
+  const ModelConfig& c = impl_->config;
+  // A step's activations: the residual streams and the widest projections, a few copies each, plus the CSA
+  // scores of a long context (generous: this is headroom, not an allocation).
+  const int64_t width = std::max({c.hidden_size * c.hc_mult, c.num_attention_heads * c.head_dim,
+                                  c.index_n_heads * c.index_head_dim, 2 * c.moe_intermediate_size * 8});
+  const int64_t activations = max_tokens * width * 4 * 12 + c.vocab_size * 4 * 256 + (int64_t{1} << 30);
+  const int64_t used = static_cast<int64_t>(total_bytes - free_bytes);
+  const int64_t budget = static_cast<int64_t>(utilization * static_cast<double>(total_bytes)) - used - activations;
+  return std::max<int64_t>(budget, 0);
+}
+
+void DeepseekV4CudaModel::bind_cache(const HybridKvCacheManager& manager) {
+  Impl& m = *impl_;
+  m.manager = &manager;
+  m.arena_bytes = manager.pool().num_pages() * manager.pool().page_bytes();
+  void* arena = nullptr;
+  if (cudaMalloc(&arena, static_cast<size_t>(std::max<int64_t>(m.arena_bytes, 16))) != cudaSuccess)
+    throw Error("cannot allocate a device KV cache arena of " + std::to_string(m.arena_bytes) + " bytes");
+  m.arena = static_cast<std::byte*>(arena);
+  // Blocks are handed out uninitialised, as on the CPU; a poisoned arena makes a read of a never-written entry
+  // show up as NaN instead of plausible zeros.
+  DSV4_CU(cudaMemset(m.arena, 0xff, static_cast<size_t>(m.arena_bytes)));
+}
+
+std::unique_ptr<SequenceState> DeepseekV4CudaModel::make_state(RequestId id) {
+  DSV4_CHECK(impl_->manager != nullptr, "the CUDA model has no cache bound (bind_cache)");
+  return std::make_unique<CudaSequenceState>(id, impl_->manager->num_computed(id), impl_->config);
+}
+
+void DeepseekV4CudaModel::copy_blocks(std::span<const BlockCopy> copies) {
+  Impl& m = *impl_;
+  for (const BlockCopy& copy : copies) {
+    DSV4_CHECK(copy.src_offset >= 0 && copy.dst_offset >= 0 && copy.src_offset + copy.bytes <= m.arena_bytes &&
+                   copy.dst_offset + copy.bytes <= m.arena_bytes,
+               "block copy outside the KV arena");
+    DSV4_CU(cudaMemcpyAsync(m.arena + copy.dst_offset, m.arena + copy.src_offset, static_cast<size_t>(copy.bytes),
+                            cudaMemcpyDeviceToDevice, m.stream));
+  }
+}
+
+Tensor DeepseekV4CudaModel::forward(std::span<const SequenceChunk> batch, LogitsMode mode) {
+  return impl_->forward(batch, mode);
+}
+
+bool cuda_device_available() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+
+DeepseekV4CudaModel::Impl::Step DeepseekV4CudaModel::Impl::prepare(std::span<const SequenceChunk> batch) {
+  const ModelConfig& c = config;
+  DSV4_CHECK(manager != nullptr, "the CUDA model has no cache bound (bind_cache)");
+  Step step;
+  step.rows = static_cast<int64_t>(batch.size());
+  std::vector<const CudaSequenceState*> states;
+  for (size_t r = 0; r < batch.size(); ++r) {
+    const auto* state = dynamic_cast<const CudaSequenceState*>(batch[r].state);
+    DSV4_CHECK(state != nullptr, "batch entry " + std::to_string(r) + " has no CUDA sequence state");
+    DSV4_CHECK(!batch[r].token_ids.empty(), "batch entry " + std::to_string(r) + " has no tokens");
+    for (const int32_t id : batch[r].token_ids)
+      DSV4_CHECK(id >= 0 && id < c.vocab_size, "token id " + std::to_string(id) + " is outside the vocabulary [0, " +
+                                                   std::to_string(c.vocab_size) + ")");
+    states.push_back(state);
+    step.offset.push_back(step.tokens);
+    step.start.push_back(state->num_tokens());
+    step.length.push_back(static_cast<int64_t>(batch[r].token_ids.size()));
+    step.tokens += step.length.back();
+    step.max_chunk = std::max(step.max_chunk, step.length.back());
+    step.max_position = std::max(step.max_position, step.start.back() + step.length.back() - 1);
+  }
+  // Layout of the metadata block (int32): token ids, positions, token rows, csa visible, chunk start [N]; chunk starts,
+  // offsets, ends, last rows [B]; the chunk table [B, max_chunk]; row offsets [B + 1]; then every group's block table [B, stride].
+  const int64_t N = step.tokens, B = step.rows;
+  host_meta.clear();
+  auto reserve = [&](int64_t count) {
+    const size_t at = host_meta.size();
+    host_meta.resize(at + static_cast<size_t>(count), -1);
+    return at;
+  };
+  const size_t ids_at = reserve(N), pos_at = reserve(N), row_at = reserve(N), vis_at = reserve(N),
+               tcs_at = reserve(N);
+  const size_t cs_at = reserve(B), co_at = reserve(B), end_at = reserve(B), last_at = reserve(B);
+  const size_t chunk_table_at = reserve(B * step.max_chunk), row_offsets_at = reserve(B + 1);
+  for (int64_t r = 0; r < B; ++r) {
+    for (int64_t i = 0; i < step.length[r]; ++i) {
+      const int64_t t = step.offset[r] + i, position = step.start[r] + i;
+      host_meta[ids_at + t] = batch[r].token_ids[i];
+      host_meta[pos_at + t] = static_cast<int32_t>(position);
+      host_meta[row_at + t] = static_cast<int32_t>(r);
+      host_meta[vis_at + t] = static_cast<int32_t>(c.compress_rate_csa > 0 ? (position + 1) / c.compress_rate_csa : 0);
+      host_meta[tcs_at + t] = static_cast<int32_t>(step.start[r]);
+      host_meta[chunk_table_at + r * step.max_chunk + i] = static_cast<int32_t>(t);
+    }
+    host_meta[cs_at + r] = static_cast<int32_t>(step.start[r]);
+    host_meta[co_at + r] = static_cast<int32_t>(step.offset[r]);
+    host_meta[row_offsets_at + r] = static_cast<int32_t>(step.offset[r]);
+    host_meta[end_at + r] = static_cast<int32_t>(step.start[r] + step.length[r]);
+    host_meta[last_at + r] = static_cast<int32_t>(step.offset[r] + step.length[r] - 1);
+  }
+  host_meta[row_offsets_at + B] = static_cast<int32_t>(N);
+  std::map<CacheGroupKind, std::pair<size_t, int64_t>> table_at;
+  for (const CacheGroupSpec& group : manager->layout().groups) {
+    int64_t stride = 1;
+    for (const auto* state : states)
+      stride = std::max<int64_t>(stride, static_cast<int64_t>(manager->block_table(state->id(), group.kind).size()));
+    const size_t at = reserve(B * stride);
+    for (int64_t r = 0; r < B; ++r) {
+      const std::vector<BlockId>& table = manager->block_table(states[r]->id(), group.kind);
+      std::copy(table.begin(), table.end(), host_meta.begin() + static_cast<std::ptrdiff_t>(at + r * stride));
+    }
+    table_at[group.kind] = {at, stride};
+  }
+  if (host_meta.size() > device_meta_capacity) {
+    cudaFree(device_meta);
+    device_meta = nullptr;
+    device_meta_capacity = 0;
+    DSV4_CU(cudaMalloc(&device_meta, host_meta.size() * 2 * sizeof(int32_t)));
+    device_meta_capacity = host_meta.size() * 2;
+  }
+  DSV4_CU(cudaMemcpyAsync(device_meta, host_meta.data(), host_meta.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
+                          stream));
+  step.token_ids = device_meta + ids_at;
+  step.positions = device_meta + pos_at;
+  step.token_row = device_meta + row_at;
+  step.csa_visible = device_meta + vis_at;
+  step.token_chunk_start = device_meta + tcs_at;
+  step.chunk_start = device_meta + cs_at;
+  step.chunk_offset = device_meta + co_at;
+  step.row_end = device_meta + end_at;
+  step.last_rows = device_meta + last_at;
+  step.chunk_table = device_meta + chunk_table_at;
+  step.row_offsets = device_meta + row_offsets_at;
+  for (const auto& [kind, at] : table_at) step.tables[kind] = {device_meta + at.first, at.second};
+  return step;
+}
+
+PagedGroupView DeepseekV4CudaModel::Impl::view(const Step& step, CacheGroupKind kind, int64_t layer) const {
+  const CacheGroupSpec* spec = manager->layout().find(kind);
+  DSV4_CHECK(spec != nullptr, std::string("the cache has no ") + cache_group_name(kind) + " group");
+  PagedGroupView v;
+  v.arena = arena;
+  v.page_bytes = manager->pool().page_bytes();
+  v.max_blocks_per_page = manager->pool().max_blocks_per_page();
+  v.block_bytes = spec->block_bytes();
+  v.entry_bytes = spec->entry_bytes;
+  v.entries_per_block = spec->entries_per_block;
+  const auto it = std::find(spec->layers.begin(), spec->layers.end(), layer);
+  DSV4_CHECK(it != spec->layers.end(), "layer " + std::to_string(layer) + " is not in the " + cache_group_name(kind) +
+                                           " group");
+  v.layer_index = it - spec->layers.begin();
+  const auto& table = step.tables.at(kind);
+  v.block_table = table.first;
+  v.block_table_stride = table.second;
+  return v;
+}
+
+// The tuned attention kernel's view of a BF16 main-entry group (cache/kv_entry_format.h).
+PagedKvPool DeepseekV4CudaModel::Impl::kv_pool(const Step& step, CacheGroupKind kind, int64_t layer) const {
+  const PagedGroupView v = view(step, kind, layer);
+  PagedKvPool pool;
+  pool.arena = reinterpret_cast<uint8_t*>(v.arena);
+  pool.page_bytes = v.page_bytes;
+  pool.blocks_per_page = v.max_blocks_per_page;
+  pool.block_bytes = v.block_bytes;
+  pool.region_offset = v.layer_index * kv_region_bytes(KvEntryFormat::kBf16, v.entries_per_block);
+  pool.entries_per_block = static_cast<int32_t>(v.entries_per_block);
+  pool.block_table = v.block_table;
+  pool.block_table_stride = v.block_table_stride;
+  return pool;
+}
+
+Tensor DeepseekV4CudaModel::Impl::forward(std::span<const SequenceChunk> batch, LogitsMode mode) {
+  const ModelConfig& c = config;
+  const Step step = prepare(batch);
+  const int64_t N = step.tokens, D = c.hidden_size, hc = c.hc_mult;
+  float* streams = buffer<float>("streams", N * hc * D);
+  float* next_streams = buffer<float>("next_streams", N * hc * D);
+  const cu::EmbeddingParams ep{N, c.vocab_size, D, hc};
+  if (bf16) DSV4_CU(cu::embedding_bf16(ep, static_cast<const uint16_t*>(embed), step.token_ids, streams, stream));
+  else DSV4_CU(cu::embedding(ep, static_cast<const float*>(embed), step.token_ids, streams, stream));
+
+  cu::HyperConnectionParams hp{N, hc, D, c.hc_sinkhorn_iters, static_cast<float>(c.hc_eps),
+                               static_cast<float>(c.rms_norm_eps)};
+  const size_t hc_workspace_bytes = cu::hc_workspace_bytes(std::max<int64_t>(N, batch.size()), hc);
+  void* hc_workspace = buffer<std::byte>("hc_workspace", hc_workspace_bytes);
+  float* collapsed = buffer<float>("collapsed", N * D);
+  float* sublayer_out = buffer<float>("sublayer_out", N * D);
+  float* post = buffer<float>("post", N * hc);
+  float* comb = buffer<float>("comb", N * hc * hc);
+  const cu::RmsNormParams norm_params{N, D, static_cast<float>(c.rms_norm_eps)};
+  for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer) {
+    const LayerDevice& l = layers[static_cast<size_t>(layer)];
+    DSV4_CU(cu::hc_pre(hp, streams, l.hc_attn_fn, l.hc_attn_base, l.hc_attn_scale, collapsed, post, comb,
+                       hc_workspace, hc_workspace_bytes, stream));
+    DSV4_CU(cu::rms_norm(norm_params, collapsed, l.attn_norm, collapsed, stream));
+    attention(layer, step, collapsed, sublayer_out);
+    DSV4_CU(cu::hc_post(hp, sublayer_out, streams, post, comb, next_streams, stream));
+    std::swap(streams, next_streams);
+    DSV4_CU(cu::hc_pre(hp, streams, l.hc_ffn_fn, l.hc_ffn_base, l.hc_ffn_scale, collapsed, post, comb, hc_workspace,
+                       hc_workspace_bytes, stream));
+    DSV4_CU(cu::rms_norm(norm_params, collapsed, l.ffn_norm, collapsed, stream));
+    moe(layer, step, collapsed, sublayer_out);
+    DSV4_CU(cu::hc_post(hp, sublayer_out, streams, post, comb, next_streams, stream));
+    std::swap(streams, next_streams);
+  }
+
+  // Head: the rows asked for, hc_head collapse, final norm, LM head.
+  const int64_t R = mode == LogitsMode::kAllPositions ? N : step.rows;
+  const float* selected = streams;
+  if (mode == LogitsMode::kLastPerSequence) {
+    float* gathered = buffer<float>("head_rows", R * hc * D);
+    DSV4_CU(cu::gather_rows({R, hc * D}, streams, step.last_rows, gathered, stream));
+    selected = gathered;
+  }
+  float* final_hidden = buffer<float>("final_hidden", R * D);
+  cu::HyperConnectionParams head_params = hp;
+  head_params.tokens = R;
+  DSV4_CU(cu::hc_head(head_params, selected, hc_head_fn, hc_head_base, hc_head_scale, final_hidden, hc_workspace,
+                      hc_workspace_bytes, stream));
+  DSV4_CU(cu::rms_norm({R, D, static_cast<float>(c.rms_norm_eps)}, final_hidden, norm, final_hidden, stream));
+  float* logits_device = buffer<float>("logits", R * c.vocab_size);
+  gemm->linear(head, operand(final_hidden, R * D, "head_in", stream), R, logits_device, stream);
+  Tensor logits({R, c.vocab_size});
+  DSV4_CU(cudaMemcpyAsync(logits.ptr(), logits_device, logits.data.size() * sizeof(float), cudaMemcpyDeviceToHost,
+                          stream));
+  DSV4_CU(cudaStreamSynchronize(stream));
+  for (size_t r = 0; r < batch.size(); ++r) batch[r].state->set_num_tokens(step.start[r] + step.length[r]);
+  return logits;
+}
+
+void DeepseekV4CudaModel::Impl::compress(int64_t layer, EntryKind kind, const Step& step, const void* x_operand,
+                                         cudaStream_t on, cu::Gemm& with) {
+  const ModelConfig& c = config;
+  const LayerDevice& l = layers[static_cast<size_t>(layer)];
+  const CompressorDevice& w = kind == EntryKind::kMain ? l.compressor : l.indexer_compressor;
+  const AttentionType type = c.layer_types[static_cast<size_t>(layer)];
+  const bool csa = type == AttentionType::kCompressedSparse;
+  const int64_t N = step.tokens, head_dim = kind == EntryKind::kMain ? c.head_dim : c.index_head_dim;
+  const int64_t ratio = kind == EntryKind::kMain ? c.compress_rate(layer) : c.compress_rate_csa;
+  const int64_t width = (csa ? 2 : 1) * head_dim;
+  const char* kv_name = kind == EntryKind::kMain ? "compress_kv" : "index_compress_kv";
+  const char* gate_name = kind == EntryKind::kMain ? "compress_gate" : "index_compress_gate";
+  float* kv = buffer<float>(kv_name, N * width);
+  float* gate = buffer<float>(gate_name, N * width);
+  with.linear(w.wkv, x_operand, N, kv, on);
+  with.linear(w.wgate, x_operand, N, gate, on);
+  const CacheGroupKind state_kind = kind == EntryKind::kIndex ? CacheGroupKind::kC4IndexState
+                                    : csa                     ? CacheGroupKind::kC4MainState
+                                                              : CacheGroupKind::kC128State;
+  const CacheGroupKind history_kind = kind == EntryKind::kIndex ? CacheGroupKind::kC4Index
+                                      : csa                     ? CacheGroupKind::kC4Main
+                                                                : CacheGroupKind::kC128Main;
+  cu::CompressorStepParams p;
+  p.ratio = static_cast<int32_t>(ratio);
+  p.head_dim = static_cast<int32_t>(head_dim);
+  p.overlap = csa;
+  p.rope_dim = static_cast<int32_t>(c.inv_freq(RopeKind::kCompress).size() * 2);
+  p.attention_scaling = scaling_compress;
+  p.eps = static_cast<float>(c.rms_norm_eps);
+  p.format = bf16 ? cu::CompressorEntryFormat::kBf16 : cu::CompressorEntryFormat::kF32;
+  p.num_requests = static_cast<int32_t>(step.rows);
+  p.num_tokens = static_cast<int32_t>(N);
+  p.kv = kv;
+  p.gate = gate;
+  p.ape = w.ape;
+  p.norm_weight = w.norm;
+  p.inv_freq = inv_freq_compress;
+  p.start_positions = step.chunk_start;
+  p.token_offsets = step.row_offsets;
+  p.state = view(step, state_kind, layer);
+  p.history = view(step, history_kind, layer);
+  DSV4_CU(cu::compressor_step(p, on));
+}
+
+void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const float* x, float* out) {
+  const ModelConfig& c = config;
+  const LayerDevice& l = layers[static_cast<size_t>(layer)];
+  const AttentionType type = c.layer_types[static_cast<size_t>(layer)];
+  const bool main_rope = c.rope_kind(layer) == RopeKind::kMain;
+  const float* inv_freq = main_rope ? inv_freq_main : inv_freq_compress;
+  const float rope_scaling = main_rope ? scaling_main : scaling_compress;
+  const int64_t rope_dim = static_cast<int64_t>(c.inv_freq(c.rope_kind(layer)).size()) * 2;
+  const int64_t N = step.tokens, D = c.hidden_size, H = c.num_attention_heads, d = c.head_dim;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  const void* x_operand = operand(x, N * D, "attn_in", stream);
+
+  // The CSA indexer only needs the input and q_residual: it runs on its own stream, overlapped with the main
+  // stream's K=V path and compressor, and joins before attention.
+  // Query: low-rank, weighted norm, up-projection, per-head unweighted norm, RoPE.
+  float* q_residual = buffer<float>("q_residual", N * c.q_lora_rank);
+  gemm->linear(l.wq_a, x_operand, N, q_residual, stream);
+  DSV4_CU(cu::rms_norm({N, c.q_lora_rank, eps}, q_residual, l.q_norm, q_residual, stream));
+  const void* q_residual_operand = operand(q_residual, N * c.q_lora_rank, "q_residual_in", stream);
+  float* q = buffer<float>("q", N * H * d);
+  gemm->linear(l.wq_b, q_residual_operand, N, q, stream);
+  DSV4_CU(cu::rms_norm({N * H, d, eps}, q, nullptr, q, stream));
+  DSV4_CU(cu::apply_rope({N, H * d, H, d, rope_dim, rope_scaling, false}, q, step.positions, inv_freq, stream));
+
+  // Indexer (CSA): its compressor, q_I, weights, scores and top-k on the index stream.
+  const bool csa = type == AttentionType::kCompressedSparse;
+  const int64_t topk = c.index_topk;
+  int32_t* topk_indices = nullptr;
+  int32_t* topk_lengths = nullptr;
+  if (csa) {
+    const bool overlap = options.indexer_stream;
+    cudaStream_t is = overlap ? index_stream : stream;
+    cu::Gemm& ig = overlap ? *index_gemm : *gemm;
+    if (overlap) {
+      DSV4_CU(cudaEventRecord(index_fork, stream));
+      DSV4_CU(cudaStreamWaitEvent(index_stream, index_fork));
+    }
+    compress(layer, EntryKind::kIndex, step, x_operand, is, ig);
+    const int64_t IH = c.index_n_heads, ID = c.index_head_dim;
+    float* index_q = buffer<float>("index_q", N * IH * ID);
+    ig.linear(l.indexer_wq_b, q_residual_operand, N, index_q, is);
+    const int64_t index_rope = static_cast<int64_t>(c.inv_freq(RopeKind::kCompress).size()) * 2;
+    DSV4_CU(cu::apply_rope({N, IH * ID, IH, ID, index_rope, scaling_compress, false}, index_q, step.positions,
+                           inv_freq_compress, is));
+    float* index_weights = buffer<float>("index_weights", N * IH);
+    ig.linear(l.indexer_weights_proj, x_operand, N, index_weights, is);
+    DSV4_CU(cu::scale_inplace(index_weights, 1.0f / std::sqrt(static_cast<float>(IH)), N * IH, is));
+    const int64_t max_entries = (step.max_position + 1) / c.compress_rate_csa;
+    topk_indices = buffer<int32_t>("topk_indices", N * topk);
+    topk_lengths = buffer<int32_t>("topk_lengths", N);
+    if (max_entries == 0) {
+      DSV4_CU(cudaMemsetAsync(topk_lengths, 0, N * sizeof(int32_t), is));
+    } else {
+      float* scores = buffer<float>("index_scores", N * max_entries);
+      const float softmax_scale = 1.0f / std::sqrt(static_cast<float>(ID));
+      const PagedGroupView keys = view(step, CacheGroupKind::kC4Index, layer);
+      if (bf16 && IH == 64 && ID == 128 && keys.entries_per_block % 32 == 0) {
+        uint16_t* q_bf16 = buffer<uint16_t>("index_q_bf16", N * IH * ID);
+        DSV4_CU(cu::f32_to_bf16(index_q, q_bf16, N * IH * ID, is));
+        int32_t* request_entries = buffer<int32_t>("index_request_entries", step.rows);
+        DSV4_CU(cu::visible_entries(step.rows, step.row_end, c.compress_rate_csa, request_entries, is));
+        // (end + 1) div ratio ≥ the entries in the cache (end div ratio); the kernel's per-token bound
+        // (position + 1) div ratio ≤ end div ratio is the tighter one, so no unwritten entry is read.
+        ops::IndexerScoresParams ip;
+        ip.num_tokens = N;
+        ip.heads = IH;
+        ip.max_entries = max_entries;
+        ip.compress_ratio = c.compress_rate_csa;
+        ip.softmax_scale = softmax_scale;
+        ip.keys = IndexKeyPagedLayout{IndexKeyDtype::kBf16, static_cast<int32_t>(ID),
+                                      static_cast<int32_t>(keys.entries_per_block), static_cast<int32_t>(keys.layer_index),
+                                      keys.block_bytes, keys.page_bytes, keys.max_blocks_per_page};
+        ip.pool = keys.arena;
+        ip.block_tables = keys.block_table;
+        ip.block_table_stride = keys.block_table_stride;
+        ip.request_entries = request_entries;
+        ip.token_request = step.token_row;
+        ip.token_position = step.positions;
+        ip.q = q_bf16;
+        ip.weights = index_weights;
+        ip.scores = scores;
+        DSV4_CU(cu::indexer_scores(ip, is));
+      } else {
+        cu::PagedIndexerScoresParams ip;
+        ip.tokens = N;
+        ip.heads = IH;
+        ip.head_dim = ID;
+        ip.max_entries = max_entries;
+        ip.ratio = c.compress_rate_csa;
+        ip.softmax_scale = softmax_scale;
+        ip.bf16_keys = bf16;
+        ip.keys = keys;
+        ip.token_row = step.token_row;
+        ip.positions = step.positions;
+        ip.q = index_q;
+        ip.weights = index_weights;
+        ip.scores = scores;
+        DSV4_CU(cu::paged_indexer_scores(ip, is));
+      }
+      ops::TopKParams tp;
+      tp.rows = N;
+      tp.columns = max_entries;
+      tp.row_stride = max_entries;
+      tp.k = topk;
+      tp.scores = scores;
+      tp.row_lengths = step.csa_visible;
+      tp.indices = topk_indices;
+      tp.lengths = topk_lengths;
+      const size_t workspace_bytes = cu::top_k_workspace_bytes(N, max_entries, topk);
+      void* workspace = buffer<std::byte>("topk_workspace", workspace_bytes);
+      DSV4_CU(cu::top_k(tp, workspace, workspace_bytes, is));
+    }
+    if (overlap) {
+      DSV4_CU(cudaEventRecord(index_join, index_stream));
+    }
+  }
+
+  // The shared K=V vector of each token.
+  float* kv = buffer<float>("kv", N * d);
+  gemm->linear(l.wkv, x_operand, N, kv, stream);
+  DSV4_CU(cu::rms_norm({N, d, eps}, kv, l.kv_norm, kv, stream));
+  DSV4_CU(cu::apply_rope({N, d, 1, d, rope_dim, rope_scaling, false}, kv, step.positions, inv_freq, stream));
+  // Compressed entries first: a query sees the entries its own chunk completes.
+  if (type != AttentionType::kSlidingWindow) compress(layer, EntryKind::kMain, step, x_operand, stream, *gemm);
+  if (csa && options.indexer_stream) DSV4_CU(cudaStreamWaitEvent(stream, index_join));
+
+  const int64_t G = c.o_groups, group_width = H * d / G, o_lora = c.o_lora_rank;
+  const bool tuned = bf16 && H % 64 == 0 && d == kKvHeadDim && rope_dim == kKvRopeDim;
+  const void* attended_operand = nullptr;
+  if (tuned) {
+    uint16_t* q_bf16 = buffer<uint16_t>("q_bf16", N * H * d);
+    DSV4_CU(cu::f32_to_bf16(q, q_bf16, N * H * d, stream));
+    uint16_t* kv_bf16 = buffer<uint16_t>("kv_bf16", N * d);
+    DSV4_CU(cu::f32_to_bf16(kv, kv_bf16, N * d, stream));
+    ops::SparseAttentionParams ap;
+    ap.tokens = N;
+    ap.heads = H;
+    ap.scale = 1.0f / std::sqrt(static_cast<float>(d));
+    ap.format = KvEntryFormat::kBf16;
+    ap.window = kv_pool(step, CacheGroupKind::kSwaKv, layer);
+    ap.window_size = c.sliding_window;
+    if (type != AttentionType::kSlidingWindow) {
+      const CacheGroupKind kind = csa ? CacheGroupKind::kC4Main : CacheGroupKind::kC128Main;
+      ap.compressed = kv_pool(step, kind, layer);
+      if (csa) {
+        ap.compressed_indices = topk_indices;
+        ap.compressed_lengths = topk_lengths;
+        ap.compressed_stride = topk;
+      } else {
+        const int64_t stride = std::max<int64_t>(1, (step.max_position + 1) / c.compress_rate(layer));
+        int32_t* indices = buffer<int32_t>("hca_indices", N * stride);
+        int32_t* lengths = buffer<int32_t>("hca_lengths", N);
+        DSV4_CU(cu::dense_entry_indices(N, step.positions, c.compress_rate(layer), stride, indices, lengths, stream));
+        ap.compressed_indices = indices;
+        ap.compressed_lengths = lengths;
+        ap.compressed_stride = stride;
+      }
+    }
+    ap.positions = step.positions;
+    ap.rows = step.token_row;
+    ap.sinks = l.attn_sink;
+    ap.rope_inv_freq = inv_freq;
+    ap.rope_attention_scaling = rope_scaling;
+    // This step's own K=V rows as a pool of one-entry blocks: row r's entry j is token offset[r] + j.
+    ap.chunk.arena = reinterpret_cast<uint8_t*>(kv_bf16);
+    ap.chunk.page_bytes = kKvBf16EntryBytes;
+    ap.chunk.blocks_per_page = 1;
+    ap.chunk.block_bytes = kKvBf16EntryBytes;
+    ap.chunk.region_offset = 0;
+    ap.chunk.entries_per_block = 1;
+    ap.chunk.block_table = step.chunk_table;
+    ap.chunk.block_table_stride = step.max_chunk;
+    ap.chunk_starts = step.token_chunk_start;
+    uint16_t* attended = buffer<uint16_t>("attended_bf16", N * H * d);
+    const size_t workspace_bytes = cu::sparse_attention_workspace_bytes(ap, multiprocessors);
+    void* workspace = buffer<std::byte>("attention_workspace", workspace_bytes);
+    DSV4_CU(cu::sparse_attention(ap, q_bf16, attended, workspace, workspace_bytes, stream));
+    attended_operand = attended;
+  } else {
+    float* attended = buffer<float>("attended", N * H * d);
+    cu::PagedSinkAttentionParams ap;
+    ap.tokens = N;
+    ap.heads = H;
+    ap.head_dim = d;
+    ap.scale = 1.0f / std::sqrt(static_cast<float>(d));
+    ap.bf16_entries = bf16;
+    ap.window = view(step, CacheGroupKind::kSwaKv, layer);
+    ap.window_size = c.sliding_window;
+    if (type == AttentionType::kHeavilyCompressed) {
+      ap.compressed = view(step, CacheGroupKind::kC128Main, layer);
+      ap.dense_ratio = c.compress_rate(layer);
+    } else if (csa) {
+      ap.compressed = view(step, CacheGroupKind::kC4Main, layer);
+      ap.compressed_indices = topk_indices;
+      ap.compressed_lengths = topk_lengths;
+      ap.compressed_stride = topk;
+    }
+    ap.chunk_kv = kv;
+    ap.token_row = step.token_row;
+    ap.positions = step.positions;
+    ap.chunk_start = step.chunk_start;
+    ap.chunk_offset = step.chunk_offset;
+    ap.sinks = l.attn_sink;
+    ap.q = q;
+    ap.out = attended;
+    DSV4_CU(cu::paged_sink_attention(ap, stream));
+    // K=V carried RoPE into the values: rotate the output back by −t.
+    DSV4_CU(cu::apply_rope({N, H * d, H, d, rope_dim, rope_scaling, true}, attended, step.positions, inv_freq, stream));
+    attended_operand = operand(attended, N * H * d, "attended_in", stream);
+  }
+  // The window keeps the last W raw K=V vectors of every request (after every read of this step).
+  cu::WindowWriteParams wp;
+  wp.tokens = N;
+  wp.head_dim = d;
+  wp.window_size = c.sliding_window;
+  wp.bf16_entries = bf16;
+  wp.window = view(step, CacheGroupKind::kSwaKv, layer);
+  wp.kv = kv;
+  wp.token_row = step.token_row;
+  wp.positions = step.positions;
+  wp.row_end = step.row_end;
+  DSV4_CU(cu::write_window(wp, stream));
+
+  // Grouped output projection: group g's heads → o_lora_rank through rows [g·o_lora, (g+1)·o_lora) of wo_a.
+  float* grouped = buffer<float>("grouped", N * G * o_lora);
+  const size_t element = weight_element_bytes();
+  for (int64_t g = 0; g < G; ++g) {
+    cu::GemmWeight wg = l.wo_a;
+    wg.data = static_cast<const std::byte*>(l.wo_a.data) + g * o_lora * group_width * element;
+    wg.out = o_lora;
+    wg.in = group_width;
+    gemm->linear(wg, static_cast<const std::byte*>(attended_operand) + g * group_width * element, N, grouped + g * o_lora,
+                 stream, 0.0f, H * d, G * o_lora);
+  }
+  gemm->linear(l.wo_b, operand(grouped, N * G * o_lora, "grouped_in", stream), N, out, stream);
+}
+
+void DeepseekV4CudaModel::Impl::moe(int64_t layer, const Step& step, const float* x, float* out) {
+  const ModelConfig& c = config;
+  const LayerDevice& l = layers[static_cast<size_t>(layer)];
+  const int64_t N = step.tokens, D = c.hidden_size, E = c.n_routed_experts, K = c.num_experts_per_tok;
+  const bool hash = c.mlp_layer_types[static_cast<size_t>(layer)] == MlpType::kHashMoe;
+  const void* x_operand = operand(x, N * D, "moe_in", stream);
+  float* logits = buffer<float>("router_logits", N * E);
+  gemm->linear(l.gate, x_operand, N, logits, stream);
+  int32_t* chosen = buffer<int32_t>("router_chosen", N * K);
+  float* weights = buffer<float>("router_weights", N * K);
+  cu::RouteParams rp;
+  rp.tokens = N;
+  rp.experts = E;
+  rp.top_k = K;
+  rp.func = c.scoring_func == ScoringFunc::kSoftmax   ? cu::RouterScoreFunc::kSoftmax
+            : c.scoring_func == ScoringFunc::kSigmoid ? cu::RouterScoreFunc::kSigmoid
+                                                       : cu::RouterScoreFunc::kSqrtSoftplus;
+  rp.routed_scaling_factor = static_cast<float>(c.routed_scaling_factor);
+  DSV4_CU(cu::route(rp, logits, hash ? nullptr : l.gate_bias, hash ? l.tid2eid : nullptr, step.token_ids, chosen,
+                    weights, nullptr, stream));
+  cu::MoeExpertsParams mp;
+  mp.tokens = N;
+  mp.top_k = K;
+  mp.experts = E;
+  mp.hidden = D;
+  mp.intermediate = c.moe_intermediate_size;
+  mp.swiglu_limit = static_cast<float>(c.swiglu_limit);
+  mp.dtype = bf16 ? cu::MoeWeightDtype::kBf16 : cu::MoeWeightDtype::kFp32;
+  const cu::MoeExpertWeights ew{l.expert_w13_pointers, l.expert_w2_pointers, l.shared_w13, l.shared_w2};
+  const size_t workspace_bytes = cu::moe_experts_workspace_bytes(mp);
+  void* workspace = buffer<std::byte>("moe_workspace", workspace_bytes);
+  DSV4_CU(cu::moe_experts(mp, ew, x, chosen, weights, out, workspace, workspace_bytes, stream));
+}
+
+}  // namespace dsv4

@@ -1,0 +1,59 @@
+// The DeepSeek-V4 forward on one CUDA device (docs/gpu.md): the same computation as DeepseekV4Model
+// (model/deepseek_v4.h, the slow twin), layer by layer, with every op on the device (ops/cuda/) and every
+// request's state in one device arena behind the hybrid cache manager's block tables.
+//
+// Precision:
+//   kF32   fp32 weights, fp32 GEMMs (no TF32), fp32 cache: matches the CPU backend to accumulation order.
+//   kBf16  bf16 weights and bf16 GEMM operands with fp32 accumulation, bf16 K=V window / compressed entries and
+//          index keys; activations between ops stay fp32. The serving mode.
+// Where the shapes are V4's (64·k heads × 512, indexer 64 × 128) the bf16 mode runs the tuned attention and
+// indexer kernels (ops/cuda/sparse_attention.h, indexer_scores.h); other shapes and kF32 use the general ones
+// (ops/cuda/paged_attention.h).
+#pragma once
+#include <memory>
+#include <string>
+
+#include "engine/model_backend.h"
+#include "model/weights.h"
+
+namespace dsv4 {
+
+enum class CudaPrecision { kF32, kBf16 };
+
+struct CudaModelOptions {
+  CudaPrecision precision = CudaPrecision::kBf16;
+  int device = 0;
+  bool cuda_graphs = true;   // capture decode steps per batch-size bucket
+  bool indexer_stream = true;  // the CSA indexer on its own stream, joined before attention
+};
+
+class DeepseekV4CudaModel final : public ModelBackend {
+ public:
+  // Uploads the weights (converting to the precision's dtype). Throws dsv4::Error when no device is usable or
+  // the weights do not fit.
+  DeepseekV4CudaModel(ModelConfig config, const ModelWeights& weights, CudaModelOptions options = {});
+  ~DeepseekV4CudaModel() override;
+
+  const ModelConfig& config() const override;
+  const char* device_name() const override;
+  KvStorage kv_storage() const override;
+  IndexStorage index_storage() const override;
+  void bind_cache(const HybridKvCacheManager& manager) override;
+  std::unique_ptr<SequenceState> make_state(RequestId id) override;
+  void copy_blocks(std::span<const BlockCopy> copies) override;
+  Tensor forward(std::span<const SequenceChunk> batch, LogitsMode mode) override;
+
+  // Device bytes free for the KV cache once weights and a step's activations at `max_tokens` batched tokens are
+  // resident, scaled so the process uses at most `utilization` of the device (vLLM's --gpu-memory-utilization).
+  int64_t cache_bytes_for_utilization(double utilization, int64_t max_tokens) const;
+  int64_t weight_bytes() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// True when a CUDA device is usable by this process.
+bool cuda_device_available();
+
+}  // namespace dsv4

@@ -1,0 +1,97 @@
+#include "ops/cuda/gemm.h"
+
+#include <cublasLt.h>
+
+#include <memory>
+#include <string>
+
+#include "core/error.h"
+
+namespace dsv4::ops::cuda {
+namespace {
+
+void check(cublasStatus_t status, const char* what) {
+  if (status != CUBLAS_STATUS_SUCCESS)
+    throw Error(std::string("cuBLASLt ") + what + " failed: status " + std::to_string(static_cast<int>(status)));
+}
+
+constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // what cuBLASLt's Hopper kernels ask for at most
+
+}  // namespace
+
+struct Gemm::Plan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  ~Plan() {
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (c) cublasLtMatrixLayoutDestroy(c);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+Gemm::Gemm() : workspace_bytes_(kWorkspaceBytes) {
+  cublasLtHandle_t handle = nullptr;
+  check(cublasLtCreate(&handle), "create");
+  handle_ = handle;
+  if (cudaMalloc(&workspace_, workspace_bytes_) != cudaSuccess) throw Error("cannot allocate the cuBLASLt workspace");
+}
+
+Gemm::~Gemm() {
+  for (auto& [key, plan] : plans_) delete plan;
+  cudaFree(workspace_);
+  cublasLtDestroy(static_cast<cublasLtHandle_t>(handle_));
+}
+
+// Row-major y = x·Wᵀ is column-major yᵀ [out, rows] = W [in, out]ᵀ · xᵀ [in, rows]: A = W transposed, B = x.
+const Gemm::Plan& Gemm::plan(const Key& key) {
+  if (const auto it = plans_.find(key); it != plans_.end()) return *it->second;
+  const auto [dtype, out, in, rows, w_stride, x_stride, y_stride, accumulate] = key;
+  const cudaDataType_t operand = dtype == static_cast<int>(GemmDtype::kBf16) ? CUDA_R_16BF : CUDA_R_32F;
+  auto plan = std::make_unique<Plan>();
+  check(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "matmul desc");
+  const cublasOperation_t transpose = CUBLAS_OP_T, none = CUBLAS_OP_N;
+  check(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof transpose), "transa");
+  check(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &none, sizeof none), "transb");
+  check(cublasLtMatrixLayoutCreate(&plan->a, operand, static_cast<uint64_t>(in), static_cast<uint64_t>(out), w_stride),
+        "layout W");
+  check(cublasLtMatrixLayoutCreate(&plan->b, operand, static_cast<uint64_t>(in), static_cast<uint64_t>(rows), x_stride),
+        "layout x");
+  check(cublasLtMatrixLayoutCreate(&plan->c, CUDA_R_32F, static_cast<uint64_t>(out), static_cast<uint64_t>(rows),
+                                   y_stride),
+        "layout y");
+  cublasLtMatmulPreference_t preference = nullptr;
+  check(cublasLtMatmulPreferenceCreate(&preference), "preference");
+  check(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes_,
+                                             sizeof workspace_bytes_),
+        "preference workspace");
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(static_cast<cublasLtHandle_t>(handle_), plan->op,
+                                                               plan->a, plan->b, plan->c, plan->c, preference, 1,
+                                                               &result, &found);
+  cublasLtMatmulPreferenceDestroy(preference);
+  if (status != CUBLAS_STATUS_SUCCESS || found == 0)
+    throw Error("cuBLASLt has no algorithm for a " + std::string(operand == CUDA_R_16BF ? "bf16" : "fp32") + " [" +
+                std::to_string(rows) + " x " + std::to_string(in) + "] x [" + std::to_string(in) + " x " +
+                std::to_string(out) + "] product");
+  plan->algo = result.algo;
+  (void)accumulate;
+  return *(plans_[key] = plan.release());
+}
+
+void Gemm::linear(const GemmWeight& w, const void* x, int64_t rows, float* y, cudaStream_t stream, float beta,
+                  int64_t x_stride, int64_t y_stride) {
+  if (rows == 0 || w.out == 0) return;
+  const int64_t w_stride = w.row_stride ? w.row_stride : w.in;
+  const Key key{static_cast<int>(w.dtype), w.out, w.in, rows, w_stride, x_stride ? x_stride : w.in,
+                y_stride ? y_stride : w.out, beta != 0.0f};
+  const Plan& p = plan(key);
+  const float alpha = 1.0f;
+  check(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), p.op, &alpha, w.data, p.a, x, p.b, &beta, y, p.c, y,
+                       p.c, &p.algo, workspace_, workspace_bytes_, stream),
+        "matmul");
+}
+
+}  // namespace dsv4::ops::cuda

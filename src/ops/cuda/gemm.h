@@ -1,0 +1,49 @@
+// Dense projections on the device through cuBLASLt (the library NVIDIA tunes for Hopper; no hand-written GEMM
+// for the dense layers): y [rows, out] = x [rows, in] · Wᵀ (+ beta · y), W row-major [out, in] as the checkpoint
+// stores it. Two modes, as the GPU model's numerics:
+//   kF32   fp32 operands, fp32 compute (CUBLAS_COMPUTE_32F, no TF32): the exact twin of ops/cpu/linear.h;
+//   kBf16  bf16 operands (x already converted), fp32 accumulation, fp32 output.
+// One Gemm per stream: it owns the Lt handle, a workspace and the chosen algorithm per shape (the heuristic runs
+// once per shape, so steady-state calls do no host work beyond the launch and are CUDA-graph capturable).
+#pragma once
+#include <cstdint>
+#include <map>
+#include <tuple>
+
+#include <cuda_runtime.h>
+
+namespace dsv4::ops::cuda {
+
+enum class GemmDtype { kF32, kBf16 };
+
+struct GemmWeight {
+  const void* data = nullptr;  // device [out, row_stride] of dtype
+  GemmDtype dtype = GemmDtype::kF32;
+  int64_t out = 0, in = 0;
+  int64_t row_stride = 0;  // elements between rows; 0 = in
+};
+
+class Gemm {
+ public:
+  Gemm();
+  ~Gemm();
+  Gemm(const Gemm&) = delete;
+  Gemm& operator=(const Gemm&) = delete;
+
+  // y [rows, out] with row stride y_stride (0 = out) = x [rows, in] (dtype of w, row stride x_stride, 0 = in)
+  // · Wᵀ + beta · y. Throws dsv4::Error on a cuBLAS failure or a shape no algorithm supports.
+  void linear(const GemmWeight& w, const void* x, int64_t rows, float* y, cudaStream_t stream, float beta = 0.0f,
+              int64_t x_stride = 0, int64_t y_stride = 0);
+
+ private:
+  struct Plan;
+  using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool>;
+  const Plan& plan(const Key& key);
+
+  void* handle_ = nullptr;  // cublasLtHandle_t
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
+  std::map<Key, Plan*> plans_;
+};
+
+}  // namespace dsv4::ops::cuda

@@ -1,0 +1,210 @@
+#include "ops/cuda/paged_attention.h"
+
+#include <cfloat>
+
+namespace dsv4::ops::cuda {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kMaxPerLane = 16;  // head_dim ≤ 512
+
+__device__ __forceinline__ float load_value(const std::byte* entry, bool bf16, int index) {
+  if (bf16) return __uint_as_float(static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(entry)[index]) << 16);
+  return reinterpret_cast<const float*>(entry)[index];
+}
+
+__device__ __forceinline__ float warp_sum(float value) {
+  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
+  return value;
+}
+
+// One CTA per (token, head); each warp runs an online softmax over every 4th key, then the warps merge.
+__global__ void paged_sink_attention_kernel(PagedSinkAttentionParams p) {
+  const int64_t t = blockIdx.x, h = blockIdx.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int per_lane = static_cast<int>((p.head_dim + 31) / 32);
+  const float* q = p.q + (t * p.heads + h) * p.head_dim;
+  float qv[kMaxPerLane], acc[kMaxPerLane];
+  for (int i = 0; i < per_lane; ++i) {
+    qv[i] = lane + 32 * i < p.head_dim ? q[lane + 32 * i] : 0.0f;
+    acc[i] = 0.0f;
+  }
+  const int64_t position = p.positions[t], row = p.token_row[t];
+  const int64_t chunk_start = p.chunk_start[row], chunk_offset = p.chunk_offset[row];
+  const int64_t first = position - p.window_size + 1 > 0 ? position - p.window_size + 1 : 0;
+  const int64_t num_window = position - first + 1;
+  int64_t num_compressed = 0;
+  if (p.dense_ratio > 0) num_compressed = (position + 1) / p.dense_ratio;
+  else if (p.compressed_lengths) num_compressed = p.compressed_lengths[t];
+  const int64_t total = num_window + num_compressed;
+  float running_max = -FLT_MAX, running_sum = 0.0f;
+  for (int64_t j = warp; j < total; j += kWarps) {
+    const std::byte* entry = nullptr;
+    bool bf16 = p.bf16_entries;
+    if (j < num_window) {
+      const int64_t key_position = first + j;
+      if (key_position >= chunk_start) {
+        entry = reinterpret_cast<const std::byte*>(p.chunk_kv + (chunk_offset + key_position - chunk_start) * p.head_dim);
+        bf16 = false;
+      } else {
+        entry = paged_entry(p.window, row, key_position);
+      }
+    } else {
+      const int64_t slot = j - num_window;
+      const int64_t index = p.dense_ratio > 0 ? slot : p.compressed_indices[t * p.compressed_stride + slot];
+      if (index < 0) continue;
+      entry = paged_entry(p.compressed, row, index);
+    }
+    if (entry == nullptr) continue;  // an unallocated block holds no key (never the case in a valid step)
+    float kv[kMaxPerLane], dot = 0.0f;
+    for (int i = 0; i < per_lane; ++i) {
+      kv[i] = lane + 32 * i < p.head_dim ? load_value(entry, bf16, lane + 32 * i) : 0.0f;
+      dot += qv[i] * kv[i];
+    }
+    const float logit = warp_sum(dot) * p.scale;
+    const float new_max = fmaxf(running_max, logit);
+    const float correction = expf(running_max - new_max), weight = expf(logit - new_max);
+    running_sum = running_sum * correction + weight;
+    for (int i = 0; i < per_lane; ++i) acc[i] = acc[i] * correction + weight * kv[i];
+    running_max = new_max;
+  }
+  __shared__ float warp_max[kWarps], warp_total[kWarps];
+  __shared__ float warp_acc[kWarps][32 * kMaxPerLane];
+  if (lane == 0) {
+    warp_max[warp] = running_max;
+    warp_total[warp] = running_sum;
+  }
+  for (int i = 0; i < per_lane; ++i)
+    if (lane + 32 * i < p.head_dim) warp_acc[warp][lane + 32 * i] = acc[i];
+  __syncthreads();
+  float* out = p.out + (t * p.heads + h) * p.head_dim;
+  if (total == 0) {  // the sink is the only mass: zero output (ops/cpu/attention.h)
+    for (int64_t i = threadIdx.x; i < p.head_dim; i += blockDim.x) out[i] = 0.0f;
+    return;
+  }
+  float global_max = p.sinks[h];
+  for (int w = 0; w < kWarps; ++w) global_max = fmaxf(global_max, warp_max[w]);
+  float denominator = expf(p.sinks[h] - global_max), factor[kWarps];
+  for (int w = 0; w < kWarps; ++w) {
+    factor[w] = warp_total[w] > 0.0f ? expf(warp_max[w] - global_max) : 0.0f;
+    denominator += warp_total[w] * factor[w];
+  }
+  for (int64_t i = threadIdx.x; i < p.head_dim; i += blockDim.x) {
+    float value = 0.0f;
+    for (int w = 0; w < kWarps; ++w) value += warp_acc[w][i] * factor[w];
+    out[i] = value / denominator;
+  }
+}
+
+// One CTA per (token, 32 entries): q of the token in shared memory, one warp per entry at a time.
+constexpr int kIndexerEntriesPerCta = 32;
+__global__ void paged_indexer_scores_kernel(PagedIndexerScoresParams p) {
+  extern __shared__ float q_shared[];
+  const int64_t t = blockIdx.x;
+  const int64_t q_size = p.heads * p.head_dim;
+  for (int64_t i = threadIdx.x; i < q_size; i += blockDim.x) q_shared[i] = p.q[t * q_size + i];
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int per_lane = static_cast<int>((p.head_dim + 31) / 32);
+  const int64_t position = p.positions[t], row = p.token_row[t];
+  const int64_t visible = (position + 1) / p.ratio;
+  const float* weights = p.weights + t * p.heads;
+  for (int64_t e = blockIdx.y * kIndexerEntriesPerCta + warp; e < (blockIdx.y + 1) * kIndexerEntriesPerCta &&
+                                                              e < p.max_entries;
+       e += kWarps) {
+    float score = -INFINITY;
+    if (e < visible) {
+      const std::byte* key = paged_entry(p.keys, row, e);
+      float k[8];
+      for (int i = 0; i < per_lane; ++i)
+        k[i] = lane + 32 * i < p.head_dim ? load_value(key, p.bf16_keys, lane + 32 * i) : 0.0f;
+      score = 0.0f;
+      for (int64_t h = 0; h < p.heads; ++h) {
+        float dot = 0.0f;
+        for (int i = 0; i < per_lane; ++i)
+          if (lane + 32 * i < p.head_dim) dot += q_shared[h * p.head_dim + lane + 32 * i] * k[i];
+        dot = warp_sum(dot);
+        score += fmaxf(dot, 0.0f) * p.softmax_scale * weights[h];
+      }
+    }
+    if (lane == 0) p.scores[t * p.max_entries + e] = score;
+  }
+}
+
+__global__ void visible_entries_kernel(int64_t tokens, const int32_t* positions, int64_t ratio, int32_t* lengths) {
+  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (t < tokens) lengths[t] = static_cast<int32_t>((positions[t] + 1) / ratio);
+}
+
+__global__ void dense_entry_indices_kernel(const int32_t* positions, int64_t ratio, int64_t stride, int32_t* indices,
+                                           int32_t* lengths) {
+  const int64_t t = blockIdx.x;
+  const int64_t visible = (positions[t] + 1) / ratio;
+  for (int64_t j = threadIdx.x; j < stride; j += blockDim.x)
+    indices[t * stride + j] = j < visible ? static_cast<int32_t>(j) : -1;
+  if (threadIdx.x == 0) lengths[t] = static_cast<int32_t>(visible < stride ? visible : stride);
+}
+
+__global__ void write_window_kernel(WindowWriteParams p) {
+  const int64_t t = blockIdx.x;
+  const int64_t position = p.positions[t], row = p.token_row[t];
+  if (position < p.row_end[row] - p.window_size) return;
+  std::byte* entry = paged_entry(p.window, row, position);
+  if (entry == nullptr) return;
+  const float* kv = p.kv + t * p.head_dim;
+  for (int64_t i = threadIdx.x; i < p.head_dim; i += blockDim.x) {
+    if (p.bf16_entries) {
+      // Round to nearest even, as core/dtype.h f32_to_bf16.
+      uint32_t word = __float_as_uint(kv[i]);
+      const uint16_t bits = (word & 0x7fffffffu) > 0x7f800000u
+                                ? static_cast<uint16_t>((word >> 16) | 0x40)
+                                : static_cast<uint16_t>((word + 0x7fffu + ((word >> 16) & 1u)) >> 16);
+      reinterpret_cast<uint16_t*>(entry)[i] = bits;
+    } else {
+      reinterpret_cast<float*>(entry)[i] = kv[i];
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t paged_sink_attention(const PagedSinkAttentionParams& p, cudaStream_t stream) {
+  if (p.tokens == 0) return cudaSuccess;
+  if (p.head_dim > 32 * kMaxPerLane) return cudaErrorInvalidValue;
+  paged_sink_attention_kernel<<<dim3(static_cast<unsigned>(p.tokens), static_cast<unsigned>(p.heads)), 32 * kWarps, 0,
+                                stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t paged_indexer_scores(const PagedIndexerScoresParams& p, cudaStream_t stream) {
+  if (p.tokens == 0 || p.max_entries == 0) return cudaSuccess;
+  if (p.head_dim > 256 || p.heads * p.head_dim > 8192) return cudaErrorInvalidValue;
+  const auto chunks = static_cast<unsigned>((p.max_entries + kIndexerEntriesPerCta - 1) / kIndexerEntriesPerCta);
+  const size_t shared = static_cast<size_t>(p.heads * p.head_dim) * sizeof(float);
+  paged_indexer_scores_kernel<<<dim3(static_cast<unsigned>(p.tokens), chunks), 32 * kWarps, shared, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t visible_entries(int64_t tokens, const int32_t* positions, int64_t ratio, int32_t* lengths,
+                            cudaStream_t stream) {
+  if (tokens == 0) return cudaSuccess;
+  visible_entries_kernel<<<static_cast<unsigned>((tokens + 255) / 256), 256, 0, stream>>>(tokens, positions, ratio,
+                                                                                          lengths);
+  return cudaGetLastError();
+}
+
+cudaError_t dense_entry_indices(int64_t tokens, const int32_t* positions, int64_t ratio, int64_t stride,
+                                int32_t* indices, int32_t* lengths, cudaStream_t stream) {
+  if (tokens == 0) return cudaSuccess;
+  dense_entry_indices_kernel<<<static_cast<unsigned>(tokens), 256, 0, stream>>>(positions, ratio, stride, indices,
+                                                                               lengths);
+  return cudaGetLastError();
+}
+
+cudaError_t write_window(const WindowWriteParams& p, cudaStream_t stream) {
+  if (p.tokens == 0) return cudaSuccess;
+  write_window_kernel<<<static_cast<unsigned>(p.tokens), 128, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace dsv4::ops::cuda

@@ -1,0 +1,235 @@
+// The GPU forward against the CPU backend (its slow twin) on random-weight models: the same requests, chunked
+// prefills and decodes in mixed batches, logits compared step by step. fp32 mode to accumulation order
+// (≤ 1e-4 relative), bf16 mode within bf16 tolerance with greedy top-1 agreement; a V4-shaped model (64 heads ×
+// 512, indexer 64 × 128) runs the tuned attention / indexer kernels. Skipped without a GPU.
+#include "model/cuda/deepseek_v4_cuda.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+
+#include "../test_models.h"
+#include "engine/engine.h"
+
+namespace dsv4 {
+namespace {
+
+using testing::random_ids;
+using testing::relative_l2;
+
+#define SKIP_WITHOUT_GPU() \
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device"
+
+// The embedded default model's shape (every layer kind, the real vocabulary).
+ModelConfig tiny_config() { return ModelConfig::preset("tiny"); }
+
+// V4-Flash's attention shapes at a small width: 64 heads × 512 with 64 rope channels, an indexer of 64 × 128,
+// every layer kind, top-k far below the entries of the test's contexts.
+ModelConfig v4_shaped_config() {
+  const nlohmann::json config = {
+      {"model_type", "deepseek_v4"}, {"vocab_size", 4096}, {"hidden_size", 512}, {"num_hidden_layers", 4},
+      {"num_attention_heads", 64}, {"head_dim", 512}, {"qk_rope_head_dim", 64}, {"q_lora_rank", 256},
+      {"o_groups", 8}, {"o_lora_rank", 128}, {"sliding_window", 128}, {"compress_ratios", {0, 4, 128, 4}},
+      {"num_hash_layers", 1}, {"n_routed_experts", 8}, {"num_experts_per_tok", 2}, {"moe_intermediate_size", 256},
+      {"index_n_heads", 64}, {"index_head_dim", 128}, {"index_topk", 64},
+      {"rope_scaling",
+       {{"type", "yarn"}, {"factor", 16}, {"original_max_position_embeddings", 65536}, {"beta_fast", 32},
+        {"beta_slow", 1}}}};
+  return ModelConfig::from_json(config);
+}
+
+// One request's schedule: its prompt in chunks, then `decode_steps` greedy tokens.
+struct Script {
+  std::vector<int32_t> prompt;
+  int64_t chunk = 0;
+  int64_t decode_steps = 0;
+};
+
+// Runs the scripts step by step on both backends, every request advancing in the same batch, and returns the
+// worst relative L2 of the last-position logits and the fraction of steps whose argmax agreed.
+struct Comparison {
+  double worst_relative_l2 = 0;
+  int64_t compared = 0, agreed = 0;
+  std::vector<std::vector<float>> gpu_logits;  // every step's, for the repeat check
+};
+
+int32_t argmax(const float* row, int64_t n) {
+  int64_t best = 0;
+  for (int64_t i = 1; i < n; ++i)
+    if (row[i] > row[best]) best = i;
+  return static_cast<int32_t>(best);
+}
+
+Comparison compare(const ModelConfig& config, const ModelWeights& weights, CudaPrecision precision,
+                   const std::vector<Script>& scripts) {
+  DeepseekV4Model cpu(config, weights);
+  CudaModelOptions options;
+  options.precision = precision;
+  DeepseekV4CudaModel gpu(config, weights, options);
+  PrefixCacheOptions cache_options;
+  cache_options.enabled = false;
+  HybridKvCacheManager manager(CacheLayout::for_model(config, gpu.kv_storage(), gpu.index_storage()),
+                               int64_t{1} << 30, cache_options);
+  gpu.bind_cache(manager);
+
+  const size_t R = scripts.size();
+  std::vector<std::unique_ptr<SequenceState>> cpu_states, gpu_states;
+  std::vector<std::vector<int32_t>> tokens(R);
+  std::vector<int64_t> done(R, 0), decoded(R, 0);
+  for (size_t r = 0; r < R; ++r) {
+    EXPECT_EQ(manager.admit(r, scripts[r].prompt).value_or(-1), 0);
+    cpu_states.push_back(cpu.new_sequence_state());
+    gpu_states.push_back(gpu.make_state(r));
+    tokens[r] = scripts[r].prompt;
+  }
+  Comparison result;
+  const int64_t vocab = config.vocab_size;
+  while (true) {
+    std::vector<SequenceChunk> cpu_batch, gpu_batch;
+    std::vector<size_t> rows;
+    for (size_t r = 0; r < R; ++r) {
+      const auto prompt = static_cast<int64_t>(scripts[r].prompt.size());
+      int64_t length = 0;
+      if (done[r] < prompt) length = std::min(scripts[r].chunk, prompt - done[r]);
+      else if (decoded[r] < scripts[r].decode_steps) length = 1;
+      if (length == 0) continue;
+      EXPECT_TRUE(manager.allocate(r, length));
+      const std::span<const int32_t> ids(tokens[r].data() + done[r], static_cast<size_t>(length));
+      cpu_batch.push_back({cpu_states[r].get(), ids});
+      gpu_batch.push_back({gpu_states[r].get(), ids});
+      rows.push_back(r);
+    }
+    if (rows.empty()) break;
+    const Tensor expected = cpu.forward(cpu_batch, LogitsMode::kLastPerSequence);
+    const Tensor actual = gpu.forward(gpu_batch, LogitsMode::kLastPerSequence);
+    result.gpu_logits.push_back(actual.data);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const size_t r = rows[i];
+      const float* e = expected.ptr() + i * vocab;
+      const float* a = actual.ptr() + i * vocab;
+      result.worst_relative_l2 = std::max(result.worst_relative_l2, relative_l2(a, e, vocab));
+      ++result.compared;
+      const int32_t next = argmax(e, vocab);
+      result.agreed += argmax(a, vocab) == next;
+      done[r] += static_cast<int64_t>(cpu_batch[i].token_ids.size());
+      manager.commit(r, tokens[r], done[r]);
+      if (done[r] >= static_cast<int64_t>(scripts[r].prompt.size())) {
+        if (done[r] > static_cast<int64_t>(scripts[r].prompt.size())) ++decoded[r];
+        if (done[r] == static_cast<int64_t>(tokens[r].size())) tokens[r].push_back(next);  // greedy, from the CPU
+      }
+    }
+  }
+  return result;
+}
+
+std::vector<Script> mixed_scripts(int64_t vocab) {
+  // Lengths cross the window (128), CSA entries (4) and the HCA ratio (128); chunks of different sizes; one
+  // request decodes while the others prefill.
+  return {{random_ids(5, vocab, 1), 5, 12},
+          {random_ids(300, vocab, 2), 64, 8},
+          {random_ids(131, vocab, 3), 131, 10},
+          {random_ids(257, vocab, 4), 100, 6}};
+}
+
+TEST(CudaModel, Fp32MatchesCpuOnTheTinyModel) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig config = tiny_config();
+  const ModelWeights weights = random_weights(config, 7);
+  const Comparison c = compare(config, weights, CudaPrecision::kF32, mixed_scripts(config.vocab_size));
+  EXPECT_GT(c.compared, 40);
+  EXPECT_LE(c.worst_relative_l2, 1e-4);
+  EXPECT_EQ(c.agreed, c.compared);
+}
+
+TEST(CudaModel, Fp32MatchesCpuOnTheSmallTestModel) {
+  SKIP_WITHOUT_GPU();
+  // Odd widths (head_dim 16, indexer 2 × 8, window 8, HCA ratio 16, top-k 3).
+  const ModelConfig config = testing::small_config();
+  const ModelWeights weights = random_weights(config, 11);
+  std::vector<Script> scripts = {{random_ids(3, config.vocab_size, 5), 1, 30},
+                                 {random_ids(70, config.vocab_size, 6), 9, 20},
+                                 {random_ids(33, config.vocab_size, 7), 33, 25}};
+  const Comparison c = compare(config, weights, CudaPrecision::kF32, scripts);
+  EXPECT_LE(c.worst_relative_l2, 1e-4);
+  EXPECT_EQ(c.agreed, c.compared);
+}
+
+TEST(CudaModel, Bf16TracksCpuOnTheTinyModel) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig config = tiny_config();
+  const ModelWeights weights = random_weights(config, 7);
+  const Comparison c = compare(config, weights, CudaPrecision::kBf16, mixed_scripts(config.vocab_size));
+  EXPECT_LE(c.worst_relative_l2, 3e-2);
+  EXPECT_GE(static_cast<double>(c.agreed), 0.9 * static_cast<double>(c.compared));
+}
+
+TEST(CudaModel, Bf16TunedKernelsTrackCpuOnAV4ShapedModel) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig config = v4_shaped_config();
+  const ModelWeights weights = random_weights(config, 3);
+  // 700 tokens: 175 CSA entries against a top-k of 64, 5 HCA entries, a window crossed many times.
+  const std::vector<Script> scripts = {{random_ids(700, config.vocab_size, 8), 256, 6},
+                                       {random_ids(40, config.vocab_size, 9), 40, 12}};
+  const Comparison c = compare(config, weights, CudaPrecision::kBf16, scripts);
+  EXPECT_LE(c.worst_relative_l2, 3e-2);
+  EXPECT_GE(static_cast<double>(c.agreed), 0.9 * static_cast<double>(c.compared));
+}
+
+TEST(CudaModel, RepeatsBitwise) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig config = tiny_config();
+  const ModelWeights weights = random_weights(config, 7);
+  const auto scripts = mixed_scripts(config.vocab_size);
+  const Comparison first = compare(config, weights, CudaPrecision::kBf16, scripts);
+  const Comparison second = compare(config, weights, CudaPrecision::kBf16, scripts);
+  ASSERT_EQ(first.gpu_logits.size(), second.gpu_logits.size());
+  for (size_t i = 0; i < first.gpu_logits.size(); ++i)
+    EXPECT_EQ(0, std::memcmp(first.gpu_logits[i].data(), second.gpu_logits[i].data(),
+                             first.gpu_logits[i].size() * sizeof(float)))
+        << "step " << i;
+}
+
+// The engine on the CUDA backend: greedy generations equal the CPU engine's (fp32), including a second run of
+// the same prompts that restores prefix-cache hits through the device block copies.
+TEST(CudaModel, EngineGreedyMatchesCpuEngineWithPrefixHits) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig config = tiny_config();
+  const ModelWeights weights = random_weights(config, 5);
+  DeepseekV4Model cpu(config, weights);
+  CudaModelOptions options;
+  options.precision = CudaPrecision::kF32;
+  DeepseekV4CudaModel gpu(config, weights, options);
+  EngineConfig engine_config;
+  engine_config.max_num_batched_tokens = 256;
+  engine_config.kv_cache_bytes = int64_t{256} << 20;
+  engine_config.checkpoint_interval = 256;
+  Engine cpu_engine(cpu, engine_config);
+  Engine gpu_engine(gpu, engine_config);
+  SamplingParams params;
+  params.max_tokens = 24;
+  params.ignore_eos = true;
+  std::vector<std::vector<int32_t>> prompts = {random_ids(600, config.vocab_size, 21),
+                                               random_ids(77, config.vocab_size, 22),
+                                               random_ids(520, config.vocab_size, 23)};
+  auto run = [&](Engine& engine) {
+    std::map<RequestId, std::vector<int32_t>> out;
+    for (int round = 0; round < 2; ++round) {
+      for (const auto& prompt : prompts) engine.add_request(prompt, params);
+      while (engine.has_unfinished())
+        for (const RequestOutput& o : engine.step()) {
+          EXPECT_TRUE(o.error.empty()) << o.error;
+          out[o.id].insert(out[o.id].end(), o.new_token_ids.begin(), o.new_token_ids.end());
+        }
+    }
+    return out;
+  };
+  const auto expected = run(cpu_engine);
+  const auto actual = run(gpu_engine);
+  EXPECT_GT(gpu_engine.cache().stats().prefix_hit_tokens, 0) << "the second round hits the prefix cache";
+  ASSERT_EQ(expected.size(), actual.size());
+  for (const auto& [id, tokens] : expected) EXPECT_EQ(actual.at(id), tokens) << "request " << id;
+}
+
+}  // namespace
+}  // namespace dsv4
