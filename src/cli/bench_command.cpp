@@ -68,7 +68,7 @@ class ProgressBar {
 }  // namespace
 
 CLI::App* add_bench_command(CLI::App& app, BenchServeOptions& options) {
-  auto* bench = app.add_subcommand("bench", "Benchmarks of a running engine");
+  auto* bench = app.add_subcommand("bench", "Benchmarks: a running server (serve) or the engine in this process (latency, throughput)");
   bench->require_subcommand(1);
   auto* serve = bench->add_subcommand("serve", "Load an OpenAI-compatible server with streaming requests; "
                                                "report TTFT, TPOT, ITL, E2E latency and throughput");

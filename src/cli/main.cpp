@@ -3,6 +3,7 @@
 #include <cstdio>
 
 #include "cli/bench_command.h"
+#include "cli/bench_offline.h"
 #include "cli/commands.h"
 #include "cli/serve_command.h"
 #include "core/error.h"
@@ -84,6 +85,9 @@ int main(int argc, char** argv) {
 
   dsv4::cli::BenchServeOptions bench_serve_options;
   auto* bench_serve_cmd = dsv4::cli::add_bench_command(app, bench_serve_options);
+  dsv4::cli::BenchOfflineOptions bench_latency_options, bench_throughput_options;
+  const auto [bench_latency_cmd, bench_throughput_cmd] = dsv4::cli::add_bench_offline_commands(
+      *app.get_subcommand("bench"), bench_latency_options, bench_throughput_options);
 
   dsv4::cli::ServeOptions serve_options;
   auto* serve_cmd = dsv4::cli::add_serve_command(app, serve_options);
@@ -98,6 +102,8 @@ int main(int argc, char** argv) {
     if (*plan_cmd) return dsv4::cli::plan(plan);
     if (*serve_cmd) return dsv4::cli::serve(serve_options);
     if (*bench_serve_cmd) return dsv4::cli::bench_serve(bench_serve_options);
+    if (*bench_latency_cmd) return dsv4::cli::bench_latency(bench_latency_options);
+    if (*bench_throughput_cmd) return dsv4::cli::bench_throughput(bench_throughput_options);
   } catch (const dsv4::Error& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

@@ -1,0 +1,199 @@
+#include "cli/bench_offline.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <random>
+#include <unordered_set>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/model_loading.h"
+#include "core/error.h"
+#include "engine/engine.h"
+
+namespace dsv4::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+void add_common(CLI::App* cmd, BenchOfflineOptions& o) {
+  cmd->add_option("--model", o.model_dir, "HF model directory (default: the embedded tiny model)");
+  cmd->add_option("--device", o.device, "auto, cpu, cuda or cuda:N")->capture_default_str();
+  cmd->add_option("--dtype", o.dtype, "CUDA precision: auto/bf16 or f32")->capture_default_str();
+  cmd->add_option("--gpu-memory-utilization", o.gpu_memory_utilization, "CUDA: share of device memory")
+      ->capture_default_str();
+  cmd->add_option("--kv-cache-gib", o.kv_cache_gib, "KV cache pool, GiB (0: the backend's default)");
+  cmd->add_option("--input-len", o.input_len, "prompt tokens")->capture_default_str();
+  cmd->add_option("--output-len", o.output_len, "generated tokens per request")->capture_default_str();
+  cmd->add_option("--max-num-seqs", o.max_num_seqs, "requests running at once")->capture_default_str();
+  cmd->add_option("--max-num-batched-tokens", o.max_num_batched_tokens, "token budget of one step")
+      ->capture_default_str();
+  cmd->add_flag("--enable-prefix-caching", o.enable_prefix_caching, "keep prefix caching on");
+  cmd->add_option("--seed", o.seed, "seeds the random prompts")->capture_default_str();
+  cmd->add_option("--output-json", o.output_json, "write the results as JSON");
+}
+
+struct Setup {
+  LoadedBackend loaded;
+  EngineConfig engine;
+};
+
+Setup make_setup(const BenchOfflineOptions& o) {
+  DSV4_CHECK(o.input_len >= 1 && o.output_len >= 1, "--input-len and --output-len must be >= 1");
+  BackendOptions backend;
+  backend.device = o.device;
+  backend.dtype = o.dtype;
+  backend.gpu_memory_utilization = o.gpu_memory_utilization;
+  Setup setup{load_backend(o.model_dir, backend), {}};
+  setup.engine.max_num_seqs = o.max_num_seqs;
+  setup.engine.max_num_batched_tokens = o.max_num_batched_tokens;
+  setup.engine.enable_prefix_caching = o.enable_prefix_caching;
+  setup.engine.max_model_len = o.input_len + o.output_len;
+  const bool given = o.kv_cache_gib > 0;
+  setup.engine.kv_cache_bytes = setup.loaded.cache_bytes(
+      static_cast<int64_t>((given ? o.kv_cache_gib : 4.0) * double(int64_t{1} << 30)), given, o.max_num_batched_tokens);
+  return setup;
+}
+
+std::vector<std::vector<int32_t>> random_prompts(int64_t count, int64_t length, int64_t vocab, std::mt19937_64& rng) {
+  std::uniform_int_distribution<int32_t> id(0, static_cast<int32_t>(vocab - 1));
+  std::vector<std::vector<int32_t>> prompts(static_cast<size_t>(count), std::vector<int32_t>(static_cast<size_t>(length)));
+  for (auto& prompt : prompts)
+    for (auto& token : prompt) token = id(rng);
+  return prompts;
+}
+
+SamplingParams fixed_length(int64_t output_len) {
+  SamplingParams params;
+  params.max_tokens = output_len;
+  params.ignore_eos = true;
+  return params;
+}
+
+struct BatchTiming {
+  double total_s = 0, prefill_s = 0;  // prefill: until every request has its first token
+  int64_t decode_steps = 0;
+};
+
+BatchTiming run_batch(Engine& engine, const std::vector<std::vector<int32_t>>& prompts, int64_t output_len) {
+  for (const auto& prompt : prompts) engine.add_request(prompt, fixed_length(output_len));
+  const auto start = Clock::now();
+  BatchTiming timing;
+  std::unordered_set<RequestId> have_first;
+  bool prefilled = false;
+  while (engine.has_unfinished()) {
+    for (const RequestOutput& output : engine.step()) {
+      DSV4_CHECK(output.error.empty(), "request " + std::to_string(output.id) + " failed: " + output.error);
+      if (!output.new_token_ids.empty()) have_first.insert(output.id);
+    }
+    if (prefilled) ++timing.decode_steps;
+    if (!prefilled && have_first.size() == prompts.size()) {
+      prefilled = true;
+      timing.prefill_s = std::chrono::duration<double>(Clock::now() - start).count();
+    }
+  }
+  timing.total_s = std::chrono::duration<double>(Clock::now() - start).count();
+  return timing;
+}
+
+double percentile(std::vector<double> values, double p) {
+  std::sort(values.begin(), values.end());
+  const double rank = p / 100.0 * static_cast<double>(values.size() - 1);
+  const auto low = static_cast<size_t>(rank);
+  const size_t high = std::min(low + 1, values.size() - 1);
+  return values[low] + (values[high] - values[low]) * (rank - static_cast<double>(low));
+}
+
+void write_json(const std::string& path, const nlohmann::json& result) {
+  if (path.empty()) return;
+  std::ofstream out(path);
+  DSV4_CHECK(out.good(), "cannot write " + path);
+  out << result.dump(2) << "\n";
+}
+
+}  // namespace
+
+std::pair<CLI::App*, CLI::App*> add_bench_offline_commands(CLI::App& bench, BenchOfflineOptions& latency,
+                                                           BenchOfflineOptions& throughput) {
+  auto* latency_cmd = bench.add_subcommand(
+      "latency", "Offline: latency of one batch (prefill, then decode) through the engine in this process");
+  add_common(latency_cmd, latency);
+  latency_cmd->add_option("--batch-size", latency.batch_size, "requests per iteration")->capture_default_str();
+  latency_cmd->add_option("--num-iters-warmup", latency.warmup_iters, "untimed iterations")->capture_default_str();
+  latency_cmd->add_option("--num-iters", latency.iters, "timed iterations")->capture_default_str();
+  auto* throughput_cmd = bench.add_subcommand(
+      "throughput", "Offline: requests/s and tokens/s of --num-prompts requests submitted at once");
+  add_common(throughput_cmd, throughput);
+  throughput_cmd->add_option("--num-prompts", throughput.num_prompts, "requests")->capture_default_str();
+  return {latency_cmd, throughput_cmd};
+}
+
+int bench_latency(const BenchOfflineOptions& o) {
+  DSV4_CHECK(o.batch_size >= 1 && o.iters >= 1 && o.warmup_iters >= 0, "--batch-size and --num-iters must be >= 1");
+  Setup setup = make_setup(o);
+  Engine engine(*setup.loaded.backend, setup.engine);
+  std::mt19937_64 rng(o.seed);
+  const int64_t vocab = setup.loaded.backend->config().vocab_size;
+  for (int64_t i = 0; i < o.warmup_iters; ++i)
+    run_batch(engine, random_prompts(o.batch_size, o.input_len, vocab, rng), o.output_len);
+  std::vector<double> latencies, prefills, steps;
+  for (int64_t i = 0; i < o.iters; ++i) {
+    const BatchTiming t = run_batch(engine, random_prompts(o.batch_size, o.input_len, vocab, rng), o.output_len);
+    latencies.push_back(t.total_s);
+    prefills.push_back(t.prefill_s);
+    if (t.decode_steps > 0) steps.push_back((t.total_s - t.prefill_s) / static_cast<double>(t.decode_steps));
+  }
+  double mean = 0, prefill = 0, step = 0;
+  for (double v : latencies) mean += v / static_cast<double>(latencies.size());
+  for (double v : prefills) prefill += v / static_cast<double>(prefills.size());
+  for (double v : steps) step += v / static_cast<double>(steps.size());
+  std::printf("bench latency on %s: batch %lld, input %lld, output %lld, %lld iterations\n",
+              setup.loaded.backend->device_name(), static_cast<long long>(o.batch_size),
+              static_cast<long long>(o.input_len), static_cast<long long>(o.output_len),
+              static_cast<long long>(o.iters));
+  std::printf("Avg latency: %.4f s   (p50 %.4f, p90 %.4f, p99 %.4f)\n", mean, percentile(latencies, 50),
+              percentile(latencies, 90), percentile(latencies, 99));
+  std::printf("Prefill: %.2f ms (%.0f tokens/s)   Decode: %.3f ms/step (%.1f tokens/s)\n", prefill * 1e3,
+              static_cast<double>(o.batch_size * o.input_len) / prefill, step * 1e3,
+              step > 0 ? static_cast<double>(o.batch_size) / step : 0.0);
+  write_json(o.output_json, {{"device", setup.loaded.backend->device_name()},
+                             {"batch_size", o.batch_size},
+                             {"input_len", o.input_len},
+                             {"output_len", o.output_len},
+                             {"avg_latency", mean},
+                             {"latencies", latencies},
+                             {"avg_prefill_s", prefill},
+                             {"avg_decode_step_s", step}});
+  return 0;
+}
+
+int bench_throughput(const BenchOfflineOptions& o) {
+  DSV4_CHECK(o.num_prompts >= 1, "--num-prompts must be >= 1");
+  Setup setup = make_setup(o);
+  Engine engine(*setup.loaded.backend, setup.engine);
+  std::mt19937_64 rng(o.seed);
+  const int64_t vocab = setup.loaded.backend->config().vocab_size;
+  const auto prompts = random_prompts(o.num_prompts, o.input_len, vocab, rng);
+  const BatchTiming t = run_batch(engine, prompts, o.output_len);
+  const double requests = static_cast<double>(o.num_prompts);
+  const double total_tokens = requests * static_cast<double>(o.input_len + o.output_len);
+  const double output_tokens = requests * static_cast<double>(o.output_len);
+  std::printf("bench throughput on %s: %lld prompts, input %lld, output %lld\n", setup.loaded.backend->device_name(),
+              static_cast<long long>(o.num_prompts), static_cast<long long>(o.input_len),
+              static_cast<long long>(o.output_len));
+  std::printf("Throughput: %.2f requests/s, %.2f total tokens/s, %.2f output tokens/s (%.2f s)\n", requests / t.total_s,
+              total_tokens / t.total_s, output_tokens / t.total_s, t.total_s);
+  write_json(o.output_json, {{"device", setup.loaded.backend->device_name()},
+                             {"num_prompts", o.num_prompts},
+                             {"input_len", o.input_len},
+                             {"output_len", o.output_len},
+                             {"elapsed_time", t.total_s},
+                             {"requests_per_second", requests / t.total_s},
+                             {"tokens_per_second", total_tokens / t.total_s},
+                             {"output_tokens_per_second", output_tokens / t.total_s}});
+  return 0;
+}
+
+}  // namespace dsv4::cli

@@ -1,0 +1,32 @@
+// `dsv4 bench latency` and `dsv4 bench throughput`: offline benchmarks of the engine in this process, as vLLM's
+// `vllm bench latency` / `vllm bench throughput` (docs/bench.md): random prompts of --input-len token ids, each
+// generating exactly --output-len tokens (ignore_eos), through the real scheduler, cache manager and backend.
+#pragma once
+#include <CLI/CLI.hpp>
+#include <cstdint>
+#include <string>
+
+namespace dsv4::cli {
+
+struct BenchOfflineOptions {
+  std::string model_dir;  // empty: the embedded default model
+  std::string device = "auto", dtype = "auto";
+  double gpu_memory_utilization = 0.9;
+  double kv_cache_gib = 0;  // 0: the backend's default (CPU 4 GiB; CUDA from --gpu-memory-utilization)
+  int64_t input_len = 1024, output_len = 128;
+  int64_t batch_size = 8;     // latency: requests per iteration
+  int64_t num_prompts = 256;  // throughput: requests in total
+  int64_t warmup_iters = 1, iters = 3;
+  int64_t max_num_seqs = 256, max_num_batched_tokens = 8192;
+  bool enable_prefix_caching = false;  // random prompts share nothing; off keeps checkpoints out of the timing
+  uint64_t seed = 0;
+  std::string output_json;
+};
+
+// Adds `latency` and `throughput` under the `bench` subcommand; returns them.
+std::pair<CLI::App*, CLI::App*> add_bench_offline_commands(CLI::App& bench, BenchOfflineOptions& latency,
+                                                           BenchOfflineOptions& throughput);
+int bench_latency(const BenchOfflineOptions& options);
+int bench_throughput(const BenchOfflineOptions& options);
+
+}  // namespace dsv4::cli
