@@ -1,0 +1,662 @@
+#include "ops/cuda/moe_experts.h"
+
+#include <cuda_bf16.h>
+
+#include <algorithm>
+
+namespace dsv4::ops::cuda {
+namespace {
+
+// ---------------------------------------------------------------------------------------------------------------
+// Workspace layout (shared by the size query and the call). Rows: the tokens·top_k routed rows sorted by expert
+// (stable in (token, k) order), then the tokens rows of the shared expert (expert index E) in token order.
+// ---------------------------------------------------------------------------------------------------------------
+
+constexpr int kMaxExperts = 1023;  // E + 1 scan lanes in one 1024-thread CTA
+constexpr int kPrepThreads = 1024;
+constexpr int kPrepConvertBlocks = 264;
+
+int64_t items_bound(const MoeExpertsParams& p, int64_t tile_rows) {
+  // Σ_e ceil(n_e / R) over at most min(E, N·K) non-empty experts with Σ n_e = N·K is at most
+  // floor(N·K / R) + min(E, N·K); the shared expert adds ceil(N / R).
+  const int64_t routed = p.tokens * p.top_k;
+  return routed / tile_rows + std::min(p.experts, routed) + (p.tokens + tile_rows - 1) / tile_rows;
+}
+
+struct Layout {
+  size_t offsets = 0, num_items = 0, items = 0, row_token = 0, row_expert = 0, slot_row = 0, xb = 0, h = 0, y = 0;
+  size_t total = 0;
+};
+
+Layout layout(const MoeExpertsParams& p) {
+  const bool bf16 = p.dtype == MoeWeightDtype::kBf16;
+  const auto routed = static_cast<size_t>(p.tokens * p.top_k);
+  const size_t rows = routed + static_cast<size_t>(p.tokens);
+  size_t at = 0;
+  auto take = [&](size_t bytes) {
+    const size_t here = at;
+    at = (at + bytes + 255) / 256 * 256;
+    return here;
+  };
+  Layout l;
+  l.offsets = take(static_cast<size_t>(p.experts + 2) * 4);
+  l.num_items = take(4);
+  l.items = take(static_cast<size_t>(items_bound(p, 16)) * 8);  // 16-row tiles have the most items
+  l.row_token = take(rows * 4);
+  l.row_expert = take(rows * 4);
+  l.slot_row = take(std::max<size_t>(routed, 1) * 4);
+  l.xb = take(bf16 ? static_cast<size_t>(p.tokens * p.hidden) * 2 : 0);
+  l.h = take(rows * static_cast<size_t>(p.intermediate) * (bf16 ? 2 : 4));
+  l.y = take(rows * static_cast<size_t>(p.hidden) * 4);
+  l.total = at;
+  return l;
+}
+
+__device__ __forceinline__ float swiglu(float gate, float up, float limit) {
+  const float g = fminf(gate, limit);
+  const float u = fminf(fmaxf(up, -limit), limit);
+  return g / (1.0f + expf(-g)) * u;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// 1. prep: block 0 routes, blocks 1.. convert x to bf16.
+// ---------------------------------------------------------------------------------------------------------------
+
+struct PrepArgs {
+  const int32_t* chosen;
+  const float* x;
+  uint16_t* xb;  // nullptr in fp32 mode
+  int32_t* offsets;
+  int32_t* num_items;
+  int2* items;
+  int32_t* row_token;
+  int32_t* row_expert;
+  int32_t* slot_row;
+  int tokens, top_k, experts, tile_rows;
+  int64_t x_elems;
+};
+
+// Exclusive scan of one int per thread over the 1024-thread block; `scratch` holds 33 ints.
+__device__ int block_exclusive_scan(int value, int* scratch, int& total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int inclusive = value;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int n = __shfl_up_sync(0xffffffffu, inclusive, o);
+    if (lane >= o) inclusive += n;
+  }
+  __syncthreads();  // scratch free from any earlier use
+  if (lane == 31) scratch[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    const int mine = scratch[lane];
+    int sum = mine;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int n = __shfl_up_sync(0xffffffffu, sum, o);
+      if (lane >= o) sum += n;
+    }
+    scratch[lane] = sum - mine;
+    if (lane == 31) scratch[32] = sum;
+  }
+  __syncthreads();
+  total = scratch[32];
+  return scratch[warp] + inclusive - value;
+}
+
+__global__ void __launch_bounds__(kPrepThreads) moe_prep_kernel(const PrepArgs a) {
+  const int tid = threadIdx.x;
+  if (blockIdx.x > 0) {
+    // x -> bf16, 4 elements per step (D % 8 == 0, x 16-byte aligned).
+    const auto* x4 = reinterpret_cast<const float4*>(a.x);
+    auto* out = reinterpret_cast<uint2*>(a.xb);
+    const int64_t n4 = a.x_elems / 4;
+    const int64_t stride = static_cast<int64_t>(gridDim.x - 1) * kPrepThreads;
+    for (int64_t i = static_cast<int64_t>(blockIdx.x - 1) * kPrepThreads + tid; i < n4; i += stride) {
+      const float4 v = x4[i];
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+      out[i] = make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+    }
+    return;
+  }
+  const int E = a.experts, K = a.top_k, N = a.tokens, R = a.tile_rows;
+  const int routed = N * K;
+  const int lane = tid & 31, warp = tid >> 5;
+  extern __shared__ __align__(128) unsigned char dynamic_smem[];
+  int* counts = reinterpret_cast<int*>(dynamic_smem);  // [E + 1]
+  int* running = counts + E + 1;   // [E]
+  int* offs = running + E;         // [E + 2]
+  int* table = offs + E + 2;       // [32][E]: this chunk's rows of expert e in warp w
+  __shared__ int scratch[33];
+  for (int i = tid; i < E; i += kPrepThreads) counts[i] = running[i] = 0;
+  for (int i = tid; i < 32 * E; i += kPrepThreads) table[i] = 0;
+  if (tid == 0) counts[E] = N;
+  __syncthreads();
+  for (int i = tid; i < routed; i += kPrepThreads) {
+    const int e = a.chosen[i];
+    if (e >= 0 && e < E) atomicAdd(&counts[e], 1);  // integer counts: order-independent
+  }
+  __syncthreads();
+  // Offsets and work items per expert (thread e; the shared expert is e = E).
+  const int count = tid <= E ? counts[tid] : 0;
+  int rows_total = 0, items_total = 0;
+  const int offset = block_exclusive_scan(count, scratch, rows_total);
+  const int tiles = (count + R - 1) / R;
+  const int item0 = block_exclusive_scan(tiles, scratch, items_total);
+  if (tid <= E) {
+    offs[tid] = offset;
+    a.offsets[tid] = offset;
+    for (int m = 0; m < tiles; ++m) a.items[item0 + m] = make_int2(tid, m);
+  }
+  if (tid == 0) {
+    offs[E + 1] = rows_total;
+    a.offsets[E + 1] = rows_total;
+    *a.num_items = items_total;
+  }
+  __syncthreads();
+  const int shared0 = offs[E];
+  for (int t = tid; t < N; t += kPrepThreads) {
+    a.row_token[shared0 + t] = t;
+    a.row_expert[shared0 + t] = E;
+  }
+  // Stable permutation, 1024 entries per chunk: rank within the warp by __match_any_sync, then the rows of the
+  // same expert in earlier warps of the chunk (table), then the rows of earlier chunks (running).
+  for (int base = 0; base < routed; base += kPrepThreads) {
+    const int i = base + tid;
+    int e = i < routed ? a.chosen[i] : -1;
+    if (e >= E) e = -1;
+    const bool valid = e >= 0;
+    const unsigned same = __match_any_sync(0xffffffffu, e);
+    const int rank = __popc(same & ((1u << lane) - 1u));
+    const bool leader = rank == 0;
+    if (valid && leader) table[warp * E + e] = __popc(same);
+    __syncthreads();
+    if (valid) {
+      int before = 0;
+      for (int w = 0; w < warp; ++w) before += table[w * E + e];
+      const int pos = offs[e] + running[e] + before + rank;
+      a.row_token[pos] = i / K;
+      a.row_expert[pos] = e;
+      a.slot_row[i] = pos;
+    } else if (i < routed) {
+      a.slot_row[i] = -1;
+    }
+    __syncthreads();
+    if (valid && leader) {
+      atomicAdd(&running[e], __popc(same));
+      table[warp * E + e] = 0;
+    }
+    __syncthreads();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// 2./3. bf16 grouped GEMM: C[rows of one work item, column tile] = A · Wᵀ, W [n, K] row-major (K contiguous).
+// ---------------------------------------------------------------------------------------------------------------
+
+template <int kWarpsM_, int kWarpsN_, int kMTiles_, int kNTiles_, int kStages_, int kMinBlocks_>
+struct TileConfig {
+  static constexpr int kWarpsM = kWarpsM_, kWarpsN = kWarpsN_, kMTiles = kMTiles_, kNTiles = kNTiles_;
+  static constexpr int kStages = kStages_, kMinBlocks = kMinBlocks_;
+  static constexpr int kThreads = kWarpsM * kWarpsN * 32;
+  static constexpr int kBM = 16 * kMTiles * kWarpsM;  // rows of the work item
+  static constexpr int kBN = 8 * kNTiles * kWarpsN;   // weight rows (output columns; gate+up pairs in gemm1)
+  static constexpr int kBK = 64;                      // one 128-byte row of bf16 per stage
+  static constexpr int kStageBytes = (kBM + kBN) * kBK * 2;
+  static constexpr int kSmemBytes = kStageBytes * kStages;
+  static constexpr int kAChunks = kBM * 8 / kThreads;
+  static constexpr int kBChunks = kBN * 8 / kThreads;
+  static_assert(kBM * 8 % kThreads == 0 && kBN * 8 % kThreads == 0, "whole 16-byte chunks per thread");
+  static_assert(kNTiles % 2 == 0, "B fragments load two n8 tiles at a time; gate/up pairs");
+};
+
+// Decode: 16 rows, 64 weight rows per CTA, 4 warps side by side, 4 stages (40 KB: 5 CTAs per SM).
+using SmallTiles = TileConfig<1, 4, 1, 2, 4, 4>;
+// Mid batches: 64 × 64, warp tiles 32 × 32, 4 stages (64 KB: 3 CTAs per SM).
+using MidTiles = TileConfig<2, 2, 2, 4, 4, 3>;
+// Prefill: 128 × 128, warp tiles 64 × 32, 3 stages (96 KB: 2 CTAs per SM).
+using LargeTiles = TileConfig<2, 4, 4, 4, 3, 2>;
+
+struct GemmArgs {
+  const uint16_t* a;            // gemm1: x in bf16 [tokens, K], gathered through row_token; gemm2: h [rows, K]
+  const int32_t* row_token;     // gemm1 only
+  const void* const* weights;   // [E] device pointers
+  const void* shared_weight;    // expert E
+  const int32_t* offsets;       // [E + 2]
+  const int2* items;            // (expert, row tile)
+  const int32_t* num_items;
+  void* out;                    // gemm1: h bf16 [rows, N]; gemm2: y fp32 [rows, N]
+  int experts;
+  int K;                        // reduction length (D, then I)
+  int N;                        // output columns (I, then D)
+  float limit;
+};
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// Shared-memory offset of 16-byte chunk `chunk` of 128-byte row `row`: chunks XOR-swizzled by row % 8, so the
+// 8 rows an ldmatrix phase reads at one logical chunk hit 8 different bank groups.
+__device__ __forceinline__ uint32_t swizzle(int row, int chunk) {
+  return static_cast<uint32_t>(row * 128 + ((chunk ^ (row & 7)) << 4));
+}
+
+// gemm1 (kGateUp): the CTA's weight rows are 16-row groups of 8 gate rows j0 + 8q .. + 7 and the 8 matching up
+// rows I + j0 + 8q ..; a warp's n8 tiles 2p / 2p + 1 are then the gate and up of the same 8 columns, and the
+// epilogue writes h = silu(min(g, L)) · clamp(u, −L, L) in bf16. gemm2: plain columns, y in fp32.
+template <class C, bool kGateUp>
+__global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) expert_gemm_kernel(const GemmArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  __trap();  // bf16 mma.sync needs sm_80+; the host wrapper refuses to launch such a build
+#else
+  const int item = blockIdx.y;
+  if (item >= *a.num_items) return;
+  const int2 work = a.items[item];
+  const int expert = work.x;
+  const int row_begin = a.offsets[expert] + work.y * C::kBM;
+  const int rows = min(C::kBM, a.offsets[expert + 1] - row_begin);
+  const auto* W = static_cast<const uint16_t*>(expert < a.experts ? a.weights[expert] : a.shared_weight);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int warp_m = warp / C::kWarpsN, warp_n = warp % C::kWarpsN;
+  const int chunk = tid & 7;
+  constexpr int kRowStep = C::kThreads / 8;
+
+  extern __shared__ __align__(128) unsigned char dynamic_smem[];
+  const auto smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(dynamic_smem));
+
+  // This thread's 16-byte chunks of each stage: fixed rows, fixed chunk column.
+  const uint16_t* a_src[C::kAChunks];
+  uint32_t a_dst[C::kAChunks];
+#pragma unroll
+  for (int j = 0; j < C::kAChunks; ++j) {
+    const int r = tid / 8 + j * kRowStep;
+    const uint16_t* src = nullptr;
+    if (r < rows) {
+      const int64_t arow = kGateUp ? static_cast<int64_t>(a.row_token[row_begin + r]) : row_begin + r;
+      src = a.a + arow * a.K + chunk * 8;
+    }
+    a_src[j] = src;
+    a_dst[j] = swizzle(r, chunk);
+  }
+  const uint16_t* b_src[C::kBChunks];
+  uint32_t b_dst[C::kBChunks];
+#pragma unroll
+  for (int j = 0; j < C::kBChunks; ++j) {
+    const int s = tid / 8 + j * kRowStep;
+    int col;
+    int64_t wrow;
+    if constexpr (kGateUp) {
+      col = blockIdx.x * (C::kBN / 2) + (s >> 4) * 8 + (s & 7);
+      wrow = ((s & 15) >= 8 ? a.N : 0) + col;
+    } else {
+      col = blockIdx.x * C::kBN + s;
+      wrow = col;
+    }
+    b_src[j] = col < a.N ? W + wrow * a.K + chunk * 8 : nullptr;
+    b_dst[j] = C::kBM * 128 + swizzle(s, chunk);
+  }
+
+  const int k_tiles = (a.K + C::kBK - 1) / C::kBK;
+  auto load_stage = [&](int slot, int kt) {
+    const int k0 = kt * C::kBK;
+    const bool k_ok = k0 + chunk * 8 < a.K;
+    const uint32_t base = smem_base + slot * C::kStageBytes;
+#pragma unroll
+    for (int j = 0; j < C::kAChunks; ++j) {
+      const bool ok = k_ok && a_src[j] != nullptr;
+      cp_async16(base + a_dst[j], ok ? a_src[j] + k0 : a.a, ok);
+    }
+#pragma unroll
+    for (int j = 0; j < C::kBChunks; ++j) {
+      const bool ok = k_ok && b_src[j] != nullptr;
+      cp_async16(base + b_dst[j], ok ? b_src[j] + k0 : W, ok);
+    }
+  };
+
+  float acc[C::kMTiles][C::kNTiles][4];
+#pragma unroll
+  for (int mt = 0; mt < C::kMTiles; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < C::kNTiles; ++nt)
+#pragma unroll
+      for (int v = 0; v < 4; ++v) acc[mt][nt][v] = 0.0f;
+
+#pragma unroll
+  for (int s = 0; s < C::kStages - 1; ++s) {
+    if (s < k_tiles) load_stage(s, s);
+    cp_async_commit();
+  }
+  // ldmatrix row/chunk of this lane: A x4 = rows 0-15 × k halves; B x4 = two n8 tiles × k halves.
+  const int a_row = warp_m * C::kMTiles * 16 + (lane & 15);
+  const int a_half = lane >> 4;
+  const int b_row = warp_n * C::kNTiles * 8 + (lane >> 4) * 8 + (lane & 7);
+  const int b_half = (lane >> 3) & 1;
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    cp_async_wait<C::kStages - 2>();
+    __syncthreads();  // tile kt landed for every thread; slot (kt - 1) % kStages is free
+    const int next = kt + C::kStages - 1;
+    if (next < k_tiles) load_stage(next % C::kStages, next);
+    cp_async_commit();
+    const uint32_t As = smem_base + (kt % C::kStages) * C::kStageBytes;
+    const uint32_t Bs = As + C::kBM * 128;
+#pragma unroll
+    for (int kk = 0; kk < C::kBK / 16; ++kk) {
+      uint32_t b[C::kNTiles][2];
+#pragma unroll
+      for (int np = 0; np < C::kNTiles / 2; ++np) {
+        uint32_t r[4];
+        ldmatrix_x4(r, Bs + swizzle(b_row + np * 16, kk * 2 + b_half));
+        b[2 * np][0] = r[0];
+        b[2 * np][1] = r[1];
+        b[2 * np + 1][0] = r[2];
+        b[2 * np + 1][1] = r[3];
+      }
+#pragma unroll
+      for (int mt = 0; mt < C::kMTiles; ++mt) {
+        uint32_t af[4];
+        ldmatrix_x4(af, As + swizzle(a_row + mt * 16, kk * 2 + a_half));
+#pragma unroll
+        for (int nt = 0; nt < C::kNTiles; ++nt) mma_bf16(acc[mt][nt], af, b[nt][0], b[nt][1]);
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int mt = 0; mt < C::kMTiles; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = warp_m * C::kMTiles * 16 + mt * 16 + g + half * 8;
+      if (r >= rows) continue;
+      const int64_t out_row = row_begin + r;
+      if constexpr (kGateUp) {
+        auto* h = static_cast<uint16_t*>(a.out);
+#pragma unroll
+        for (int p = 0; p < C::kNTiles / 2; ++p) {
+          const int col = blockIdx.x * (C::kBN / 2) + (warp_n * (C::kNTiles / 2) + p) * 8 + 2 * t;
+          if (col >= a.N) continue;
+          const float v0 = swiglu(acc[mt][2 * p][2 * half], acc[mt][2 * p + 1][2 * half], a.limit);
+          const float v1 = swiglu(acc[mt][2 * p][2 * half + 1], acc[mt][2 * p + 1][2 * half + 1], a.limit);
+          const __nv_bfloat162 packed = __floats2bfloat162_rn(v0, v1);
+          *reinterpret_cast<__nv_bfloat162*>(h + out_row * a.N + col) = packed;
+        }
+      } else {
+        auto* y = static_cast<float*>(a.out);
+#pragma unroll
+        for (int nt = 0; nt < C::kNTiles; ++nt) {
+          const int col = blockIdx.x * C::kBN + warp_n * C::kNTiles * 8 + nt * 8 + 2 * t;
+          if (col >= a.N) continue;
+          *reinterpret_cast<float2*>(y + out_row * a.N + col) =
+              make_float2(acc[mt][nt][2 * half], acc[mt][nt][2 * half + 1]);
+        }
+      }
+    }
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// fp32 (exact) GEMMs: one warp per output dot product, lanes strided over k, a fixed shuffle tree.
+// ---------------------------------------------------------------------------------------------------------------
+
+struct Fp32Args {
+  const float* x;
+  const void* const* w13;
+  const void* const* w2;
+  const void* shared_w13;
+  const void* shared_w2;
+  const int32_t* offsets;
+  const int32_t* row_token;
+  const int32_t* row_expert;
+  float* h;
+  float* y;
+  int experts, D, I;
+  float limit;
+};
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__global__ void gate_up_fp32_kernel(const Fp32Args a) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  const int64_t tasks = static_cast<int64_t>(a.offsets[a.experts + 1]) * a.I;
+  for (int64_t task = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32; task < tasks;
+       task += warps) {
+    const int64_t r = task / a.I, j = task % a.I;
+    const int e = a.row_expert[r];
+    const auto* W = static_cast<const float*>(e < a.experts ? a.w13[e] : a.shared_w13);
+    const float* xr = a.x + static_cast<int64_t>(a.row_token[r]) * a.D;
+    const float* wg = W + j * a.D;
+    const float* wu = W + (a.I + j) * a.D;
+    float g = 0.0f, u = 0.0f;
+    for (int k = lane; k < a.D; k += 32) {
+      g = fmaf(xr[k], wg[k], g);
+      u = fmaf(xr[k], wu[k], u);
+    }
+    g = warp_sum(g);
+    u = warp_sum(u);
+    if (lane == 0) a.h[r * a.I + j] = swiglu(g, u, a.limit);
+  }
+}
+
+__global__ void down_fp32_kernel(const Fp32Args a) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  const int64_t tasks = static_cast<int64_t>(a.offsets[a.experts + 1]) * a.D;
+  for (int64_t task = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32; task < tasks;
+       task += warps) {
+    const int64_t r = task / a.D, c = task % a.D;
+    const int e = a.row_expert[r];
+    const auto* W = static_cast<const float*>(e < a.experts ? a.w2[e] : a.shared_w2);
+    const float* hr = a.h + r * a.I;
+    const float* wr = W + c * a.I;
+    float acc = 0.0f;
+    for (int k = lane; k < a.I; k += 32) acc = fmaf(hr[k], wr[k], acc);
+    acc = warp_sum(acc);
+    if (lane == 0) a.y[r * a.D + c] = acc;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// 4. combine: out[t] = Σ_k w[t, k] · y[row(t, k)] (k order) + y[shared row of t].
+// ---------------------------------------------------------------------------------------------------------------
+
+__global__ void combine_kernel(const float* __restrict__ y, const int32_t* __restrict__ slot_row,
+                               const float* __restrict__ weights, const int32_t* __restrict__ offsets,
+                               float* __restrict__ out, int top_k, int experts, int D) {
+  const int64_t t = blockIdx.x;
+  const int D4 = D / 4;
+  const auto* y4 = reinterpret_cast<const float4*>(y);
+  auto* out4 = reinterpret_cast<float4*>(out);
+  const int64_t shared_row = offsets[experts] + t;
+  for (int c = threadIdx.x; c < D4; c += blockDim.x) {
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int k = 0; k < top_k; ++k) {
+      const int32_t row = slot_row[t * top_k + k];
+      if (row < 0) continue;
+      const float w = weights[t * top_k + k];
+      const float4 v = y4[static_cast<int64_t>(row) * D4 + c];
+      acc.x = fmaf(w, v.x, acc.x);
+      acc.y = fmaf(w, v.y, acc.y);
+      acc.z = fmaf(w, v.z, acc.z);
+      acc.w = fmaf(w, v.w, acc.w);
+    }
+    const float4 s = y4[shared_row * D4 + c];
+    acc.x += s.x;
+    acc.y += s.y;
+    acc.z += s.z;
+    acc.w += s.w;
+    out4[t * D4 + c] = acc;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Host side.
+// ---------------------------------------------------------------------------------------------------------------
+
+bool has_tensor_core_build() {
+  static const bool ok = [] {
+    cudaFuncAttributes attributes{};
+    if (cudaFuncGetAttributes(&attributes, expert_gemm_kernel<SmallTiles, true>) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return attributes.binaryVersion >= 80;
+  }();
+  return ok;
+}
+
+template <class Kernel>
+cudaError_t allow_smem(Kernel kernel, size_t bytes) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+}
+
+template <class C>
+cudaError_t run_bf16_gemms(const MoeExpertsParams& p, GemmArgs args, const uint16_t* xb, uint16_t* h, float* y,
+                           const MoeExpertWeights& w, cudaStream_t stream) {
+  const int64_t items = items_bound(p, C::kBM);
+  if (items > 65535) return cudaErrorInvalidValue;
+  cudaError_t status = allow_smem(expert_gemm_kernel<C, true>, C::kSmemBytes);
+  if (status == cudaSuccess) status = allow_smem(expert_gemm_kernel<C, false>, C::kSmemBytes);
+  if (status != cudaSuccess) return status;
+  // gemm1: x · w13ᵀ -> SwiGLU -> h
+  args.a = xb;
+  args.weights = w.w13;
+  args.shared_weight = w.shared_w13;
+  args.out = h;
+  args.K = static_cast<int>(p.hidden);
+  args.N = static_cast<int>(p.intermediate);
+  const dim3 grid1(static_cast<unsigned>((p.intermediate + C::kBN / 2 - 1) / (C::kBN / 2)),
+                   static_cast<unsigned>(items));
+  expert_gemm_kernel<C, true><<<grid1, C::kThreads, C::kSmemBytes, stream>>>(args);
+  if ((status = cudaGetLastError()) != cudaSuccess) return status;
+  // gemm2: h · w2ᵀ -> y
+  args.a = h;
+  args.weights = w.w2;
+  args.shared_weight = w.shared_w2;
+  args.out = y;
+  args.K = static_cast<int>(p.intermediate);
+  args.N = static_cast<int>(p.hidden);
+  const dim3 grid2(static_cast<unsigned>((p.hidden + C::kBN - 1) / C::kBN), static_cast<unsigned>(items));
+  expert_gemm_kernel<C, false><<<grid2, C::kThreads, C::kSmemBytes, stream>>>(args);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+size_t moe_experts_workspace_bytes(const MoeExpertsParams& p) {
+  if (p.tokens <= 0 || p.top_k <= 0 || p.experts <= 0) return 256;
+  return layout(p).total;
+}
+
+cudaError_t moe_experts(const MoeExpertsParams& p, const MoeExpertWeights& w, const float* x,
+                        const int32_t* chosen, const float* weights, float* out, void* workspace,
+                        size_t workspace_bytes, cudaStream_t stream) {
+  if (p.tokens < 0 || p.top_k <= 0 || p.experts <= 0 || p.experts > kMaxExperts || p.hidden <= 0 ||
+      p.intermediate <= 0 || p.hidden % 8 != 0 || p.intermediate % 8 != 0)
+    return cudaErrorInvalidValue;
+  if (p.tokens == 0) return cudaSuccess;
+  const int64_t rows = p.tokens * (p.top_k + 1);
+  // Row indices and column counts are int32 on the device (addresses are int64).
+  if (rows >= (int64_t{1} << 31) || p.hidden >= (int64_t{1} << 30) || p.intermediate >= (int64_t{1} << 30))
+    return cudaErrorInvalidValue;
+  if (!x || !chosen || !weights || !out || !workspace || !w.w13 || !w.w2 || !w.shared_w13 || !w.shared_w2)
+    return cudaErrorInvalidValue;
+  if (reinterpret_cast<uintptr_t>(x) % 16 || reinterpret_cast<uintptr_t>(out) % 16 ||
+      reinterpret_cast<uintptr_t>(workspace) % 256)
+    return cudaErrorInvalidValue;
+  const Layout l = layout(p);
+  if (workspace_bytes < l.total) return cudaErrorInvalidValue;
+  const bool bf16 = p.dtype == MoeWeightDtype::kBf16;
+  int tile_rows = p.tile_rows;
+  if (tile_rows == 0) {
+    // Measured on the H200 (docs/PERF.md "MoE experts"): 16-row tiles win while experts get few rows (V4-Flash
+    // b32 / b128: 99 / 98 % of copy bandwidth against 94 / 93 % with 64), 64 once they get dozens (E 16 b128:
+    // 71 % against 44 %), 128 × 128 for prefill (4096 tokens: 6.4 ms against 7.7 ms with 64).
+    const double rows_per_expert = static_cast<double>(p.tokens * p.top_k) / static_cast<double>(p.experts);
+    tile_rows = p.tokens > 256 ? 128 : (p.tokens <= 16 || rows_per_expert <= 8.0) ? 16 : 64;
+  }
+  if (tile_rows != 16 && tile_rows != 64 && tile_rows != 128) return cudaErrorInvalidValue;
+  if (bf16 && !has_tensor_core_build()) return cudaErrorUnsupportedPtxVersion;
+
+  auto* base = static_cast<unsigned char*>(workspace);
+  auto* offsets = reinterpret_cast<int32_t*>(base + l.offsets);
+  auto* num_items = reinterpret_cast<int32_t*>(base + l.num_items);
+  auto* items = reinterpret_cast<int2*>(base + l.items);
+  auto* row_token = reinterpret_cast<int32_t*>(base + l.row_token);
+  auto* row_expert = reinterpret_cast<int32_t*>(base + l.row_expert);
+  auto* slot_row = reinterpret_cast<int32_t*>(base + l.slot_row);
+  auto* xb = bf16 ? reinterpret_cast<uint16_t*>(base + l.xb) : nullptr;
+  void* h = base + l.h;
+  auto* y = reinterpret_cast<float*>(base + l.y);
+
+  PrepArgs prep{chosen,    x,          xb,
+                offsets,   num_items,  items,
+                row_token, row_expert, slot_row,
+                static_cast<int>(p.tokens), static_cast<int>(p.top_k), static_cast<int>(p.experts),
+                bf16 ? tile_rows : 16, p.tokens * p.hidden};
+  const size_t prep_smem = static_cast<size_t>(35 * p.experts + 3) * 4;
+  cudaError_t status = allow_smem(moe_prep_kernel, prep_smem);
+  if (status != cudaSuccess) return status;
+  const int64_t convert_blocks =
+      bf16 ? std::min<int64_t>(kPrepConvertBlocks, (p.tokens * p.hidden / 4 + kPrepThreads - 1) / kPrepThreads) : 0;
+  moe_prep_kernel<<<static_cast<unsigned>(1 + convert_blocks), kPrepThreads, prep_smem, stream>>>(prep);
+  if ((status = cudaGetLastError()) != cudaSuccess) return status;
+
+  if (bf16) {
+    GemmArgs args{};
+    args.row_token = row_token;
+    args.offsets = offsets;
+    args.items = items;
+    args.num_items = num_items;
+    args.experts = static_cast<int>(p.experts);
+    args.limit = p.swiglu_limit;
+    auto* hb = static_cast<uint16_t*>(h);
+    status = tile_rows == 16   ? run_bf16_gemms<SmallTiles>(p, args, xb, hb, y, w, stream)
+             : tile_rows == 64 ? run_bf16_gemms<MidTiles>(p, args, xb, hb, y, w, stream)
+                               : run_bf16_gemms<LargeTiles>(p, args, xb, hb, y, w, stream);
+    if (status != cudaSuccess) return status;
+  } else {
+    Fp32Args args{x,        w.w13,     w.w2,       w.shared_w13,          w.shared_w2,
+                  offsets,  row_token, row_expert, static_cast<float*>(h), y,
+                  static_cast<int>(p.experts), static_cast<int>(p.hidden), static_cast<int>(p.intermediate),
+                  p.swiglu_limit};
+    constexpr int kThreads = 256;
+    const auto blocks = [&](int64_t tasks) {
+      return static_cast<unsigned>(std::clamp<int64_t>((tasks + kThreads / 32 - 1) / (kThreads / 32), 1, 16384));
+    };
+    gate_up_fp32_kernel<<<blocks(rows * p.intermediate), kThreads, 0, stream>>>(args);
+    if ((status = cudaGetLastError()) != cudaSuccess) return status;
+    down_fp32_kernel<<<blocks(rows * p.hidden), kThreads, 0, stream>>>(args);
+    if ((status = cudaGetLastError()) != cudaSuccess) return status;
+  }
+  combine_kernel<<<static_cast<unsigned>(p.tokens), 256, 0, stream>>>(
+      y, slot_row, weights, offsets, out, static_cast<int>(p.top_k), static_cast<int>(p.experts),
+      static_cast<int>(p.hidden));
+  return cudaGetLastError();
+}
+
+}  // namespace dsv4::ops::cuda
