@@ -1,0 +1,329 @@
+#include "ops/cuda/hyper_connection.h"
+
+#include <algorithm>
+
+namespace dsv4::ops::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kTokensPerCta = 4;  // tokens sharing one read of fn in the mix kernel
+constexpr int kTargetCtas = 256;  // split-K until the mix grid has about this many CTAs
+constexpr int kMaxSplits = 64;
+constexpr unsigned kFull = 0xffffffffu;
+
+template <int VEC>
+struct VecOf;
+template <>
+struct VecOf<1> {
+  using T = float;
+};
+template <>
+struct VecOf<4> {
+  using T = float4;
+};
+
+template <int VEC>
+__device__ __forceinline__ typename VecOf<VEC>::T load(const float* p, int64_t i) {
+  return reinterpret_cast<const typename VecOf<VEC>::T*>(p)[i];
+}
+template <int VEC>
+__device__ __forceinline__ void store(float* p, int64_t i, typename VecOf<VEC>::T v) {
+  reinterpret_cast<typename VecOf<VEC>::T*>(p)[i] = v;
+}
+__device__ __forceinline__ float zero_vec(float) { return 0.0f; }
+__device__ __forceinline__ float4 zero_vec(float4) { return make_float4(0.0f, 0.0f, 0.0f, 0.0f); }
+__device__ __forceinline__ float fma_dot(float a, float b, float acc) { return fmaf(a, b, acc); }
+__device__ __forceinline__ float fma_dot(float4 a, float4 b, float acc) {
+  return fmaf(a.w, b.w, fmaf(a.z, b.z, fmaf(a.y, b.y, fmaf(a.x, b.x, acc))));
+}
+// acc + w·v with both operations rounded, as the CPU's `sum += w * h` (no FMA contraction).
+__device__ __forceinline__ float axpy_rn(float acc, float w, float v) { return __fadd_rn(acc, __fmul_rn(w, v)); }
+__device__ __forceinline__ float4 axpy_rn(float4 acc, float w, float4 v) {
+  return make_float4(axpy_rn(acc.x, w, v.x), axpy_rn(acc.y, w, v.y), axpy_rn(acc.z, w, v.z), axpy_rn(acc.w, w, v.w));
+}
+__device__ __forceinline__ float scale_rn(float w, float v) { return __fmul_rn(w, v); }
+__device__ __forceinline__ float4 scale_rn(float w, float4 v) {
+  return make_float4(__fmul_rn(w, v.x), __fmul_rn(w, v.y), __fmul_rn(w, v.z), __fmul_rn(w, v.w));
+}
+
+__device__ __forceinline__ float sigmoid(float x) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x))); }
+// m·scale + base, each operation rounded (the CPU's expression, never an FMA).
+__device__ __forceinline__ float affine(float m, float scale, float base) { return __fadd_rn(__fmul_rn(m, scale), base); }
+
+// partial[(t·splits + split)·(NOUT+1) + o] = Σ over this split's columns of h[t]·fn[o] (o < NOUT), and of h[t]²
+// (o = NOUT). grid (ceil(tokens / kTokensPerCta), splits); `chunk` columns (in VEC units) per split.
+template <int NOUT, int VEC>
+__global__ void __launch_bounds__(kThreads) mix_partial_kernel(const float* __restrict__ streams,
+                                                               const float* __restrict__ fn, int64_t tokens,
+                                                               int64_t width, int64_t chunk, int splits,
+                                                               float* __restrict__ partial) {
+  using V = typename VecOf<VEC>::T;
+  constexpr int TT = kTokensPerCta, NV = NOUT + 1;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * TT;
+  const int split = static_cast<int>(blockIdx.y);
+  const int64_t vec_cols = width / VEC;
+  const int64_t begin = split * chunk, end = min(vec_cols, begin + chunk);
+  float acc[TT][NV];
+#pragma unroll
+  for (int t = 0; t < TT; ++t)
+#pragma unroll
+    for (int v = 0; v < NV; ++v) acc[t][v] = 0.0f;
+  const float* x[TT];
+  bool valid[TT];
+#pragma unroll
+  for (int t = 0; t < TT; ++t) {
+    valid[t] = t0 + t < tokens;
+    x[t] = streams + (valid[t] ? t0 + t : 0) * width;
+  }
+  for (int64_t c = begin + threadIdx.x; c < end; c += kThreads) {
+    V xv[TT];
+#pragma unroll
+    for (int t = 0; t < TT; ++t) {
+      xv[t] = valid[t] ? load<VEC>(x[t], c) : zero_vec(V{});
+      acc[t][NOUT] = fma_dot(xv[t], xv[t], acc[t][NOUT]);
+    }
+#pragma unroll
+    for (int o = 0; o < NOUT; ++o) {
+      const V f = load<VEC>(fn + o * width, c);
+#pragma unroll
+      for (int t = 0; t < TT; ++t) acc[t][o] = fma_dot(xv[t], f, acc[t][o]);
+    }
+  }
+  __shared__ float warp_sums[kWarps][TT * NV];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int t = 0; t < TT; ++t)
+#pragma unroll
+    for (int v = 0; v < NV; ++v) {
+      float s = acc[t][v];
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) s += __shfl_xor_sync(kFull, s, offset);
+      if (lane == 0) warp_sums[warp][t * NV + v] = s;
+    }
+  __syncthreads();
+  for (int i = threadIdx.x; i < TT * NV; i += kThreads) {
+    const int t = i / NV, v = i - t * NV;
+    if (t0 + t >= tokens) continue;
+    float s = 0.0f;
+    for (int w = 0; w < kWarps; ++w) s += warp_sums[w][i];
+    partial[((t0 + t) * splits + split) * NV + v] = s;
+  }
+}
+
+// One CTA per token: the mixes from the splits, pre (and for hc_pre post and the Sinkhorn comb), the collapse.
+template <int HC, bool kHead, int VEC>
+__global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restrict__ partial, int splits,
+                                                          const float* __restrict__ streams,
+                                                          const float* __restrict__ base,
+                                                          const float* __restrict__ scale, int64_t D, float hc_eps,
+                                                          float norm_eps, int iters, float* __restrict__ collapsed,
+                                                          float* __restrict__ post, float* __restrict__ comb) {
+  using V = typename VecOf<VEC>::T;
+  constexpr int NOUT = kHead ? HC : (2 + HC) * HC, NV = NOUT + 1;
+  static_assert(NV <= 32 && HC * HC <= 32, "one warp holds the mixes and comb");
+  __shared__ float mix[NOUT];
+  __shared__ float pre[HC];
+  const int64_t t = blockIdx.x;
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    float s = 0.0f;
+    if (lane < NV)
+      for (int split = 0; split < splits; ++split) s += partial[(t * splits + split) * NV + lane];
+    const float sumsq = __shfl_sync(kFull, s, NOUT);
+    // The CPU's rms_norm scale: 1 / sqrt(mean(h²) + eps); the mix is rms(h)·fnᵀ = scale · Σ h·fn.
+    const float rms = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sumsq, static_cast<float>(HC * D)), norm_eps)));
+    if (lane < NOUT) mix[lane] = __fmul_rn(s, rms);
+    __syncwarp();
+    if (lane < HC) pre[lane] = __fadd_rn(sigmoid(affine(mix[lane], scale[0], base[lane])), hc_eps);
+    if constexpr (!kHead) {
+      if (lane < HC) post[t * HC + lane] = __fmul_rn(2.0f, sigmoid(affine(mix[HC + lane], scale[1], base[HC + lane])));
+      // Lane l < HC² holds comb[j][k], l = j·HC + k; every sum is the CPU's sequential one (gathered by shuffles).
+      const int l = lane < HC * HC ? lane : 0;
+      const int j = l / HC, k = l - j * HC;
+      float c = affine(mix[2 * HC + l], scale[2], base[2 * HC + l]);
+      float row_max = -INFINITY;
+#pragma unroll
+      for (int kk = 0; kk < HC; ++kk) {
+        const float v = __shfl_sync(kFull, c, j * HC + kk);
+        row_max = row_max < v ? v : row_max;  // std::max
+      }
+      const float e = expf(__fsub_rn(c, row_max));
+      float sum = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < HC; ++kk) sum = __fadd_rn(sum, __shfl_sync(kFull, e, j * HC + kk));
+      c = __fadd_rn(__fdiv_rn(e, sum), hc_eps);
+      auto normalise_columns = [&] {
+        float column = 0.0f;
+#pragma unroll
+        for (int jj = 0; jj < HC; ++jj) column = __fadd_rn(column, __shfl_sync(kFull, c, jj * HC + k));
+        c = __fdiv_rn(c, __fadd_rn(column, hc_eps));
+      };
+      auto normalise_rows = [&] {
+        float row = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < HC; ++kk) row = __fadd_rn(row, __shfl_sync(kFull, c, j * HC + kk));
+        c = __fdiv_rn(c, __fadd_rn(row, hc_eps));
+      };
+      normalise_columns();
+      for (int iter = 1; iter < iters; ++iter) {
+        normalise_rows();
+        normalise_columns();
+      }
+      if (lane < HC * HC) comb[t * HC * HC + lane] = c;
+    }
+  }
+  __syncthreads();
+  float w[HC];
+#pragma unroll
+  for (int s = 0; s < HC; ++s) w[s] = pre[s];
+  const float* h = streams + t * HC * D;
+  float* x = collapsed + t * D;
+  const int64_t n = D / VEC;
+  for (int64_t c = threadIdx.x; c < n; c += kThreads) {
+    V sum = zero_vec(V{});
+#pragma unroll
+    for (int s = 0; s < HC; ++s) sum = axpy_rn(sum, w[s], load<VEC>(h + s * D, c));
+    store<VEC>(x, c, sum);
+  }
+}
+
+// grid (tokens, column blocks): out[t, k] = post[t, k]·y[t] + Σ_j comb[t, j, k]·h[t, j].
+template <int HC, int VEC>
+__global__ void __launch_bounds__(kThreads) hc_post_kernel(const float* __restrict__ y,
+                                                           const float* __restrict__ streams,
+                                                           const float* __restrict__ post,
+                                                           const float* __restrict__ comb, float* __restrict__ out,
+                                                           int64_t D) {
+  using V = typename VecOf<VEC>::T;
+  const int64_t t = blockIdx.x;
+  float w[HC], cm[HC][HC];
+#pragma unroll
+  for (int k = 0; k < HC; ++k) w[k] = post[t * HC + k];
+#pragma unroll
+  for (int j = 0; j < HC; ++j)
+#pragma unroll
+    for (int k = 0; k < HC; ++k) cm[j][k] = comb[(t * HC + j) * HC + k];
+  const float* h = streams + t * HC * D;
+  const int64_t n = D / VEC;
+  for (int64_t c = blockIdx.y * int64_t{kThreads} + threadIdx.x; c < n; c += int64_t{gridDim.y} * kThreads) {
+    const V yv = load<VEC>(y + t * D, c);
+    V hv[HC];
+#pragma unroll
+    for (int j = 0; j < HC; ++j) hv[j] = load<VEC>(h + j * D, c);
+#pragma unroll
+    for (int k = 0; k < HC; ++k) {
+      V sum = scale_rn(w[k], yv);
+#pragma unroll
+      for (int j = 0; j < HC; ++j) sum = axpy_rn(sum, cm[j][k], hv[j]);
+      store<VEC>(out + (t * HC + k) * D, c, sum);
+    }
+  }
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+int mix_splits(int64_t tokens, int64_t vec_cols) {
+  const int64_t groups = (tokens + kTokensPerCta - 1) / kTokensPerCta;
+  int64_t splits = (kTargetCtas + groups - 1) / groups;
+  splits = std::min<int64_t>(splits, std::max<int64_t>(1, vec_cols / kThreads));
+  return static_cast<int>(std::clamp<int64_t>(splits, 1, kMaxSplits));
+}
+
+bool valid_params(const HyperConnectionParams& p) {
+  return p.tokens >= 0 && p.tokens <= 0x7fffffff && (p.hc == 1 || p.hc == 2 || p.hc == 4) && p.hidden > 0 &&
+         p.sinkhorn_iters >= 1 && p.sinkhorn_iters <= 0x7fffffff;
+}
+
+// The mix kernel then the finish kernel, for hc_pre (kHead false) and hc_head.
+template <int HC, bool kHead>
+cudaError_t launch_mix(const HyperConnectionParams& p, const float* streams, const float* fn, const float* base,
+                       const float* scale, float* collapsed, float* post, float* comb, void* workspace,
+                       size_t workspace_bytes, cudaStream_t stream) {
+  constexpr int NOUT = kHead ? HC : (2 + HC) * HC;
+  const int64_t width = HC * p.hidden;
+  const bool vec4 = p.hidden % 4 == 0 && aligned16(streams) && aligned16(fn) && aligned16(collapsed);
+  const int64_t vec_cols = vec4 ? width / 4 : width;
+  const int splits = mix_splits(p.tokens, vec_cols);
+  const int64_t chunk = (vec_cols + splits - 1) / splits;
+  const size_t need = static_cast<size_t>(p.tokens) * splits * (NOUT + 1) * sizeof(float);
+  if (workspace == nullptr || workspace_bytes < need) return cudaErrorInvalidValue;
+  auto* partial = static_cast<float*>(workspace);
+  const dim3 mix_grid(static_cast<unsigned>((p.tokens + kTokensPerCta - 1) / kTokensPerCta),
+                      static_cast<unsigned>(splits));
+  const auto tokens = static_cast<unsigned>(p.tokens);
+  const auto iters = static_cast<int>(p.sinkhorn_iters);
+  if (vec4) {
+    mix_partial_kernel<NOUT, 4><<<mix_grid, kThreads, 0, stream>>>(streams, fn, p.tokens, width, chunk, splits, partial);
+    finish_kernel<HC, kHead, 4><<<tokens, kThreads, 0, stream>>>(partial, splits, streams, base, scale, p.hidden,
+                                                                  p.hc_eps, p.norm_eps, iters, collapsed, post, comb);
+  } else {
+    mix_partial_kernel<NOUT, 1><<<mix_grid, kThreads, 0, stream>>>(streams, fn, p.tokens, width, chunk, splits, partial);
+    finish_kernel<HC, kHead, 1><<<tokens, kThreads, 0, stream>>>(partial, splits, streams, base, scale, p.hidden,
+                                                                  p.hc_eps, p.norm_eps, iters, collapsed, post, comb);
+  }
+  return cudaGetLastError();
+}
+
+template <bool kHead>
+cudaError_t dispatch_mix(const HyperConnectionParams& p, const float* streams, const float* fn, const float* base,
+                         const float* scale, float* collapsed, float* post, float* comb, void* workspace,
+                         size_t workspace_bytes, cudaStream_t stream) {
+  if (!valid_params(p)) return cudaErrorInvalidValue;
+  if (p.tokens == 0) return cudaSuccess;
+  switch (p.hc) {
+    case 1: return launch_mix<1, kHead>(p, streams, fn, base, scale, collapsed, post, comb, workspace, workspace_bytes, stream);
+    case 2: return launch_mix<2, kHead>(p, streams, fn, base, scale, collapsed, post, comb, workspace, workspace_bytes, stream);
+    case 4: return launch_mix<4, kHead>(p, streams, fn, base, scale, collapsed, post, comb, workspace, workspace_bytes, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <int HC>
+cudaError_t launch_post(const HyperConnectionParams& p, const float* y, const float* streams, const float* post,
+                        const float* comb, float* out, cudaStream_t stream) {
+  const bool vec4 = p.hidden % 4 == 0 && aligned16(y) && aligned16(streams) && aligned16(out);
+  const int64_t n = vec4 ? p.hidden / 4 : p.hidden;
+  const dim3 grid(static_cast<unsigned>(p.tokens),
+                  static_cast<unsigned>(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535)));
+  if (vec4)
+    hc_post_kernel<HC, 4><<<grid, kThreads, 0, stream>>>(y, streams, post, comb, out, p.hidden);
+  else
+    hc_post_kernel<HC, 1><<<grid, kThreads, 0, stream>>>(y, streams, post, comb, out, p.hidden);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+size_t hc_workspace_bytes(int64_t max_tokens, int64_t hc) {
+  // tokens·splits <= min(kMaxSplits·T, T·ceil(kTargetCtas / groups)) <= min(kMaxSplits·T, kTokensPerCta·kTargetCtas + T),
+  // which grows with T, so the bound at max_tokens covers every smaller batch; hc_pre's mix is the wider one.
+  const int64_t T = std::max<int64_t>(max_tokens, 0);
+  const int64_t rows = std::min<int64_t>(kMaxSplits * T, int64_t{kTokensPerCta} * kTargetCtas + T);
+  return static_cast<size_t>(rows) * static_cast<size_t>((2 + hc) * hc + 1) * sizeof(float);
+}
+
+cudaError_t hc_pre(const HyperConnectionParams& p, const float* streams, const float* fn, const float* base,
+                   const float* scale, float* collapsed, float* post, float* comb, void* workspace,
+                   size_t workspace_bytes, cudaStream_t stream) {
+  return dispatch_mix<false>(p, streams, fn, base, scale, collapsed, post, comb, workspace, workspace_bytes, stream);
+}
+
+cudaError_t hc_head(const HyperConnectionParams& p, const float* streams, const float* fn, const float* base,
+                    const float* scale, float* out, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  return dispatch_mix<true>(p, streams, fn, base, scale, out, nullptr, nullptr, workspace, workspace_bytes, stream);
+}
+
+cudaError_t hc_post(const HyperConnectionParams& p, const float* y, const float* streams, const float* post,
+                    const float* comb, float* out, cudaStream_t stream) {
+  if (!valid_params(p)) return cudaErrorInvalidValue;
+  if (p.tokens == 0) return cudaSuccess;
+  switch (p.hc) {
+    case 1: return launch_post<1>(p, y, streams, post, comb, out, stream);
+    case 2: return launch_post<2>(p, y, streams, post, comb, out, stream);
+    case 4: return launch_post<4>(p, y, streams, post, comb, out, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace dsv4::ops::cuda

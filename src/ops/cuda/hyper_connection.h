@@ -1,0 +1,46 @@
+// mHC on the device: the twins of ops/cpu/hyper_connection.h hc_pre, hc_post and hc_head (same formulas, same
+// constants and order of operations; fp32). hc = 1, 2 or 4 (V4: 4); hidden up to any size.
+//
+// hc_pre / hc_head are two launches: (1) split-K mixes — grid (token groups of 4, column splits), each CTA
+// accumulates Σ h·fn[o] for every mix output o and Σ h² over its slice of the flattened streams, reduced in a
+// fixed order into `workspace`; (2) one CTA per token sums the splits in order, applies the RMS scale
+// (mix = rsqrt(mean h² + norm_eps) · Σ h·fn), then pre / post / Sinkhorn comb (one warp, the CPU's sequential
+// sums) and the collapse Σ_s pre[s]·h[s]. Deterministic: the same inputs give bit-identical outputs.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace dsv4::ops::cuda {
+
+struct HyperConnectionParams {
+  int64_t tokens = 0;
+  int64_t hc = 4;              // streams
+  int64_t hidden = 0;          // D
+  int64_t sinkhorn_iters = 20;
+  float hc_eps = 1e-6f;        // Sinkhorn floor and the `pre` offset
+  float norm_eps = 1e-6f;      // the unweighted RMSNorm over the flattened streams
+};
+
+// Workspace bytes that hc_pre and hc_head need for any tokens <= max_tokens at this hc.
+size_t hc_workspace_bytes(int64_t max_tokens, int64_t hc);
+
+// streams [tokens, hc, D] -> collapsed [tokens, D] = Σ_s pre[s]·h[s]; post [tokens, hc]; comb [tokens, hc, hc]
+// (row j, column k: the weight of input stream j in output stream k). fn fp32 [(2+hc)·hc, hc·D], base
+// [(2+hc)·hc], scale [3], all device pointers. collapsed may not alias streams.
+cudaError_t hc_pre(const HyperConnectionParams& p, const float* streams, const float* fn, const float* base,
+                   const float* scale, float* collapsed, float* post, float* comb, void* workspace,
+                   size_t workspace_bytes, cudaStream_t stream);
+
+// out[t, k] = post[t, k]·y[t] + Σ_j comb[t, j, k]·streams[t, j]; y [tokens, D], out [tokens, hc, D]
+// (out may not alias streams). One launch, float4 when D % 4 == 0.
+cudaError_t hc_post(const HyperConnectionParams& p, const float* y, const float* streams, const float* post,
+                    const float* comb, float* out, cudaStream_t stream);
+
+// Final collapse: out[t] = Σ_s (σ(mix[s]·scale[0] + base[s]) + hc_eps)·h[t, s], mix = rms(h)·fnᵀ.
+// fn [hc, hc·D], base [hc], scale [1]; out [tokens, D].
+cudaError_t hc_head(const HyperConnectionParams& p, const float* streams, const float* fn, const float* base,
+                    const float* scale, float* out, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+}  // namespace dsv4::ops::cuda

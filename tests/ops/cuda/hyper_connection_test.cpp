@@ -1,0 +1,189 @@
+// The CUDA mHC ops against their CPU twins (ops/cpu/hyper_connection.h hc_pre / hc_post / hc_head) on random
+// inputs: V4-Flash (hc 4, D 4096) and V4-Pro (D 7168) shapes from one token (decode: many K splits) to 1,100
+// (prefill: one split), the tiny preset's D 256, and hc 1 / 2 with widths that take the scalar path.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "ops/cpu/hyper_connection.h"
+#include "ops/cuda/hyper_connection.h"
+#include "small_ops_util.h"
+
+namespace dsv4::ops::cuda {
+namespace {
+
+using testing::small_ops::bitwise_equal;
+using testing::small_ops::DeviceArray;
+using testing::small_ops::max_rel;
+using testing::small_ops::rel_l2;
+
+class CudaHyperConnection : public testing::small_ops::GpuTest {};
+
+struct Shape {
+  int64_t tokens, hc, hidden;
+};
+
+struct Inputs {
+  std::vector<float> streams, fn, base, scale;
+};
+
+// Streams ~ N(0, 1); fn ~ N(0, 0.02) (mixes of O(1) after the RMS norm); base ~ N(0, 0.5); scale ∈ [0.5, 2].
+Inputs random_inputs(const Shape& s, int64_t mix, int64_t n_scale, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> uniform(0.5f, 2.0f);
+  Inputs in;
+  in.streams.resize(static_cast<size_t>(s.tokens * s.hc * s.hidden));
+  for (auto& v : in.streams) v = normal(rng);
+  in.fn.resize(static_cast<size_t>(mix * s.hc * s.hidden));
+  for (auto& v : in.fn) v = 0.02f * normal(rng) * std::sqrt(4096.0f / static_cast<float>(s.hidden));
+  in.base.resize(static_cast<size_t>(mix));
+  for (auto& v : in.base) v = 0.5f * normal(rng);
+  in.scale.resize(static_cast<size_t>(n_scale));
+  for (auto& v : in.scale) v = uniform(rng);
+  return in;
+}
+
+struct PreOut {
+  std::vector<float> collapsed, post, comb;
+};
+
+PreOut run_pre(const HyperConnectionParams& p, const Inputs& in) {
+  DeviceArray<float> d_streams(in.streams), d_fn(in.fn), d_base(in.base), d_scale(in.scale);
+  DeviceArray<float> d_collapsed(static_cast<size_t>(p.tokens * p.hidden)), d_post(static_cast<size_t>(p.tokens * p.hc)),
+      d_comb(static_cast<size_t>(p.tokens * p.hc * p.hc));
+  const size_t bytes = hc_workspace_bytes(p.tokens, p.hc);
+  DeviceArray<uint8_t> workspace(bytes);
+  EXPECT_EQ(hc_pre(p, d_streams.get(), d_fn.get(), d_base.get(), d_scale.get(), d_collapsed.get(), d_post.get(),
+                   d_comb.get(), workspace.get(), bytes, nullptr),
+            cudaSuccess);
+  return {d_collapsed.download(), d_post.download(), d_comb.download()};
+}
+
+void check_pre(const Shape& s) {
+  SCOPED_TRACE(::testing::Message() << s.tokens << " tokens, hc " << s.hc << ", D " << s.hidden);
+  const int64_t mix = (2 + s.hc) * s.hc;
+  const Inputs in = random_inputs(s, mix, 3, static_cast<uint32_t>(s.tokens * 1009 + s.hc * 31 + s.hidden));
+  const cpu::HyperConnectionParams cp{s.hc, s.hidden, 20, 1e-6f, 1e-6f};
+  PreOut expected{std::vector<float>(static_cast<size_t>(s.tokens * s.hidden)),
+                  std::vector<float>(static_cast<size_t>(s.tokens * s.hc)),
+                  std::vector<float>(static_cast<size_t>(s.tokens * s.hc * s.hc))};
+  cpu::hc_pre(cp, in.streams.data(), s.tokens, in.fn.data(), in.base.data(), in.scale.data(), expected.collapsed.data(),
+              expected.post.data(), expected.comb.data());
+  const HyperConnectionParams p{s.tokens, s.hc, s.hidden, 20, 1e-6f, 1e-6f};
+  const PreOut actual = run_pre(p, in);
+  EXPECT_LE(rel_l2(actual.collapsed, expected.collapsed), 1e-5);
+  EXPECT_LE(max_rel(actual.post, expected.post), 1e-5);
+  EXPECT_LE(max_rel(actual.comb, expected.comb), 2e-5);
+  EXPECT_LE(rel_l2(actual.comb, expected.comb), 1e-5);
+  // The comb is doubly stochastic up to the eps floor: columns sum to ~1 after the last normalisation.
+  for (int64_t t = 0; t < s.tokens; ++t)
+    for (int64_t k = 0; k < s.hc; ++k) {
+      double column = 0;
+      for (int64_t j = 0; j < s.hc; ++j) column += actual.comb[(t * s.hc + j) * s.hc + k];
+      EXPECT_NEAR(column, 1.0, 1e-4);
+    }
+  const PreOut repeat = run_pre(p, in);
+  EXPECT_TRUE(bitwise_equal(repeat.collapsed, actual.collapsed) && bitwise_equal(repeat.post, actual.post) &&
+              bitwise_equal(repeat.comb, actual.comb))
+      << "not bitwise repeatable";
+}
+
+TEST_F(CudaHyperConnection, PreMatchesCpuTwinAtV4Shapes) {
+  for (const Shape& s : {Shape{1, 4, 4096}, Shape{37, 4, 4096}, Shape{1100, 4, 4096}, Shape{5, 4, 7168}}) check_pre(s);
+}
+
+TEST_F(CudaHyperConnection, PreMatchesCpuTwinAtTinyShapes) {
+  for (const Shape& s : {Shape{3, 4, 256}, Shape{2, 4, 6}, Shape{4, 2, 10}, Shape{5, 1, 64}, Shape{9, 2, 7}})
+    check_pre(s);
+}
+
+void check_post(const Shape& s) {
+  SCOPED_TRACE(::testing::Message() << s.tokens << " tokens, hc " << s.hc << ", D " << s.hidden);
+  std::mt19937 rng(static_cast<uint32_t>(s.tokens * 17 + s.hidden));
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> uniform(0.0f, 2.0f);
+  std::vector<float> y(static_cast<size_t>(s.tokens * s.hidden)), streams(static_cast<size_t>(s.tokens * s.hc * s.hidden));
+  std::vector<float> post(static_cast<size_t>(s.tokens * s.hc)), comb(static_cast<size_t>(s.tokens * s.hc * s.hc));
+  for (auto& v : y) v = normal(rng);
+  for (auto& v : streams) v = normal(rng);
+  for (auto& v : post) v = uniform(rng);
+  for (auto& v : comb) v = 0.5f * uniform(rng);
+  const cpu::HyperConnectionParams cp{s.hc, s.hidden, 20, 1e-6f, 1e-6f};
+  std::vector<float> expected(streams.size());
+  cpu::hc_post(cp, y.data(), streams.data(), s.tokens, post.data(), comb.data(), expected.data());
+  DeviceArray<float> d_y(y), d_streams(streams), d_post(post), d_comb(comb), d_out(expected.size());
+  const HyperConnectionParams p{s.tokens, s.hc, s.hidden, 20, 1e-6f, 1e-6f};
+  ASSERT_EQ(hc_post(p, d_y.get(), d_streams.get(), d_post.get(), d_comb.get(), d_out.get(), nullptr), cudaSuccess);
+  const std::vector<float> actual = d_out.download();
+  EXPECT_LE(max_rel(actual, expected), 1e-6);
+  EXPECT_LE(rel_l2(actual, expected), 1e-7);
+  d_out.poison();
+  ASSERT_EQ(hc_post(p, d_y.get(), d_streams.get(), d_post.get(), d_comb.get(), d_out.get(), nullptr), cudaSuccess);
+  EXPECT_TRUE(bitwise_equal(d_out.download(), actual)) << "not bitwise repeatable";
+}
+
+TEST_F(CudaHyperConnection, PostMatchesCpuTwin) {
+  for (const Shape& s : {Shape{1, 4, 4096}, Shape{37, 4, 4096}, Shape{5, 4, 7168}, Shape{3, 4, 256}, Shape{4, 2, 7},
+                         Shape{2, 1, 5}})
+    check_post(s);
+}
+
+void check_head(const Shape& s) {
+  SCOPED_TRACE(::testing::Message() << s.tokens << " tokens, hc " << s.hc << ", D " << s.hidden);
+  const Inputs in = random_inputs(s, s.hc, 1, static_cast<uint32_t>(s.tokens * 7 + s.hidden * 3 + s.hc));
+  const cpu::HyperConnectionParams cp{s.hc, s.hidden, 20, 1e-6f, 1e-6f};
+  std::vector<float> expected(static_cast<size_t>(s.tokens * s.hidden));
+  cpu::hc_head(cp, in.streams.data(), s.tokens, in.fn.data(), in.base.data(), in.scale.data(), expected.data());
+  DeviceArray<float> d_streams(in.streams), d_fn(in.fn), d_base(in.base), d_scale(in.scale), d_out(expected.size());
+  const HyperConnectionParams p{s.tokens, s.hc, s.hidden, 20, 1e-6f, 1e-6f};
+  // A workspace sized for a larger batch serves this one.
+  const size_t bytes = hc_workspace_bytes(s.tokens + 50, s.hc);
+  DeviceArray<uint8_t> workspace(bytes);
+  ASSERT_EQ(hc_head(p, d_streams.get(), d_fn.get(), d_base.get(), d_scale.get(), d_out.get(), workspace.get(), bytes,
+                    nullptr),
+            cudaSuccess);
+  const std::vector<float> actual = d_out.download();
+  EXPECT_LE(rel_l2(actual, expected), 1e-5);
+  d_out.poison();
+  ASSERT_EQ(hc_head(p, d_streams.get(), d_fn.get(), d_base.get(), d_scale.get(), d_out.get(), workspace.get(), bytes,
+                    nullptr),
+            cudaSuccess);
+  EXPECT_TRUE(bitwise_equal(d_out.download(), actual)) << "not bitwise repeatable";
+}
+
+TEST_F(CudaHyperConnection, HeadMatchesCpuTwin) {
+  for (const Shape& s : {Shape{1, 4, 4096}, Shape{6, 4, 4096}, Shape{2, 4, 7168}, Shape{3, 4, 256}, Shape{3, 2, 6}})
+    check_head(s);
+}
+
+TEST_F(CudaHyperConnection, WorkspaceBoundHoldsForEveryBatchAndIsChecked) {
+  // Every batch up to the bound's size fits (the launcher would refuse otherwise), and a short workspace is refused.
+  const Shape s{9, 4, 4096};
+  const Inputs in = random_inputs(s, 24, 3, 3);
+  DeviceArray<float> d_streams(in.streams), d_fn(in.fn), d_base(in.base), d_scale(in.scale);
+  DeviceArray<float> d_collapsed(static_cast<size_t>(s.tokens * s.hidden)), d_post(static_cast<size_t>(s.tokens * 4)),
+      d_comb(static_cast<size_t>(s.tokens * 16));
+  const size_t bytes = hc_workspace_bytes(s.tokens, s.hc);
+  DeviceArray<uint8_t> workspace(bytes);
+  for (int64_t tokens = 1; tokens <= s.tokens; ++tokens) {
+    const HyperConnectionParams p{tokens, 4, 4096, 20, 1e-6f, 1e-6f};
+    EXPECT_EQ(hc_pre(p, d_streams.get(), d_fn.get(), d_base.get(), d_scale.get(), d_collapsed.get(), d_post.get(),
+                     d_comb.get(), workspace.get(), bytes, nullptr),
+              cudaSuccess)
+        << tokens;
+  }
+  const HyperConnectionParams p{s.tokens, 4, 4096, 20, 1e-6f, 1e-6f};
+  EXPECT_EQ(hc_pre(p, d_streams.get(), d_fn.get(), d_base.get(), d_scale.get(), d_collapsed.get(), d_post.get(),
+                   d_comb.get(), workspace.get(), 16, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(hc_pre({1, 3, 4096, 20, 1e-6f, 1e-6f}, d_streams.get(), d_fn.get(), d_base.get(), d_scale.get(),
+                   d_collapsed.get(), d_post.get(), d_comb.get(), workspace.get(), bytes, nullptr),
+            cudaErrorInvalidValue);  // hc 3 is not built
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
+}  // namespace
+}  // namespace dsv4::ops::cuda
