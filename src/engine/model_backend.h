@@ -7,10 +7,20 @@
 #include <span>
 
 #include "cache/hybrid_kv_cache_manager.h"
+#include "core/error.h"
 #include "engine/paged_sequence_state.h"
+#include "engine/sampler.h"
 #include "model/deepseek_v4.h"
 
 namespace dsv4 {
+
+// One request to sample on the device after the forward (ModelBackend::forward_and_sample).
+struct DeviceSampleRow {
+  size_t batch_index = 0;                  // the batch entry whose last-position logits it samples
+  const SamplingParams* params = nullptr;  // nullptr: greedy
+  RequestSamplerState* state = nullptr;    // the request's generator (with params)
+  std::span<const int32_t> context;        // prompt + output so far (penalties, min_tokens)
+};
 
 class ModelBackend {
  public:
@@ -29,6 +39,15 @@ class ModelBackend {
   virtual void copy_blocks(std::span<const BlockCopy> copies) = 0;
   // One step (DeepseekV4Model::forward's contract); logits come back in host memory.
   virtual Tensor forward(std::span<const SequenceChunk> batch, LogitsMode mode) = 0;
+  // A backend that samples where its logits are (engine/sampler.h semantics, the same tokens for the same
+  // generator draws) runs the step and the sampling together: only results[i] for rows[i] come back (the token
+  // always; logprob, rank and top when params->logprobs). The runner samples forward()'s logits otherwise.
+  virtual bool samples_on_device() const { return false; }
+  virtual void forward_and_sample(std::span<const SequenceChunk> batch, std::span<const DeviceSampleRow> rows,
+                                  std::vector<SampleResult>& results) {
+    (void)batch, (void)rows, (void)results;
+    throw Error("this backend samples on the host");
+  }
 };
 
 // The exact fp32 CPU backend: DeepseekV4Model over PagedSequenceState in a host arena.

@@ -40,6 +40,10 @@ void ModelRunner::execute(const SchedulerOutput& out, std::vector<int32_t>& samp
     num_recomputed_tokens_ += chunk.start - have;
     batch_.push_back({state.get(), chunk.context.subspan(static_cast<size_t>(have))});
   }
+  if (backend_.samples_on_device()) {
+    execute_on_device(out, sampled);
+    return;
+  }
   const Tensor logits = backend_.forward(batch_, LogitsMode::kLastPerSequence);
   const int64_t vocab = backend_.config().vocab_size;
   if (logits.numel() != static_cast<int64_t>(out.scheduled.size()) * vocab)
@@ -53,12 +57,40 @@ void ModelRunner::execute(const SchedulerOutput& out, std::vector<int32_t>& samp
       sampled[i] = argmax_token(row);
       continue;
     }
-    auto state = sampler_states_.find(chunk.id);
-    if (state == sampler_states_.end())
-      state = sampler_states_.emplace(chunk.id, make_sampler_state(*chunk.params, chunk.num_prompt_tokens,
-                                                                   eos_token_ids_)).first;
     SampleResult* result = chunk.params->logprobs ? &logprobs_[chunk.id] : nullptr;
-    sampled[i] = sample(row, *chunk.params, state->second, chunk.context, result);
+    sampled[i] = sample(row, *chunk.params, sampler_state(chunk), chunk.context, result);
+  }
+}
+
+RequestSamplerState& ModelRunner::sampler_state(const ScheduledChunk& chunk) {
+  auto state = sampler_states_.find(chunk.id);
+  if (state == sampler_states_.end())
+    state = sampler_states_.emplace(chunk.id, make_sampler_state(*chunk.params, chunk.num_prompt_tokens,
+                                                                 eos_token_ids_)).first;
+  return state->second;
+}
+
+// The backend samples next to its logits: the same order of generator draws as the host path (one per sampled
+// row, in batch order), so a seeded request gets the same tokens either way.
+void ModelRunner::execute_on_device(const SchedulerOutput& out, std::vector<int32_t>& sampled) {
+  device_rows_.clear();
+  for (size_t i = 0; i < out.scheduled.size(); ++i) {
+    const ScheduledChunk& chunk = out.scheduled[i];
+    if (!chunk.samples) continue;
+    DeviceSampleRow row;
+    row.batch_index = i;
+    if (chunk.params) {
+      row.params = &*chunk.params;
+      row.state = &sampler_state(chunk);
+    }
+    row.context = chunk.context;
+    device_rows_.push_back(row);
+  }
+  backend_.forward_and_sample(batch_, device_rows_, device_results_);
+  for (size_t j = 0; j < device_rows_.size(); ++j) {
+    const DeviceSampleRow& row = device_rows_[j];
+    sampled[row.batch_index] = device_results_[j].token;
+    if (row.params && row.params->logprobs) logprobs_[out.scheduled[row.batch_index].id] = device_results_[j];
   }
 }
 

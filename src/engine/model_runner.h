@@ -64,6 +64,8 @@ class ModelRunner {
 
  private:
   std::unique_ptr<SequenceState> make_state(const ScheduledChunk& chunk);
+  RequestSamplerState& sampler_state(const ScheduledChunk& chunk);  // made at the first sampled token
+  void execute_on_device(const SchedulerOutput& out, std::vector<int32_t>& sampled);
 
   ModelBackend& backend_;
   StateFactory state_factory_;
@@ -73,6 +75,8 @@ class ModelRunner {
   std::unordered_map<RequestId, SampleResult> logprobs_;               // the last execute()'s
   std::vector<int32_t> eos_token_ids_;
   std::vector<SequenceChunk> batch_;
+  std::vector<DeviceSampleRow> device_rows_;
+  std::vector<SampleResult> device_results_;
   int64_t num_recomputed_tokens_ = 0;
 };
 

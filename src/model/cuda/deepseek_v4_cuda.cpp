@@ -21,6 +21,7 @@
 #include "ops/cuda/paged_attention.h"
 #include "ops/cuda/rms_norm.h"
 #include "ops/cuda/rope.h"
+#include "ops/cuda/sampling.h"
 #include "ops/cuda/sparse_attention.h"
 #include "ops/cuda/top_k.h"
 
@@ -83,15 +84,19 @@ class DeviceAllocations {
   size_t total_ = 0;
 };
 
-// A growable device scratch buffer (activations of a step).
+// A growable device scratch buffer (activations of a step). Growing it frees the old memory, which a captured
+// CUDA graph may reference: `generation` counts reallocations so the model drops stale graphs, and a growth
+// while a graph is being captured is a bug (the eager run of the same shapes sized every buffer first).
 struct Scratch {
   void* ptr = nullptr;
   size_t bytes = 0;
   ~Scratch() { cudaFree(ptr); }
   template <typename T>
-  T* get(size_t count) {
+  T* get(size_t count, int64_t& generation, bool capturing) {
     const size_t need = std::max<size_t>(count * sizeof(T), 16);
     if (need > bytes) {
+      if (capturing) throw Error("a scratch buffer grew during CUDA graph capture");
+      ++generation;
       cudaFree(ptr);
       ptr = nullptr;
       bytes = 0;
@@ -152,13 +157,25 @@ struct DeepseekV4CudaModel::Impl {
   std::map<std::string, Scratch> scratch;
   template <typename T>
   T* buffer(const char* name, size_t count) {
-    return scratch[name].get<T>(count);
+    return scratch[name].get<T>(count, memory_generation, capturing);
   }
+  int64_t memory_generation = 0;  // bumps when scratch or metadata memory moves
+  bool capturing = false;
+  struct Graph {
+    cudaGraphExec_t exec = nullptr;
+    int64_t generation = -1;
+    float* logits = nullptr;
+  };
+  std::map<std::vector<int64_t>, Graph> graphs;  // by Step::graph_key
+  std::map<std::vector<int64_t>, bool> seen_keys;  // keys run eagerly once (sizing every buffer)
+  int64_t graph_replays = 0, graph_captures = 0;
   std::vector<int32_t> host_meta;
   int32_t* device_meta = nullptr;
   size_t device_meta_capacity = 0;
 
   ~Impl() {
+    for (auto& [key, graph] : graphs)
+      if (graph.exec) cudaGraphExecDestroy(graph.exec);
     cudaFree(arena);
     cudaFree(device_meta);
     if (index_fork) cudaEventDestroy(index_fork);
@@ -209,23 +226,47 @@ struct DeepseekV4CudaModel::Impl {
 
   // ---- per-step metadata (built on the host once, one upload) ----
   struct Step {
-    int64_t tokens = 0, rows = 0, max_chunk = 0, max_position = 0;
+    int64_t tokens = 0, rows = 0, max_chunk = 0;
+    // The largest position the step's kernels are sized for (≥ every token's): the exact one eagerly, rounded up
+    // to a power of two under a CUDA graph so one capture serves many steps (the kernels mask per token).
+    int64_t max_position = 0;
+    std::vector<int64_t> graph_key;  // decode under a graph: batch, position cap, table strides
     std::vector<int64_t> offset, start, length;
     // device pointers into device_meta
     const int32_t *token_ids, *positions, *token_row, *chunk_start, *chunk_offset, *row_end, *last_rows,
         *csa_visible, *chunk_table, *token_chunk_start, *row_offsets;
     std::map<CacheGroupKind, std::pair<const int32_t*, int64_t>> tables;  // device table, stride
   };
-  Step prepare(std::span<const SequenceChunk> batch);
+  Step prepare(std::span<const SequenceChunk> batch, bool for_graph);
   PagedGroupView view(const Step& step, CacheGroupKind kind, int64_t layer) const;
   PagedKvPool kv_pool(const Step& step, CacheGroupKind kind, int64_t layer) const;
 
   // ---- the forward ----
   Tensor forward(std::span<const SequenceChunk> batch, LogitsMode mode);
-  void attention(int64_t layer, const Step& step, const float* x, float* out);
+  void forward_and_sample(std::span<const SequenceChunk> batch, std::span<const DeviceSampleRow> rows,
+                          std::vector<SampleResult>& results);
+  // The step (eager or a graph replay) without waiting: the device logits [R, vocab]; advances the states.
+  float* device_logits(std::span<const SequenceChunk> batch, LogitsMode mode, Step& step);
+  cu::SamplingBatch sampling_batch;
+  std::vector<cu::SamplingOutput> sampling_outputs;
+  // Every kernel of one step on `stream` (capturable); returns the device logits [R, vocab].
+  float* run(const Step& step, LogitsMode mode);
+  void attention(int64_t layer, const Step& step, const void* x_operand, float* out);
   void compress(int64_t layer, EntryKind kind, const Step& step, const void* x_operand, cudaStream_t on,
                 cu::Gemm& with);
-  void moe(int64_t layer, const Step& step, const float* x, float* out);
+  void moe(int64_t layer, const Step& step, const float* x, const void* x_operand, float* out);
+  // RMSNorm of x in place, returning it as the next GEMM's operand: x itself (kF32), or the bf16 copy in `name`
+  // the same kernel writes (kBf16).
+  const void* norm_operand(float* x, int64_t rows, int64_t dim, const float* weight, const char* name, cudaStream_t on) {
+    const cu::RmsNormParams params{rows, dim, static_cast<float>(config.rms_norm_eps)};
+    if (!bf16) {
+      DSV4_CU(cu::rms_norm(params, x, weight, x, on));
+      return x;
+    }
+    uint16_t* converted = buffer<uint16_t>(name, rows * dim);
+    DSV4_CU(cu::rms_norm_with_bf16(params, x, weight, x, converted, on));
+    return converted;
+  }
   // x (fp32) as a GEMM operand of the weight dtype: x itself (kF32) or its bf16 copy in `name`.
   const void* operand(const float* x, size_t count, const char* name, cudaStream_t on) {
     if (!bf16) return x;
@@ -236,11 +277,15 @@ struct DeepseekV4CudaModel::Impl {
 };
 
 DeepseekV4CudaModel::DeepseekV4CudaModel(ModelConfig config, const ModelWeights& weights, CudaModelOptions options)
-    : impl_(std::make_unique<Impl>()) {
+    : impl_(std::make_unique<Impl>()), device_sampling_(options.device_sampling) {
   Impl& m = *impl_;
   m.config = std::move(config);
   m.options = options;
   m.bf16 = options.precision == CudaPrecision::kBf16;
+  DSV4_CHECK(m.config.hidden_size % 8 == 0 && m.config.moe_intermediate_size % 8 == 0,
+             "the CUDA backend needs hidden_size and moe_intermediate_size in multiples of 8 (the grouped expert "
+             "GEMM's 16-byte rows), got " + std::to_string(m.config.hidden_size) + " and " +
+                 std::to_string(m.config.moe_intermediate_size));
   DSV4_CHECK(m.config.numerics == Numerics::kHf,
              "the CUDA backend runs the hf numerics (--numerics deepseek is CPU-only for now)");
   int count = 0;
@@ -340,6 +385,8 @@ IndexStorage DeepseekV4CudaModel::index_storage() const {
   return impl_->bf16 ? IndexStorage::kBf16 : IndexStorage::kF32;
 }
 int64_t DeepseekV4CudaModel::weight_bytes() const { return impl_->weights_memory.total(); }
+int64_t DeepseekV4CudaModel::graph_replays() const { return impl_->graph_replays; }
+int64_t DeepseekV4CudaModel::graph_captures() const { return impl_->graph_captures; }
 
 int64_t DeepseekV4CudaModel::cache_bytes_for_utilization(double utilization, int64_t max_tokens) const {
   size_t free_bytes = 0, total_bytes = 0;
@@ -388,6 +435,11 @@ Tensor DeepseekV4CudaModel::forward(std::span<const SequenceChunk> batch, Logits
   return impl_->forward(batch, mode);
 }
 
+void DeepseekV4CudaModel::forward_and_sample(std::span<const SequenceChunk> batch,
+                                             std::span<const DeviceSampleRow> rows, std::vector<SampleResult>& results) {
+  impl_->forward_and_sample(batch, rows, results);
+}
+
 bool cuda_device_available() {
   int count = 0;
   return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
@@ -395,7 +447,15 @@ bool cuda_device_available() {
 
 // ---------------------------------------------------------------------------------------------------------------
 
-DeepseekV4CudaModel::Impl::Step DeepseekV4CudaModel::Impl::prepare(std::span<const SequenceChunk> batch) {
+// Smallest power of two ≥ value (≥ 1).
+int64_t round_up_pow2(int64_t value) {
+  int64_t p = 1;
+  while (p < value) p *= 2;
+  return p;
+}
+
+DeepseekV4CudaModel::Impl::Step DeepseekV4CudaModel::Impl::prepare(std::span<const SequenceChunk> batch,
+                                                                    bool for_graph) {
   const ModelConfig& c = config;
   DSV4_CHECK(manager != nullptr, "the CUDA model has no cache bound (bind_cache)");
   Step step;
@@ -415,6 +475,10 @@ DeepseekV4CudaModel::Impl::Step DeepseekV4CudaModel::Impl::prepare(std::span<con
     step.tokens += step.length.back();
     step.max_chunk = std::max(step.max_chunk, step.length.back());
     step.max_position = std::max(step.max_position, step.start.back() + step.length.back() - 1);
+  }
+  if (for_graph) {
+    step.max_position = round_up_pow2(step.max_position + 1) - 1;
+    step.graph_key = {step.rows, step.max_position};
   }
   // Layout of the metadata block (int32): token ids, positions, token rows, csa visible, chunk start [N]; chunk starts,
   // offsets, ends, last rows [B]; the chunk table [B, max_chunk]; row offsets [B + 1]; then every group's block table [B, stride].
@@ -451,6 +515,10 @@ DeepseekV4CudaModel::Impl::Step DeepseekV4CudaModel::Impl::prepare(std::span<con
     int64_t stride = 1;
     for (const auto* state : states)
       stride = std::max<int64_t>(stride, static_cast<int64_t>(manager->block_table(state->id(), group.kind).size()));
+    if (for_graph) {
+      stride = round_up_pow2(stride);
+      step.graph_key.push_back(stride);
+    }
     const size_t at = reserve(B * stride);
     for (int64_t r = 0; r < B; ++r) {
       const std::vector<BlockId>& table = manager->block_table(states[r]->id(), group.kind);
@@ -464,6 +532,7 @@ DeepseekV4CudaModel::Impl::Step DeepseekV4CudaModel::Impl::prepare(std::span<con
     device_meta_capacity = 0;
     DSV4_CU(cudaMalloc(&device_meta, host_meta.size() * 2 * sizeof(int32_t)));
     device_meta_capacity = host_meta.size() * 2;
+    ++memory_generation;
   }
   DSV4_CU(cudaMemcpyAsync(device_meta, host_meta.data(), host_meta.size() * sizeof(int32_t), cudaMemcpyHostToDevice,
                           stream));
@@ -517,9 +586,128 @@ PagedKvPool DeepseekV4CudaModel::Impl::kv_pool(const Step& step, CacheGroupKind 
   return pool;
 }
 
+// Decode steps (one token per request) replay a CUDA graph per (batch size, position cap, table strides): the
+// first step of a key runs eagerly (sizing every buffer), the next one captures, later ones replay. Prefill and
+// mixed steps run eagerly.
+float* DeepseekV4CudaModel::Impl::device_logits(std::span<const SequenceChunk> batch, LogitsMode mode, Step& step) {
+  bool decode = options.cuda_graphs && mode == LogitsMode::kLastPerSequence;
+  for (const SequenceChunk& chunk : batch) decode = decode && chunk.token_ids.size() == 1;
+  step = prepare(batch, decode);
+  float* logits_device = nullptr;
+  if (!decode || !seen_keys[step.graph_key]) {
+    logits_device = run(step, mode);
+    if (decode) seen_keys[step.graph_key] = true;
+  } else {
+    Graph& graph = graphs[step.graph_key];
+    if (graph.exec == nullptr || graph.generation != memory_generation) {
+      if (graph.exec) cudaGraphExecDestroy(graph.exec);
+      graph.exec = nullptr;
+      const int64_t generation = memory_generation;
+      cudaGraph_t captured = nullptr;
+      DSV4_CU(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      capturing = true;
+      try {
+        graph.logits = run(step, mode);
+      } catch (...) {
+        capturing = false;
+        cudaStreamEndCapture(stream, &captured);
+        if (captured) cudaGraphDestroy(captured);
+        throw;
+      }
+      capturing = false;
+      DSV4_CU(cudaStreamEndCapture(stream, &captured));
+      const cudaError_t instantiated = cudaGraphInstantiate(&graph.exec, captured, 0);
+      cudaGraphDestroy(captured);
+      DSV4_CU(instantiated);
+      DSV4_CHECK(generation == memory_generation, "device memory moved during CUDA graph capture");
+      graph.generation = memory_generation;
+      ++graph_captures;
+    }
+    DSV4_CU(cudaGraphLaunch(graph.exec, stream));
+    ++graph_replays;
+    logits_device = graph.logits;
+  }
+  for (size_t r = 0; r < batch.size(); ++r) batch[r].state->set_num_tokens(step.start[r] + step.length[r]);
+  return logits_device;
+}
+
 Tensor DeepseekV4CudaModel::Impl::forward(std::span<const SequenceChunk> batch, LogitsMode mode) {
   const ModelConfig& c = config;
-  const Step step = prepare(batch);
+  Step step;
+  const float* logits_device = device_logits(batch, mode, step);
+  const int64_t R = mode == LogitsMode::kAllPositions ? step.tokens : step.rows;
+  Tensor logits({R, c.vocab_size});
+  DSV4_CU(cudaMemcpyAsync(logits.ptr(), logits_device, logits.data.size() * sizeof(float), cudaMemcpyDeviceToHost,
+                          stream));
+  DSV4_CU(cudaStreamSynchronize(stream));
+  return logits;
+}
+
+// The sampled rows' logits gathered to a dense block, then ops/cuda/sampling (engine/sampler.h's semantics with
+// the host's generator draws, packed by pack_sampling_row); only the results come back.
+void DeepseekV4CudaModel::Impl::forward_and_sample(std::span<const SequenceChunk> batch,
+                                                   std::span<const DeviceSampleRow> rows,
+                                                   std::vector<SampleResult>& results) {
+  const ModelConfig& c = config;
+  Step step;
+  const float* logits_device = device_logits(batch, LogitsMode::kLastPerSequence, step);
+  results.assign(rows.size(), SampleResult{});
+  if (rows.empty()) {
+    DSV4_CU(cudaStreamSynchronize(stream));
+    return;
+  }
+  const auto n = static_cast<int64_t>(rows.size());
+  sampling_batch.clear();
+  std::vector<int32_t> row_index;
+  for (const DeviceSampleRow& row : rows) {
+    row_index.push_back(static_cast<int32_t>(row.batch_index));
+    if (row.params) {
+      cu::pack_sampling_row(sampling_batch, *row.params, *row.state, row.context);
+    } else {
+      sampling_batch.rows.push_back(cu::SamplingRow{});  // greedy
+    }
+  }
+  // One upload: row indices, parameters, history, stop ids.
+  std::vector<std::byte> packed;
+  auto append = [&packed](const void* data, size_t bytes) {
+    const size_t at = (packed.size() + 15) / 16 * 16;
+    packed.resize(at + bytes);
+    if (bytes) std::memcpy(packed.data() + at, data, bytes);
+    return at;
+  };
+  const size_t index_at = append(row_index.data(), row_index.size() * sizeof(int32_t));
+  const size_t params_at = append(sampling_batch.rows.data(), sampling_batch.rows.size() * sizeof(cu::SamplingRow));
+  const size_t history_at = append(sampling_batch.history.data(), sampling_batch.history.size() * sizeof(int32_t));
+  const size_t stop_at = append(sampling_batch.stop_ids.data(), sampling_batch.stop_ids.size() * sizeof(int32_t));
+  auto* device = buffer<std::byte>("sampling_inputs", packed.size());
+  DSV4_CU(cudaMemcpyAsync(device, packed.data(), packed.size(), cudaMemcpyHostToDevice, stream));
+  float* dense = buffer<float>("sampling_logits", n * c.vocab_size);
+  DSV4_CU(cu::gather_rows({n, c.vocab_size}, logits_device, reinterpret_cast<const int32_t*>(device + index_at), dense,
+                          stream));
+  cu::SamplingArgs args;
+  args.logits = dense;
+  args.rows = n;
+  args.vocab = c.vocab_size;
+  args.logits_stride = c.vocab_size;
+  args.params = reinterpret_cast<const cu::SamplingRow*>(device + params_at);
+  args.history = sampling_batch.history.empty() ? nullptr : reinterpret_cast<const int32_t*>(device + history_at);
+  args.stop_ids = sampling_batch.stop_ids.empty() ? nullptr : reinterpret_cast<const int32_t*>(device + stop_at);
+  args.full_path = sampling_batch.needs_full_path;
+  args.logprobs = sampling_batch.needs_logprobs;
+  auto* outputs = buffer<cu::SamplingOutput>("sampling_outputs", n);
+  args.out = outputs;
+  const size_t workspace_bytes = cu::sampling_workspace_bytes(n, c.vocab_size);
+  void* workspace = buffer<std::byte>("sampling_workspace", workspace_bytes);
+  DSV4_CU(cu::sample_tokens(args, workspace, workspace_bytes, stream));
+  sampling_outputs.resize(rows.size());
+  DSV4_CU(cudaMemcpyAsync(sampling_outputs.data(), outputs, rows.size() * sizeof(cu::SamplingOutput),
+                          cudaMemcpyDeviceToHost, stream));
+  DSV4_CU(cudaStreamSynchronize(stream));
+  for (size_t j = 0; j < rows.size(); ++j) results[j] = cu::to_sample_result(sampling_outputs[j]);
+}
+
+float* DeepseekV4CudaModel::Impl::run(const Step& step, LogitsMode mode) {
+  const ModelConfig& c = config;
   const int64_t N = step.tokens, D = c.hidden_size, hc = c.hc_mult;
   float* streams = buffer<float>("streams", N * hc * D);
   float* next_streams = buffer<float>("next_streams", N * hc * D);
@@ -529,25 +717,24 @@ Tensor DeepseekV4CudaModel::Impl::forward(std::span<const SequenceChunk> batch, 
 
   cu::HyperConnectionParams hp{N, hc, D, c.hc_sinkhorn_iters, static_cast<float>(c.hc_eps),
                                static_cast<float>(c.rms_norm_eps)};
-  const size_t hc_workspace_bytes = cu::hc_workspace_bytes(std::max<int64_t>(N, batch.size()), hc);
+  const size_t hc_workspace_bytes = cu::hc_workspace_bytes(std::max<int64_t>(N, step.rows), hc);
   void* hc_workspace = buffer<std::byte>("hc_workspace", hc_workspace_bytes);
   float* collapsed = buffer<float>("collapsed", N * D);
   float* sublayer_out = buffer<float>("sublayer_out", N * D);
   float* post = buffer<float>("post", N * hc);
   float* comb = buffer<float>("comb", N * hc * hc);
-  const cu::RmsNormParams norm_params{N, D, static_cast<float>(c.rms_norm_eps)};
   for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer) {
     const LayerDevice& l = layers[static_cast<size_t>(layer)];
     DSV4_CU(cu::hc_pre(hp, streams, l.hc_attn_fn, l.hc_attn_base, l.hc_attn_scale, collapsed, post, comb,
                        hc_workspace, hc_workspace_bytes, stream));
-    DSV4_CU(cu::rms_norm(norm_params, collapsed, l.attn_norm, collapsed, stream));
-    attention(layer, step, collapsed, sublayer_out);
+    const void* attn_operand = norm_operand(collapsed, N, D, l.attn_norm, "attn_in", stream);
+    attention(layer, step, attn_operand, sublayer_out);
     DSV4_CU(cu::hc_post(hp, sublayer_out, streams, post, comb, next_streams, stream));
     std::swap(streams, next_streams);
     DSV4_CU(cu::hc_pre(hp, streams, l.hc_ffn_fn, l.hc_ffn_base, l.hc_ffn_scale, collapsed, post, comb, hc_workspace,
                        hc_workspace_bytes, stream));
-    DSV4_CU(cu::rms_norm(norm_params, collapsed, l.ffn_norm, collapsed, stream));
-    moe(layer, step, collapsed, sublayer_out);
+    const void* ffn_operand = norm_operand(collapsed, N, D, l.ffn_norm, "moe_in", stream);
+    moe(layer, step, collapsed, ffn_operand, sublayer_out);
     DSV4_CU(cu::hc_post(hp, sublayer_out, streams, post, comb, next_streams, stream));
     std::swap(streams, next_streams);
   }
@@ -565,15 +752,10 @@ Tensor DeepseekV4CudaModel::Impl::forward(std::span<const SequenceChunk> batch, 
   head_params.tokens = R;
   DSV4_CU(cu::hc_head(head_params, selected, hc_head_fn, hc_head_base, hc_head_scale, final_hidden, hc_workspace,
                       hc_workspace_bytes, stream));
-  DSV4_CU(cu::rms_norm({R, D, static_cast<float>(c.rms_norm_eps)}, final_hidden, norm, final_hidden, stream));
+  const void* head_operand = norm_operand(final_hidden, R, D, norm, "head_in", stream);
   float* logits_device = buffer<float>("logits", R * c.vocab_size);
-  gemm->linear(head, operand(final_hidden, R * D, "head_in", stream), R, logits_device, stream);
-  Tensor logits({R, c.vocab_size});
-  DSV4_CU(cudaMemcpyAsync(logits.ptr(), logits_device, logits.data.size() * sizeof(float), cudaMemcpyDeviceToHost,
-                          stream));
-  DSV4_CU(cudaStreamSynchronize(stream));
-  for (size_t r = 0; r < batch.size(); ++r) batch[r].state->set_num_tokens(step.start[r] + step.length[r]);
-  return logits;
+  gemm->linear(head, head_operand, R, logits_device, stream);
+  return logits_device;
 }
 
 void DeepseekV4CudaModel::Impl::compress(int64_t layer, EntryKind kind, const Step& step, const void* x_operand,
@@ -620,7 +802,7 @@ void DeepseekV4CudaModel::Impl::compress(int64_t layer, EntryKind kind, const St
   DSV4_CU(cu::compressor_step(p, on));
 }
 
-void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const float* x, float* out) {
+void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const void* x_operand, float* out) {
   const ModelConfig& c = config;
   const LayerDevice& l = layers[static_cast<size_t>(layer)];
   const AttentionType type = c.layer_types[static_cast<size_t>(layer)];
@@ -628,17 +810,15 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
   const float* inv_freq = main_rope ? inv_freq_main : inv_freq_compress;
   const float rope_scaling = main_rope ? scaling_main : scaling_compress;
   const int64_t rope_dim = static_cast<int64_t>(c.inv_freq(c.rope_kind(layer)).size()) * 2;
-  const int64_t N = step.tokens, D = c.hidden_size, H = c.num_attention_heads, d = c.head_dim;
+  const int64_t N = step.tokens, H = c.num_attention_heads, d = c.head_dim;
   const float eps = static_cast<float>(c.rms_norm_eps);
-  const void* x_operand = operand(x, N * D, "attn_in", stream);
 
   // The CSA indexer only needs the input and q_residual: it runs on its own stream, overlapped with the main
   // stream's K=V path and compressor, and joins before attention.
   // Query: low-rank, weighted norm, up-projection, per-head unweighted norm, RoPE.
   float* q_residual = buffer<float>("q_residual", N * c.q_lora_rank);
   gemm->linear(l.wq_a, x_operand, N, q_residual, stream);
-  DSV4_CU(cu::rms_norm({N, c.q_lora_rank, eps}, q_residual, l.q_norm, q_residual, stream));
-  const void* q_residual_operand = operand(q_residual, N * c.q_lora_rank, "q_residual_in", stream);
+  const void* q_residual_operand = norm_operand(q_residual, N, c.q_lora_rank, l.q_norm, "q_residual_in", stream);
   float* q = buffer<float>("q", N * H * d);
   gemm->linear(l.wq_b, q_residual_operand, N, q, stream);
   DSV4_CU(cu::rms_norm({N * H, d, eps}, q, nullptr, q, stream));
@@ -845,24 +1025,22 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
 
   // Grouped output projection: group g's heads → o_lora_rank through rows [g·o_lora, (g+1)·o_lora) of wo_a.
   float* grouped = buffer<float>("grouped", N * G * o_lora);
-  const size_t element = weight_element_bytes();
-  for (int64_t g = 0; g < G; ++g) {
-    cu::GemmWeight wg = l.wo_a;
-    wg.data = static_cast<const std::byte*>(l.wo_a.data) + g * o_lora * group_width * element;
-    wg.out = o_lora;
-    wg.in = group_width;
-    gemm->linear(wg, static_cast<const std::byte*>(attended_operand) + g * group_width * element, N, grouped + g * o_lora,
-                 stream, 0.0f, H * d, G * o_lora);
-  }
+  // One strided-batched GEMM: group g reads columns [g·gw, (g+1)·gw) of the attended rows and rows
+  // [g·o_lora, (g+1)·o_lora) of wo_a, and writes columns [g·o_lora, (g+1)·o_lora) of `grouped`.
+  cu::GemmWeight wg = l.wo_a;
+  wg.out = o_lora;
+  wg.in = group_width;
+  gemm->linear_batched(wg, G, o_lora * group_width, attended_operand, H * d, group_width, N, grouped, G * o_lora, o_lora,
+                       stream);
   gemm->linear(l.wo_b, operand(grouped, N * G * o_lora, "grouped_in", stream), N, out, stream);
 }
 
-void DeepseekV4CudaModel::Impl::moe(int64_t layer, const Step& step, const float* x, float* out) {
+void DeepseekV4CudaModel::Impl::moe(int64_t layer, const Step& step, const float* x, const void* x_operand,
+                                    float* out) {
   const ModelConfig& c = config;
   const LayerDevice& l = layers[static_cast<size_t>(layer)];
   const int64_t N = step.tokens, D = c.hidden_size, E = c.n_routed_experts, K = c.num_experts_per_tok;
   const bool hash = c.mlp_layer_types[static_cast<size_t>(layer)] == MlpType::kHashMoe;
-  const void* x_operand = operand(x, N * D, "moe_in", stream);
   float* logits = buffer<float>("router_logits", N * E);
   gemm->linear(l.gate, x_operand, N, logits, stream);
   int32_t* chosen = buffer<int32_t>("router_chosen", N * K);

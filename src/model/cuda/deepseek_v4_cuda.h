@@ -25,6 +25,7 @@ struct CudaModelOptions {
   int device = 0;
   bool cuda_graphs = true;   // capture decode steps per batch-size bucket
   bool indexer_stream = true;  // the CSA indexer on its own stream, joined before attention
+  bool device_sampling = true;  // sample next to the logits (ops/cuda/sampling.h); false: logits to the host
 };
 
 class DeepseekV4CudaModel final : public ModelBackend {
@@ -42,15 +43,22 @@ class DeepseekV4CudaModel final : public ModelBackend {
   std::unique_ptr<SequenceState> make_state(RequestId id) override;
   void copy_blocks(std::span<const BlockCopy> copies) override;
   Tensor forward(std::span<const SequenceChunk> batch, LogitsMode mode) override;
+  bool samples_on_device() const override { return device_sampling_; }
+  void forward_and_sample(std::span<const SequenceChunk> batch, std::span<const DeviceSampleRow> rows,
+                          std::vector<SampleResult>& results) override;
 
   // Device bytes free for the KV cache once weights and a step's activations at `max_tokens` batched tokens are
   // resident, scaled so the process uses at most `utilization` of the device (vLLM's --gpu-memory-utilization).
   int64_t cache_bytes_for_utilization(double utilization, int64_t max_tokens) const;
   int64_t weight_bytes() const;
+  // Decode steps replayed from a captured CUDA graph, and captures made (for tests and logs).
+  int64_t graph_replays() const;
+  int64_t graph_captures() const;
 
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
+  bool device_sampling_ = true;
 };
 
 // True when a CUDA device is usable by this process.

@@ -47,7 +47,7 @@ Gemm::~Gemm() {
 // Row-major y = x·Wᵀ is column-major yᵀ [out, rows] = W [in, out]ᵀ · xᵀ [in, rows]: A = W transposed, B = x.
 const Gemm::Plan& Gemm::plan(const Key& key) {
   if (const auto it = plans_.find(key); it != plans_.end()) return *it->second;
-  const auto [dtype, out, in, rows, w_stride, x_stride, y_stride, accumulate] = key;
+  const auto [dtype, out, in, rows, w_stride, x_stride, y_stride, accumulate, batch, w_batch, x_batch, y_batch] = key;
   const cudaDataType_t operand = dtype == static_cast<int>(GemmDtype::kBf16) ? CUDA_R_16BF : CUDA_R_32F;
   auto plan = std::make_unique<Plan>();
   check(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "matmul desc");
@@ -61,6 +61,18 @@ const Gemm::Plan& Gemm::plan(const Key& key) {
   check(cublasLtMatrixLayoutCreate(&plan->c, CUDA_R_32F, static_cast<uint64_t>(out), static_cast<uint64_t>(rows),
                                    y_stride),
         "layout y");
+  if (batch > 1) {
+    const int32_t count = static_cast<int32_t>(batch);
+    auto strided = [&](cublasLtMatrixLayout_t layout, int64_t stride, const char* what) {
+      check(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof count), what);
+      check(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
+                                             sizeof stride),
+            what);
+    };
+    strided(plan->a, w_batch, "batch W");
+    strided(plan->b, x_batch, "batch x");
+    strided(plan->c, y_batch, "batch y");
+  }
   cublasLtMatmulPreference_t preference = nullptr;
   check(cublasLtMatmulPreferenceCreate(&preference), "preference");
   check(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes_,
@@ -86,12 +98,26 @@ void Gemm::linear(const GemmWeight& w, const void* x, int64_t rows, float* y, cu
   if (rows == 0 || w.out == 0) return;
   const int64_t w_stride = w.row_stride ? w.row_stride : w.in;
   const Key key{static_cast<int>(w.dtype), w.out, w.in, rows, w_stride, x_stride ? x_stride : w.in,
-                y_stride ? y_stride : w.out, beta != 0.0f};
+                y_stride ? y_stride : w.out, beta != 0.0f, 1, 0, 0, 0};
   const Plan& p = plan(key);
   const float alpha = 1.0f;
   check(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), p.op, &alpha, w.data, p.a, x, p.b, &beta, y, p.c, y,
                        p.c, &p.algo, workspace_, workspace_bytes_, stream),
         "matmul");
+}
+
+void Gemm::linear_batched(const GemmWeight& w, int64_t batch, int64_t w_batch_stride, const void* x,
+                          int64_t x_stride, int64_t x_batch_stride, int64_t rows, float* y, int64_t y_stride,
+                          int64_t y_batch_stride, cudaStream_t stream) {
+  if (rows == 0 || w.out == 0 || batch == 0) return;
+  const int64_t w_stride = w.row_stride ? w.row_stride : w.in;
+  const Key key{static_cast<int>(w.dtype), w.out, w.in, rows, w_stride, x_stride ? x_stride : w.in,
+                y_stride ? y_stride : w.out, false, batch, w_batch_stride, x_batch_stride, y_batch_stride};
+  const Plan& p = plan(key);
+  const float alpha = 1.0f, beta = 0.0f;
+  check(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), p.op, &alpha, w.data, p.a, x, p.b, &beta, y, p.c, y,
+                       p.c, &p.algo, workspace_, workspace_bytes_, stream),
+        "batched matmul");
 }
 
 }  // namespace dsv4::ops::cuda

@@ -35,9 +35,17 @@ class Gemm {
   void linear(const GemmWeight& w, const void* x, int64_t rows, float* y, cudaStream_t stream, float beta = 0.0f,
               int64_t x_stride = 0, int64_t y_stride = 0);
 
+  // `batch` independent products in one launch (strided batched): product b uses W + b·w_batch_stride,
+  // x + b·x_batch_stride and y + b·y_batch_stride (elements); the grouped output projection's G groups.
+  void linear_batched(const GemmWeight& w, int64_t batch, int64_t w_batch_stride, const void* x, int64_t x_stride,
+                      int64_t x_batch_stride, int64_t rows, float* y, int64_t y_stride, int64_t y_batch_stride,
+                      cudaStream_t stream);
+
  private:
   struct Plan;
-  using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool>;
+  // dtype, out, in, rows, strides of W / x / y, accumulate, batch, batch strides of W / x / y.
+  using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, int64_t, int64_t, int64_t,
+                         int64_t>;
   const Plan& plan(const Key& key);
 
   void* handle_ = nullptr;  // cublasLtHandle_t

@@ -5,8 +5,14 @@ namespace {
 
 constexpr int kThreads = 256;
 
+__device__ __forceinline__ uint16_t to_bf16_bits(float value) {
+  const uint32_t word = __float_as_uint(value);
+  if ((word & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((word >> 16) | 0x40);
+  return static_cast<uint16_t>((word + 0x7fffu + ((word >> 16) & 1u)) >> 16);
+}
+
 __global__ void rms_norm_kernel(const float* __restrict__ x, const float* __restrict__ weight, float* y, int64_t dim,
-                                float eps) {
+                                float eps, uint16_t* y_bf16) {
   const int64_t row = blockIdx.x;
   const float* in = x + row * dim;
   float* out = y + row * dim;
@@ -23,14 +29,25 @@ __global__ void rms_norm_kernel(const float* __restrict__ x, const float* __rest
   }
   __syncthreads();
   const float scale = rsqrtf(warp_sums[0] / static_cast<float>(dim) + eps);
-  for (int64_t i = threadIdx.x; i < dim; i += kThreads) out[i] = (weight ? weight[i] : 1.0f) * (in[i] * scale);
+  for (int64_t i = threadIdx.x; i < dim; i += kThreads) {
+    const float value = (weight ? weight[i] : 1.0f) * (in[i] * scale);
+    out[i] = value;
+    if (y_bf16) y_bf16[row * dim + i] = to_bf16_bits(value);
+  }
 }
 
 }  // namespace
 
 cudaError_t rms_norm(const RmsNormParams& p, const float* x, const float* weight, float* y, cudaStream_t stream) {
   if (p.rows == 0) return cudaSuccess;
-  rms_norm_kernel<<<static_cast<unsigned>(p.rows), kThreads, 0, stream>>>(x, weight, y, p.dim, p.eps);
+  rms_norm_kernel<<<static_cast<unsigned>(p.rows), kThreads, 0, stream>>>(x, weight, y, p.dim, p.eps, nullptr);
+  return cudaGetLastError();
+}
+
+cudaError_t rms_norm_with_bf16(const RmsNormParams& p, const float* x, const float* weight, float* y,
+                               uint16_t* y_bf16, cudaStream_t stream) {
+  if (p.rows == 0) return cudaSuccess;
+  rms_norm_kernel<<<static_cast<unsigned>(p.rows), kThreads, 0, stream>>>(x, weight, y, p.dim, p.eps, y_bf16);
   return cudaGetLastError();
 }
 
