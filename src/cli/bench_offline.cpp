@@ -9,9 +9,13 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cli/commands.h"
 #include "cli/model_loading.h"
 #include "core/error.h"
 #include "engine/engine.h"
+#ifdef DSV4_HAVE_CUDA
+#include "model/cuda/deepseek_v4_cuda.h"
+#endif
 
 namespace dsv4::cli {
 namespace {
@@ -120,7 +124,8 @@ std::pair<CLI::App*, CLI::App*> add_bench_offline_commands(CLI::App& bench, Benc
   auto* latency_cmd = bench.add_subcommand(
       "latency", "Offline: latency of one batch (prefill, then decode) through the engine in this process");
   add_common(latency_cmd, latency);
-  latency_cmd->add_option("--batch-size", latency.batch_size, "requests per iteration")->capture_default_str();
+  latency_cmd->add_option("--batch-size", latency.batch_sizes, "requests per iteration (a comma list: each in turn)")
+      ->capture_default_str();
   latency_cmd->add_option("--num-iters-warmup", latency.warmup_iters, "untimed iterations")->capture_default_str();
   latency_cmd->add_option("--num-iters", latency.iters, "timed iterations")->capture_default_str();
   auto* throughput_cmd = bench.add_subcommand(
@@ -131,41 +136,63 @@ std::pair<CLI::App*, CLI::App*> add_bench_offline_commands(CLI::App& bench, Benc
 }
 
 int bench_latency(const BenchOfflineOptions& o) {
-  DSV4_CHECK(o.batch_size >= 1 && o.iters >= 1 && o.warmup_iters >= 0, "--batch-size and --num-iters must be >= 1");
+  const std::vector<int64_t> batch_sizes = parse_int_list(o.batch_sizes, "--batch-size");
+  DSV4_CHECK(!batch_sizes.empty() && o.iters >= 1 && o.warmup_iters >= 0,
+             "--batch-size needs at least one size and --num-iters must be >= 1");
+  for (const int64_t batch : batch_sizes) DSV4_CHECK(batch >= 1, "--batch-size values must be >= 1");
   Setup setup = make_setup(o);
   Engine engine(*setup.loaded.backend, setup.engine);
   std::mt19937_64 rng(o.seed);
   const int64_t vocab = setup.loaded.backend->config().vocab_size;
-  for (int64_t i = 0; i < o.warmup_iters; ++i)
-    run_batch(engine, random_prompts(o.batch_size, o.input_len, vocab, rng), o.output_len);
-  std::vector<double> latencies, prefills, steps;
-  for (int64_t i = 0; i < o.iters; ++i) {
-    const BatchTiming t = run_batch(engine, random_prompts(o.batch_size, o.input_len, vocab, rng), o.output_len);
-    latencies.push_back(t.total_s);
-    prefills.push_back(t.prefill_s);
-    if (t.decode_steps > 0) steps.push_back((t.total_s - t.prefill_s) / static_cast<double>(t.decode_steps));
+  nlohmann::json all = nlohmann::json::array();
+#ifdef DSV4_HAVE_CUDA
+  auto* cuda_model = setup.loaded.on_cuda ? static_cast<DeepseekV4CudaModel*>(setup.loaded.backend.get()) : nullptr;
+#endif
+  for (const int64_t batch_size : batch_sizes) {
+    for (int64_t i = 0; i < o.warmup_iters; ++i)
+      run_batch(engine, random_prompts(batch_size, o.input_len, vocab, rng), o.output_len);
+#ifdef DSV4_HAVE_CUDA
+    if (cuda_model) cuda_model->reset_step_profile();
+#endif
+    std::vector<double> latencies, prefills, steps;
+    for (int64_t i = 0; i < o.iters; ++i) {
+      const BatchTiming t = run_batch(engine, random_prompts(batch_size, o.input_len, vocab, rng), o.output_len);
+      latencies.push_back(t.total_s);
+      prefills.push_back(t.prefill_s);
+      if (t.decode_steps > 0) steps.push_back((t.total_s - t.prefill_s) / static_cast<double>(t.decode_steps));
+    }
+    double mean = 0, prefill = 0, step = 0;
+    for (double v : latencies) mean += v / static_cast<double>(latencies.size());
+    for (double v : prefills) prefill += v / static_cast<double>(prefills.size());
+    for (double v : steps) step += v / static_cast<double>(steps.size());
+    std::printf("bench latency on %s: batch %lld, input %lld, output %lld, %lld iterations\n",
+                setup.loaded.backend->device_name(), static_cast<long long>(batch_size),
+                static_cast<long long>(o.input_len), static_cast<long long>(o.output_len),
+                static_cast<long long>(o.iters));
+    std::printf("Avg latency: %.4f s   (p50 %.4f, p90 %.4f, p99 %.4f)\n", mean, percentile(latencies, 50),
+                percentile(latencies, 90), percentile(latencies, 99));
+    std::printf("Prefill: %.2f ms (%.0f tokens/s)   Decode: %.3f ms/step (%.1f tokens/s)\n", prefill * 1e3,
+                static_cast<double>(batch_size * o.input_len) / prefill, step * 1e3,
+                step > 0 ? static_cast<double>(batch_size) / step : 0.0);
+#ifdef DSV4_HAVE_CUDA
+    if (cuda_model) {
+      const auto profile = cuda_model->step_profile();
+      std::printf("Per step (%lld steps, prefill and decode): host prepare %.3f ms, device forward %.3f ms, device "
+                  "sampling %.3f ms; graph replays %lld\n",
+                  static_cast<long long>(profile.steps), profile.host_prepare_ms, profile.device_forward_ms,
+                  profile.device_sampling_ms, static_cast<long long>(cuda_model->graph_replays()));
+    }
+#endif
+    all.push_back({{"device", setup.loaded.backend->device_name()},
+                   {"batch_size", batch_size},
+                   {"input_len", o.input_len},
+                   {"output_len", o.output_len},
+                   {"avg_latency", mean},
+                   {"latencies", latencies},
+                   {"avg_prefill_s", prefill},
+                   {"avg_decode_step_s", step}});
   }
-  double mean = 0, prefill = 0, step = 0;
-  for (double v : latencies) mean += v / static_cast<double>(latencies.size());
-  for (double v : prefills) prefill += v / static_cast<double>(prefills.size());
-  for (double v : steps) step += v / static_cast<double>(steps.size());
-  std::printf("bench latency on %s: batch %lld, input %lld, output %lld, %lld iterations\n",
-              setup.loaded.backend->device_name(), static_cast<long long>(o.batch_size),
-              static_cast<long long>(o.input_len), static_cast<long long>(o.output_len),
-              static_cast<long long>(o.iters));
-  std::printf("Avg latency: %.4f s   (p50 %.4f, p90 %.4f, p99 %.4f)\n", mean, percentile(latencies, 50),
-              percentile(latencies, 90), percentile(latencies, 99));
-  std::printf("Prefill: %.2f ms (%.0f tokens/s)   Decode: %.3f ms/step (%.1f tokens/s)\n", prefill * 1e3,
-              static_cast<double>(o.batch_size * o.input_len) / prefill, step * 1e3,
-              step > 0 ? static_cast<double>(o.batch_size) / step : 0.0);
-  write_json(o.output_json, {{"device", setup.loaded.backend->device_name()},
-                             {"batch_size", o.batch_size},
-                             {"input_len", o.input_len},
-                             {"output_len", o.output_len},
-                             {"avg_latency", mean},
-                             {"latencies", latencies},
-                             {"avg_prefill_s", prefill},
-                             {"avg_decode_step_s", step}});
+  write_json(o.output_json, all.size() == 1 ? all[0] : all);
   return 0;
 }
 

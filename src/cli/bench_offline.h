@@ -14,7 +14,7 @@ struct BenchOfflineOptions {
   double gpu_memory_utilization = 0.9;
   double kv_cache_gib = 0;  // 0: the backend's default (CPU 4 GiB; CUDA from --gpu-memory-utilization)
   int64_t input_len = 1024, output_len = 128;
-  int64_t batch_size = 8;     // latency: requests per iteration
+  std::string batch_sizes = "8";  // latency: requests per iteration; a comma list runs each in turn (one load)
   int64_t num_prompts = 256;  // throughput: requests in total
   int64_t warmup_iters = 1, iters = 3;
   int64_t max_num_seqs = 256, max_num_batched_tokens = 8192;

@@ -2,6 +2,7 @@
 // tokenizer for text in and out.
 #include "cli/model_loading.h"
 
+#include <cstdlib>
 #include <filesystem>
 #include <vector>
 
@@ -78,6 +79,15 @@ LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& o
   }
   cuda_options.precision =
       options.dtype == "f32" || options.dtype == "float32" ? CudaPrecision::kF32 : CudaPrecision::kBf16;
+  // Switches for measuring what each mechanism gains (docs/gpu.md): DSV4_CUDA_GRAPHS=0, DSV4_INDEXER_STREAM=0,
+  // DSV4_DEVICE_SAMPLING=0.
+  auto switched_off = [](const char* name) {
+    const char* value = std::getenv(name);
+    return value != nullptr && std::string(value) == "0";
+  };
+  cuda_options.cuda_graphs = !switched_off("DSV4_CUDA_GRAPHS");
+  cuda_options.indexer_stream = !switched_off("DSV4_INDEXER_STREAM");
+  cuda_options.device_sampling = !switched_off("DSV4_DEVICE_SAMPLING");
   loaded.backend = std::make_unique<DeepseekV4CudaModel>(std::move(checkpoint.config), checkpoint.weights, cuda_options);
   loaded.on_cuda = true;
 #endif

@@ -1,6 +1,7 @@
 #include "model/cuda/deepseek_v4_cuda.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -169,11 +170,25 @@ struct DeepseekV4CudaModel::Impl {
   std::map<std::vector<int64_t>, Graph> graphs;  // by Step::graph_key
   std::map<std::vector<int64_t>, bool> seen_keys;  // keys run eagerly once (sizing every buffer)
   int64_t graph_replays = 0, graph_captures = 0;
+  // Step profile (sums; DeepseekV4CudaModel::step_profile averages).
+  DeepseekV4CudaModel::StepProfile profile;
+  cudaEvent_t forward_start = nullptr, forward_end = nullptr, sampling_end = nullptr;
+  // After the step's sync: adds the events' times to the profile.
+  void account(bool sampled) {
+    float forward_ms = 0, sampling_ms = 0;
+    if (cudaEventElapsedTime(&forward_ms, forward_start, forward_end) == cudaSuccess)
+      profile.device_forward_ms += forward_ms;
+    if (sampled && cudaEventElapsedTime(&sampling_ms, forward_end, sampling_end) == cudaSuccess)
+      profile.device_sampling_ms += sampling_ms;
+    ++profile.steps;
+  }
   std::vector<int32_t> host_meta;
   int32_t* device_meta = nullptr;
   size_t device_meta_capacity = 0;
 
   ~Impl() {
+    for (cudaEvent_t e : {forward_start, forward_end, sampling_end})
+      if (e) cudaEventDestroy(e);
     for (auto& [key, graph] : graphs)
       if (graph.exec) cudaGraphExecDestroy(graph.exec);
     cudaFree(arena);
@@ -301,6 +316,9 @@ DeepseekV4CudaModel::DeepseekV4CudaModel(ModelConfig config, const ModelWeights&
   DSV4_CU(cudaStreamCreateWithFlags(&m.index_stream, cudaStreamNonBlocking));
   DSV4_CU(cudaEventCreateWithFlags(&m.index_fork, cudaEventDisableTiming));
   DSV4_CU(cudaEventCreateWithFlags(&m.index_join, cudaEventDisableTiming));
+  DSV4_CU(cudaEventCreate(&m.forward_start));
+  DSV4_CU(cudaEventCreate(&m.forward_end));
+  DSV4_CU(cudaEventCreate(&m.sampling_end));
   m.gemm = std::make_unique<cu::Gemm>();
   m.index_gemm = std::make_unique<cu::Gemm>();
 
@@ -387,6 +405,16 @@ IndexStorage DeepseekV4CudaModel::index_storage() const {
 int64_t DeepseekV4CudaModel::weight_bytes() const { return impl_->weights_memory.total(); }
 int64_t DeepseekV4CudaModel::graph_replays() const { return impl_->graph_replays; }
 int64_t DeepseekV4CudaModel::graph_captures() const { return impl_->graph_captures; }
+DeepseekV4CudaModel::StepProfile DeepseekV4CudaModel::step_profile() const {
+  StepProfile p = impl_->profile;
+  if (p.steps > 0) {
+    p.host_prepare_ms /= static_cast<double>(p.steps);
+    p.device_forward_ms /= static_cast<double>(p.steps);
+    p.device_sampling_ms /= static_cast<double>(p.steps);
+  }
+  return p;
+}
+void DeepseekV4CudaModel::reset_step_profile() { impl_->profile = {}; }
 
 int64_t DeepseekV4CudaModel::cache_bytes_for_utilization(double utilization, int64_t max_tokens) const {
   size_t free_bytes = 0, total_bytes = 0;
@@ -592,7 +620,11 @@ PagedKvPool DeepseekV4CudaModel::Impl::kv_pool(const Step& step, CacheGroupKind 
 float* DeepseekV4CudaModel::Impl::device_logits(std::span<const SequenceChunk> batch, LogitsMode mode, Step& step) {
   bool decode = options.cuda_graphs && mode == LogitsMode::kLastPerSequence;
   for (const SequenceChunk& chunk : batch) decode = decode && chunk.token_ids.size() == 1;
+  const auto host_start = std::chrono::steady_clock::now();
   step = prepare(batch, decode);
+  profile.host_prepare_ms +=
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - host_start).count();
+  DSV4_CU(cudaEventRecord(forward_start, stream));
   float* logits_device = nullptr;
   if (!decode || !seen_keys[step.graph_key]) {
     logits_device = run(step, mode);
@@ -627,6 +659,7 @@ float* DeepseekV4CudaModel::Impl::device_logits(std::span<const SequenceChunk> b
     ++graph_replays;
     logits_device = graph.logits;
   }
+  DSV4_CU(cudaEventRecord(forward_end, stream));
   for (size_t r = 0; r < batch.size(); ++r) batch[r].state->set_num_tokens(step.start[r] + step.length[r]);
   return logits_device;
 }
@@ -640,6 +673,7 @@ Tensor DeepseekV4CudaModel::Impl::forward(std::span<const SequenceChunk> batch, 
   DSV4_CU(cudaMemcpyAsync(logits.ptr(), logits_device, logits.data.size() * sizeof(float), cudaMemcpyDeviceToHost,
                           stream));
   DSV4_CU(cudaStreamSynchronize(stream));
+  account(false);
   return logits;
 }
 
@@ -654,6 +688,7 @@ void DeepseekV4CudaModel::Impl::forward_and_sample(std::span<const SequenceChunk
   results.assign(rows.size(), SampleResult{});
   if (rows.empty()) {
     DSV4_CU(cudaStreamSynchronize(stream));
+    account(false);
     return;
   }
   const auto n = static_cast<int64_t>(rows.size());
@@ -699,10 +734,12 @@ void DeepseekV4CudaModel::Impl::forward_and_sample(std::span<const SequenceChunk
   const size_t workspace_bytes = cu::sampling_workspace_bytes(n, c.vocab_size);
   void* workspace = buffer<std::byte>("sampling_workspace", workspace_bytes);
   DSV4_CU(cu::sample_tokens(args, workspace, workspace_bytes, stream));
+  DSV4_CU(cudaEventRecord(sampling_end, stream));
   sampling_outputs.resize(rows.size());
   DSV4_CU(cudaMemcpyAsync(sampling_outputs.data(), outputs, rows.size() * sizeof(cu::SamplingOutput),
                           cudaMemcpyDeviceToHost, stream));
   DSV4_CU(cudaStreamSynchronize(stream));
+  account(true);
   for (size_t j = 0; j < rows.size(); ++j) results[j] = cu::to_sample_result(sampling_outputs[j]);
 }
 

@@ -54,6 +54,14 @@ class DeepseekV4CudaModel final : public ModelBackend {
   // Decode steps replayed from a captured CUDA graph, and captures made (for tests and logs).
   int64_t graph_replays() const;
   int64_t graph_captures() const;
+  // Where a step's time goes, averaged over the steps since the last reset: host preparation (metadata, tables,
+  // upload), the device time of the forward (events around the graph or the eager launches) and of sampling.
+  struct StepProfile {
+    int64_t steps = 0;
+    double host_prepare_ms = 0, device_forward_ms = 0, device_sampling_ms = 0;
+  };
+  StepProfile step_profile() const;
+  void reset_step_profile();
 
  private:
   struct Impl;
