@@ -17,6 +17,7 @@
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/hyper_connection.h"
 #include "ops/cuda/indexer_scores.h"
+#include "ops/cuda/moe_combine.h"
 #include "ops/cuda/moe_experts.h"
 #include "ops/cuda/moe_routing.h"
 #include "ops/cuda/paged_attention.h"
@@ -270,6 +271,12 @@ struct DeepseekV4CudaModel::Impl {
   void compress(int64_t layer, EntryKind kind, const Step& step, const void* x_operand, cudaStream_t on,
                 cu::Gemm& with);
   void moe(int64_t layer, const Step& step, const float* x, const void* x_operand, float* out);
+  // Prefill chunks: the routing copied to the host, rows permuted expert by expert, one cuBLASLt GEMM pair per
+  // expert (dense tensor-core GEMMs at hundreds of rows each), the weighted combine on the device. Not capturable
+  // (a host sync), so decode steps use ops/cuda/moe_experts.
+  void moe_host_grouped(int64_t layer, const Step& step, const void* x_operand, const int32_t* chosen,
+                        const float* weights, float* out);
+  std::vector<int32_t> host_chosen, host_moe_index;
   // RMSNorm of x in place, returning it as the next GEMM's operand: x itself (kF32), or the bf16 copy in `name`
   // the same kernel writes (kBf16).
   const void* norm_operand(float* x, int64_t rows, int64_t dim, const float* weight, const char* name, cudaStream_t on) {
@@ -476,6 +483,9 @@ bool cuda_device_available() {
 // ---------------------------------------------------------------------------------------------------------------
 
 // Smallest power of two ≥ value (≥ 1).
+// Steps of at least this many tokens run the MoE as per-expert cuBLASLt GEMMs (moe_host_grouped).
+constexpr int64_t kHostGroupedMoeMinTokens = 256;
+
 int64_t round_up_pow2(int64_t value) {
   int64_t p = 1;
   while (p < value) p *= 2;
@@ -1072,6 +1082,58 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
   gemm->linear(l.wo_b, operand(grouped, N * G * o_lora, "grouped_in", stream), N, out, stream);
 }
 
+void DeepseekV4CudaModel::Impl::moe_host_grouped(int64_t layer, const Step& step, const void* x_operand,
+                                                 const int32_t* chosen, const float* weights, float* out) {
+  const ModelConfig& c = config;
+  const LayerDevice& l = layers[static_cast<size_t>(layer)];
+  const int64_t N = step.tokens, D = c.hidden_size, E = c.n_routed_experts, K = c.num_experts_per_tok;
+  const int64_t I = c.moe_intermediate_size, rows = N * K;
+  host_chosen.resize(static_cast<size_t>(rows));
+  DSV4_CU(cudaMemcpyAsync(host_chosen.data(), chosen, rows * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
+  DSV4_CU(cudaStreamSynchronize(stream));
+  // Expert-major order, stable in token order: offsets per expert, then each (token, k)'s slot.
+  std::vector<int64_t> offset(static_cast<size_t>(E) + 1, 0);
+  for (const int32_t e : host_chosen) {
+    DSV4_CHECK(e >= 0 && e < E, "router chose expert " + std::to_string(e) + " of " + std::to_string(E));
+    ++offset[static_cast<size_t>(e) + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) offset[e + 1] += offset[e];
+  host_moe_index.assign(static_cast<size_t>(2 * rows), 0);  // [0, rows): source token per slot; then slot per (t, k)
+  std::vector<int64_t> fill(offset.begin(), offset.end() - 1);
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t slot = fill[host_chosen[i]]++;
+    host_moe_index[slot] = static_cast<int32_t>(i / K);
+    host_moe_index[rows + i] = static_cast<int32_t>(slot);
+  }
+  int32_t* index = buffer<int32_t>("moe_index", 2 * rows);
+  DSV4_CU(cudaMemcpyAsync(index, host_moe_index.data(), 2 * rows * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
+  // Gather the operand rows (bf16 rows move as pairs of fp32 words: a copy, no arithmetic).
+  const size_t element = weight_element_bytes();
+  const int64_t words = D * static_cast<int64_t>(element) / 4;
+  float* gathered = buffer<float>("moe_gathered", rows * words);
+  DSV4_CU(cu::gather_rows({rows, words}, static_cast<const float*>(x_operand), index, gathered, stream));
+  float* gate_up = buffer<float>("moe_gate_up", std::max(rows, N) * 2 * I);
+  float* activated = buffer<float>("moe_activated", std::max(rows, N) * I);
+  float* expert_rows = buffer<float>("moe_expert_rows", rows * D);
+  float* shared_rows = buffer<float>("moe_shared_rows", N * D);
+  auto expert = [&](const void* w13, const void* w2, const void* input, int64_t n, float* output) {
+    gemm->linear({w13, weight_dtype(), 2 * I, D, 0}, input, n, gate_up, stream);
+    DSV4_CU(cu::swiglu_clamped({n, I, static_cast<float>(c.swiglu_limit)}, gate_up, activated, stream));
+    gemm->linear({w2, weight_dtype(), D, I, 0}, operand(activated, n * I, "moe_activated_in", stream), n, output,
+                 stream);
+  };
+  const size_t w13_bytes = static_cast<size_t>(2 * I * D) * element, w2_bytes = static_cast<size_t>(D * I) * element;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = offset[e + 1] - offset[e];
+    if (n == 0) continue;
+    expert(static_cast<const std::byte*>(l.experts_w13) + e * w13_bytes,
+           static_cast<const std::byte*>(l.experts_w2) + e * w2_bytes,
+           reinterpret_cast<const std::byte*>(gathered) + offset[e] * words * 4, n, expert_rows + offset[e] * D);
+  }
+  expert(l.shared_w13, l.shared_w2, x_operand, N, shared_rows);
+  DSV4_CU(cu::combine_expert_rows({N, K, D}, index + rows, weights, expert_rows, shared_rows, out, stream));
+}
+
 void DeepseekV4CudaModel::Impl::moe(int64_t layer, const Step& step, const float* x, const void* x_operand,
                                     float* out) {
   const ModelConfig& c = config;
@@ -1092,6 +1154,10 @@ void DeepseekV4CudaModel::Impl::moe(int64_t layer, const Step& step, const float
   rp.routed_scaling_factor = static_cast<float>(c.routed_scaling_factor);
   DSV4_CU(cu::route(rp, logits, hash ? nullptr : l.gate_bias, hash ? l.tid2eid : nullptr, step.token_ids, chosen,
                     weights, nullptr, stream));
+  if (N >= kHostGroupedMoeMinTokens && !capturing) {
+    moe_host_grouped(layer, step, x_operand, chosen, weights, out);
+    return;
+  }
   cu::MoeExpertsParams mp;
   mp.tokens = N;
   mp.top_k = K;
