@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cache/planner.h"
+#include "cache/weight_plan.h"
 #include "core/error.h"
 #include "core/npy.h"
 #include "engine/engine.h"
@@ -258,10 +259,49 @@ int plan(const PlanOptions& options) {
           "--gpu-memory " + std::to_string(*options.gpu_memory_gib) + ": must be a positive number of GiB");
   if (options.requests)
     DSV4_CHECK(*options.requests > 0, "--requests " + std::to_string(*options.requests) + ": must be positive");
-  CapacityPlan result = plan_capacity(config, kv, index, context, options.gpu_memory_gib, options.requests);
+  DSV4_CHECK(options.dense_dtype == "fp8" || options.dense_dtype == "bf16",
+             "--dense-dtype '" + options.dense_dtype + "': must be fp8 or bf16");
+  const WeightPlan weights =
+      plan_weights(config, {parse_expert_bits(options.expert_bits, "--expert-bits"), options.dense_dtype == "fp8"});
+  std::optional<double> kv_budget_gib = options.gpu_memory_gib;
+  double left_gib = 0;
+  if (options.device_memory_gib) {
+    DSV4_CHECK(std::isfinite(*options.device_memory_gib) && *options.device_memory_gib > 0,
+               "--device-memory must be a positive number of GiB");
+    DSV4_CHECK(std::isfinite(options.reserve_gib) && options.reserve_gib >= 0, "--reserve-gib must be >= 0");
+    left_gib = *options.device_memory_gib - static_cast<double>(weights.bytes) / double(int64_t{1} << 30) -
+               options.reserve_gib;
+    if (left_gib > 0) kv_budget_gib = left_gib;
+  }
+  CapacityPlan result = plan_capacity(config, kv, index, context, kv_budget_gib, options.requests);
   result.model = options.preset.empty() ? options.model_dir : options.preset;
-  if (options.json) std::printf("%s\n", capacity_plan_to_json(result).dump(2).c_str());
-  else std::printf("%s", format_capacity_plan(result).c_str());
+  if (options.device_memory_gib && left_gib <= 0) result.requests_fit = 0;
+  if (options.json) {
+    nlohmann::json out = capacity_plan_to_json(result);
+    out["weights"] = weight_plan_to_json(weights);
+    if (options.device_memory_gib) {
+      out["device_memory_gib"] = *options.device_memory_gib;
+      out["reserve_gib"] = options.reserve_gib;
+      out["kv_budget_gib"] = std::max(left_gib, 0.0);
+      out["requests_fit"] = result.requests_fit.value_or(0);
+    }
+    std::printf("%s\n", out.dump(2).c_str());
+    return 0;
+  }
+  std::printf("%s", format_capacity_plan(result).c_str());
+  std::printf("%s", format_weight_plan(weights).c_str());
+  if (options.device_memory_gib) {
+    const double weights_gib = static_cast<double>(weights.bytes) / double(int64_t{1} << 30);
+    if (left_gib <= 0)
+      std::printf("\ndevice %.2f GiB - weights %.2f GiB - reserve %.2f GiB = %.2f GiB: the weights do not fit, "
+                  "0 requests\n",
+                  *options.device_memory_gib, weights_gib, options.reserve_gib, left_gib);
+    else
+      std::printf("\ndevice %.2f GiB - weights %.2f GiB - reserve %.2f GiB = %.2f GiB of KV cache: %lld requests of "
+                  "%lld tokens\n",
+                  *options.device_memory_gib, weights_gib, options.reserve_gib, left_gib,
+                  static_cast<long long>(result.requests_fit.value_or(0)), static_cast<long long>(context));
+  }
   return 0;
 }
 

@@ -50,6 +50,11 @@ struct PlanOptions {
   std::optional<double> gpu_memory_gib;
   std::optional<int64_t> requests;
   bool json = false;
+  // The whole device: weights at --expert-bits / --dense-dtype and --reserve-gib (activations, workspace, CUDA
+  // context) come off first, the KV cache gets the rest (cache/weight_plan.h).
+  std::optional<double> device_memory_gib;
+  std::string expert_bits = "fp4", dense_dtype = "fp8";
+  double reserve_gib = 6.0;
 };
 int plan(const PlanOptions& options);
 

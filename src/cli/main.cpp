@@ -72,6 +72,14 @@ int main(int argc, char** argv) {
   plan_cmd->add_option_function<int64_t>(
       "--requests", [&plan](const int64_t& count) { plan.requests = count; }, "memory for this many requests");
   plan_cmd->add_flag("--json", plan.json, "machine-readable output");
+  auto* device_memory = plan_cmd->add_option_function<double>(
+      "--device-memory", [&plan](const double& gib) { plan.device_memory_gib = gib; },
+      "GiB of the whole device (H200: 140.4): weights and --reserve-gib come off, the KV cache gets the rest");
+  device_memory->excludes(plan_cmd->get_option("--gpu-memory"));
+  plan_cmd->add_option("--expert-bits", plan.expert_bits,
+                       "routed-expert storage: fp4 (MXFP4, 4.25 bits, as released), fp8, bf16 or bits/param (e.g. 2.5)");
+  plan_cmd->add_option("--dense-dtype", plan.dense_dtype, "the release's FP8 linears: fp8 or bf16");
+  plan_cmd->add_option("--reserve-gib", plan.reserve_gib, "with --device-memory: activations, workspace, context");
 
   std::string tokenizer_path, text_file, detok_ids;
   bool add_bos = false;

@@ -235,3 +235,45 @@ TEST(PlannerTest, RejectsBadInput) {
 
 }  // namespace
 }  // namespace dsv4
+
+// Weight memory: V4-Flash as released (FP8 dense, MXFP4 experts) is the 148.66 GiB checkpoint less its MTP layer
+// (about 3.4 GB, which the engine does not load), perf_anchors.md §6.2; requantized experts at 3.5 / 2.5 bits
+// leave room for the KV cache on one H200.
+#include "cache/weight_plan.h"
+
+namespace dsv4 {
+namespace {
+
+TEST(WeightPlan, V4FlashAsReleasedIsTheCheckpointLessMtp) {
+  const WeightPlan plan = plan_weights(ModelConfig::preset("v4-flash"), {4.25, true});
+  const double gib = static_cast<double>(plan.bytes) / double(int64_t{1} << 30);
+  const double checkpoint_less_mtp = 148.66 - 3.4e9 / double(int64_t{1} << 30);
+  EXPECT_NEAR(gib, checkpoint_less_mtp, 0.01 * checkpoint_less_mtp);
+  // 43 layers × 256 experts × 3 × 4096 × 2048 routed parameters.
+  EXPECT_EQ(plan.classes[0].params, int64_t{43} * 256 * 3 * 4096 * 2048);
+  int64_t sum = 0;
+  for (const WeightClass& c : plan.classes) sum += c.params;
+  EXPECT_EQ(sum, plan.params);
+}
+
+TEST(WeightPlan, FewerExpertBitsShrinkOnlyTheExperts) {
+  const ModelConfig config = ModelConfig::preset("v4-flash");
+  const WeightPlan released = plan_weights(config, {4.25, true}), q25 = plan_weights(config, {2.5, true});
+  EXPECT_EQ(released.bytes - q25.bytes, released.classes[0].bytes - q25.classes[0].bytes);
+  EXPECT_NEAR(static_cast<double>(q25.classes[0].bytes) / static_cast<double>(released.classes[0].bytes),
+              2.5 / 4.25, 1e-6);
+  const WeightPlan bf16_dense = plan_weights(config, {4.25, false});
+  EXPECT_EQ(bf16_dense.classes[1].params, released.classes[1].params);
+  EXPECT_GT(bf16_dense.classes[1].bytes, released.classes[1].bytes * 19 / 10);
+}
+
+TEST(WeightPlan, ParsesExpertBits) {
+  EXPECT_DOUBLE_EQ(parse_expert_bits("fp4", "--expert-bits"), 4.25);
+  EXPECT_DOUBLE_EQ(parse_expert_bits("2.5", "--expert-bits"), 2.5);
+  EXPECT_DOUBLE_EQ(parse_expert_bits("bf16", "--expert-bits"), 16.0);
+  EXPECT_THROW(parse_expert_bits("0.5", "--expert-bits"), Error);
+  EXPECT_THROW(parse_expert_bits("3bits", "--expert-bits"), Error);
+}
+
+}  // namespace
+}  // namespace dsv4
