@@ -2,19 +2,15 @@
 
 #include <algorithm>
 
+#include "ops/cuda/bf16.cuh"
+
 namespace dsv4::ops::cuda {
 namespace {
 
 constexpr int kThreads = 256;
 
-// Bitwise core/dtype.h f32_to_bf16: round to nearest even on the bit pattern, NaN made quiet.
-__device__ __forceinline__ uint16_t to_bf16(float value) {
-  uint32_t word = __float_as_uint(value);
-  if ((word & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((word >> 16) | 0x40);
-  word += 0x7fffu + ((word >> 16) & 1u);
-  return static_cast<uint16_t>(word >> 16);
-}
-__device__ __forceinline__ float from_bf16(uint16_t bits) { return __uint_as_float(static_cast<uint32_t>(bits) << 16); }
+__device__ __forceinline__ uint16_t to_bf16(float value) { return f32_to_bf16_bits(value); }
+__device__ __forceinline__ float from_bf16(uint16_t bits) { return bf16_bits_to_f32(bits); }
 
 unsigned blocks_for(int64_t n) {
   return static_cast<unsigned>(std::min<int64_t>((n + kThreads - 1) / kThreads, int64_t{1} << 20));

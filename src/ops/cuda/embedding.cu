@@ -2,13 +2,15 @@
 
 #include <algorithm>
 
+#include "ops/cuda/bf16.cuh"
+
 namespace dsv4::ops::cuda {
 namespace {
 
 constexpr int kThreads = 256;
 
 __device__ __forceinline__ float widen(float v) { return v; }
-__device__ __forceinline__ float widen(uint16_t bits) { return __uint_as_float(static_cast<uint32_t>(bits) << 16); }
+__device__ __forceinline__ float widen(uint16_t bits) { return bf16_bits_to_f32(bits); }
 
 // Four consecutive table values of row `row` from column 4·c (the caller checked alignment).
 __device__ __forceinline__ float4 load4(const float* row, int64_t c) { return reinterpret_cast<const float4*>(row)[c]; }

@@ -2,6 +2,8 @@
 
 #include <cfloat>
 
+#include "ops/cuda/bf16.cuh"
+
 namespace dsv4::ops::cuda {
 namespace {
 
@@ -9,7 +11,7 @@ constexpr int kWarps = 4;
 constexpr int kMaxPerLane = 16;  // head_dim ≤ 512
 
 __device__ __forceinline__ float load_value(const std::byte* entry, bool bf16, int index) {
-  if (bf16) return __uint_as_float(static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(entry)[index]) << 16);
+  if (bf16) return bf16_bits_to_f32(reinterpret_cast<const uint16_t*>(entry)[index]);
   return reinterpret_cast<const float*>(entry)[index];
 }
 
@@ -154,12 +156,7 @@ __global__ void write_window_kernel(WindowWriteParams p) {
   const float* kv = p.kv + t * p.head_dim;
   for (int64_t i = threadIdx.x; i < p.head_dim; i += blockDim.x) {
     if (p.bf16_entries) {
-      // Round to nearest even, as core/dtype.h f32_to_bf16.
-      uint32_t word = __float_as_uint(kv[i]);
-      const uint16_t bits = (word & 0x7fffffffu) > 0x7f800000u
-                                ? static_cast<uint16_t>((word >> 16) | 0x40)
-                                : static_cast<uint16_t>((word + 0x7fffu + ((word >> 16) & 1u)) >> 16);
-      reinterpret_cast<uint16_t*>(entry)[i] = bits;
+      reinterpret_cast<uint16_t*>(entry)[i] = f32_to_bf16_bits(kv[i]);
     } else {
       reinterpret_cast<float*>(entry)[i] = kv[i];
     }

@@ -1,15 +1,11 @@
 #include "ops/cuda/rms_norm.h"
 
+#include "ops/cuda/bf16.cuh"
+
 namespace dsv4::ops::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-
-__device__ __forceinline__ uint16_t to_bf16_bits(float value) {
-  const uint32_t word = __float_as_uint(value);
-  if ((word & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((word >> 16) | 0x40);
-  return static_cast<uint16_t>((word + 0x7fffu + ((word >> 16) & 1u)) >> 16);
-}
 
 __global__ void rms_norm_kernel(const float* __restrict__ x, const float* __restrict__ weight, float* y, int64_t dim,
                                 float eps, uint16_t* y_bf16) {
@@ -32,7 +28,7 @@ __global__ void rms_norm_kernel(const float* __restrict__ x, const float* __rest
   for (int64_t i = threadIdx.x; i < dim; i += kThreads) {
     const float value = (weight ? weight[i] : 1.0f) * (in[i] * scale);
     out[i] = value;
-    if (y_bf16) y_bf16[row * dim + i] = to_bf16_bits(value);
+    if (y_bf16) y_bf16[row * dim + i] = f32_to_bf16_bits(value);
   }
 }
 
