@@ -249,8 +249,9 @@ struct DeepseekV4CudaModel::Impl {
     std::vector<int64_t> graph_key;  // decode under a graph: batch, position cap, table strides
     std::vector<int64_t> offset, start, length;
     // device pointers into device_meta
-    const int32_t *token_ids, *positions, *token_row, *chunk_start, *chunk_offset, *row_end, *last_rows,
-        *csa_visible, *chunk_table, *token_chunk_start, *row_offsets;
+    const int32_t *token_ids, *positions, *token_row, *chunk_start, *row_end, *last_rows, *csa_visible,
+        *chunk_table, *token_chunk_start, *csa_row_entries;
+    const int32_t* row_offsets;  // [rows + 1]: row r's tokens are [row_offsets[r], row_offsets[r + 1])
     std::map<CacheGroupKind, std::pair<const int32_t*, int64_t>> tables;  // device table, stride
   };
   Step prepare(std::span<const SequenceChunk> batch, bool for_graph);
@@ -518,8 +519,9 @@ DeepseekV4CudaModel::Impl::Step DeepseekV4CudaModel::Impl::prepare(std::span<con
     step.max_position = round_up_pow2(step.max_position + 1) - 1;
     step.graph_key = {step.rows, step.max_position};
   }
-  // Layout of the metadata block (int32): token ids, positions, token rows, csa visible, chunk start [N]; chunk starts,
-  // offsets, ends, last rows [B]; the chunk table [B, max_chunk]; row offsets [B + 1]; then every group's block table [B, stride].
+  // Layout of the metadata block (int32): token ids, positions, token rows, csa visible, chunk start [N]; chunk
+  // starts, ends, last rows, CSA entries in the cache (end div ratio, the indexer's per-request bound) [B]; the
+  // chunk table [B, max_chunk]; row offsets [B + 1]; then every group's block table [B, stride].
   const int64_t N = step.tokens, B = step.rows;
   host_meta.clear();
   auto reserve = [&](int64_t count) {
@@ -529,7 +531,7 @@ DeepseekV4CudaModel::Impl::Step DeepseekV4CudaModel::Impl::prepare(std::span<con
   };
   const size_t ids_at = reserve(N), pos_at = reserve(N), row_at = reserve(N), vis_at = reserve(N),
                tcs_at = reserve(N);
-  const size_t cs_at = reserve(B), co_at = reserve(B), end_at = reserve(B), last_at = reserve(B);
+  const size_t cs_at = reserve(B), end_at = reserve(B), last_at = reserve(B), csa_entries_at = reserve(B);
   const size_t chunk_table_at = reserve(B * step.max_chunk), row_offsets_at = reserve(B + 1);
   for (int64_t r = 0; r < B; ++r) {
     for (int64_t i = 0; i < step.length[r]; ++i) {
@@ -542,9 +544,10 @@ DeepseekV4CudaModel::Impl::Step DeepseekV4CudaModel::Impl::prepare(std::span<con
       host_meta[chunk_table_at + r * step.max_chunk + i] = static_cast<int32_t>(t);
     }
     host_meta[cs_at + r] = static_cast<int32_t>(step.start[r]);
-    host_meta[co_at + r] = static_cast<int32_t>(step.offset[r]);
     host_meta[row_offsets_at + r] = static_cast<int32_t>(step.offset[r]);
     host_meta[end_at + r] = static_cast<int32_t>(step.start[r] + step.length[r]);
+    host_meta[csa_entries_at + r] =
+        static_cast<int32_t>(c.compress_rate_csa > 0 ? (step.start[r] + step.length[r]) / c.compress_rate_csa : 0);
     host_meta[last_at + r] = static_cast<int32_t>(step.offset[r] + step.length[r] - 1);
   }
   host_meta[row_offsets_at + B] = static_cast<int32_t>(N);
@@ -580,7 +583,7 @@ DeepseekV4CudaModel::Impl::Step DeepseekV4CudaModel::Impl::prepare(std::span<con
   step.csa_visible = device_meta + vis_at;
   step.token_chunk_start = device_meta + tcs_at;
   step.chunk_start = device_meta + cs_at;
-  step.chunk_offset = device_meta + co_at;
+  step.csa_row_entries = device_meta + csa_entries_at;
   step.row_end = device_meta + end_at;
   step.last_rows = device_meta + last_at;
   step.chunk_table = device_meta + chunk_table_at;
@@ -906,10 +909,6 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
       if (bf16 && IH == 64 && ID == 128 && keys.entries_per_block % 32 == 0) {
         uint16_t* q_bf16 = buffer<uint16_t>("index_q_bf16", N * IH * ID);
         DSV4_CU(cu::f32_to_bf16(index_q, q_bf16, N * IH * ID, is));
-        int32_t* request_entries = buffer<int32_t>("index_request_entries", step.rows);
-        DSV4_CU(cu::visible_entries(step.rows, step.row_end, c.compress_rate_csa, request_entries, is));
-        // (end + 1) div ratio ≥ the entries in the cache (end div ratio); the kernel's per-token bound
-        // (position + 1) div ratio ≤ end div ratio is the tighter one, so no unwritten entry is read.
         ops::IndexerScoresParams ip;
         ip.num_tokens = N;
         ip.heads = IH;
@@ -922,7 +921,7 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
         ip.pool = keys.arena;
         ip.block_tables = keys.block_table;
         ip.block_table_stride = keys.block_table_stride;
-        ip.request_entries = request_entries;
+        ip.request_entries = step.csa_row_entries;
         ip.token_request = step.token_row;
         ip.token_position = step.positions;
         ip.q = q_bf16;
@@ -1048,7 +1047,7 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
     ap.token_row = step.token_row;
     ap.positions = step.positions;
     ap.chunk_start = step.chunk_start;
-    ap.chunk_offset = step.chunk_offset;
+    ap.chunk_offset = step.row_offsets;
     ap.sinks = l.attn_sink;
     ap.q = q;
     ap.out = attended;

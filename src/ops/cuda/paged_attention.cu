@@ -133,11 +133,6 @@ __global__ void paged_indexer_scores_kernel(PagedIndexerScoresParams p) {
   }
 }
 
-__global__ void visible_entries_kernel(int64_t tokens, const int32_t* positions, int64_t ratio, int32_t* lengths) {
-  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (t < tokens) lengths[t] = static_cast<int32_t>((positions[t] + 1) / ratio);
-}
-
 __global__ void dense_entry_indices_kernel(const int32_t* positions, int64_t ratio, int64_t stride, int32_t* indices,
                                            int32_t* lengths) {
   const int64_t t = blockIdx.x;
@@ -179,14 +174,6 @@ cudaError_t paged_indexer_scores(const PagedIndexerScoresParams& p, cudaStream_t
   const auto chunks = static_cast<unsigned>((p.max_entries + kIndexerEntriesPerCta - 1) / kIndexerEntriesPerCta);
   const size_t shared = static_cast<size_t>(p.heads * p.head_dim) * sizeof(float);
   paged_indexer_scores_kernel<<<dim3(static_cast<unsigned>(p.tokens), chunks), 32 * kWarps, shared, stream>>>(p);
-  return cudaGetLastError();
-}
-
-cudaError_t visible_entries(int64_t tokens, const int32_t* positions, int64_t ratio, int32_t* lengths,
-                            cudaStream_t stream) {
-  if (tokens == 0) return cudaSuccess;
-  visible_entries_kernel<<<static_cast<unsigned>((tokens + 255) / 256), 256, 0, stream>>>(tokens, positions, ratio,
-                                                                                          lengths);
   return cudaGetLastError();
 }
 

@@ -56,10 +56,6 @@ struct PagedIndexerScoresParams {
 };
 cudaError_t paged_indexer_scores(const PagedIndexerScoresParams& p, cudaStream_t stream);
 
-// Visible entries per token for the top-k: lengths[t] = (positions[t] + 1) div ratio.
-cudaError_t visible_entries(int64_t tokens, const int32_t* positions, int64_t ratio, int32_t* lengths,
-                            cudaStream_t stream);
-
 // HCA's key list for the tuned attention kernel: indices[t][j] = j for j < (p + 1) div ratio, −1 up to stride;
 // lengths[t] = that count.
 cudaError_t dense_entry_indices(int64_t tokens, const int32_t* positions, int64_t ratio, int64_t stride,
