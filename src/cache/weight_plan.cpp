@@ -12,15 +12,11 @@ namespace {
 
 constexpr double kFp8BlockBits = 8.0 + 8.0 / (128.0 * 128.0);  // e4m3 + one UE8M0 byte per 128×128 block
 
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 // The linears DeepSeek's release stores as F8_E4M3 with block scales (model_spec.md §2).
 bool released_as_fp8(const std::string& name) {
   for (const char* suffix : {".attn.wq_a.weight", ".attn.wq_b.weight", ".attn.wkv.weight", ".attn.wo_a.weight",
                              ".attn.wo_b.weight", ".attn.indexer.wq_b.weight"})
-    if (ends_with(name, suffix)) return true;
+    if (name.ends_with(suffix)) return true;
   return name.find(".ffn.shared_experts.") != std::string::npos;
 }
 

@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench/latency_stats.h"
 #include "cli/commands.h"
 #include "cli/model_loading.h"
 #include "core/error.h"
@@ -102,14 +103,6 @@ BatchTiming run_batch(Engine& engine, const std::vector<std::vector<int32_t>>& p
   return timing;
 }
 
-double percentile(std::vector<double> values, double p) {
-  std::sort(values.begin(), values.end());
-  const double rank = p / 100.0 * static_cast<double>(values.size() - 1);
-  const auto low = static_cast<size_t>(rank);
-  const size_t high = std::min(low + 1, values.size() - 1);
-  return values[low] + (values[high] - values[low]) * (rank - static_cast<double>(low));
-}
-
 void write_json(const std::string& path, const nlohmann::json& result) {
   if (path.empty()) return;
   std::ofstream out(path);
@@ -169,8 +162,8 @@ int bench_latency(const BenchOfflineOptions& o) {
                 setup.loaded.backend->device_name(), static_cast<long long>(batch_size),
                 static_cast<long long>(o.input_len), static_cast<long long>(o.output_len),
                 static_cast<long long>(o.iters));
-    std::printf("Avg latency: %.4f s   (p50 %.4f, p90 %.4f, p99 %.4f)\n", mean, percentile(latencies, 50),
-                percentile(latencies, 90), percentile(latencies, 99));
+    std::printf("Avg latency: %.4f s   (p50 %.4f, p90 %.4f, p99 %.4f)\n", mean, bench::percentile(latencies, 50),
+                bench::percentile(latencies, 90), bench::percentile(latencies, 99));
     std::printf("Prefill: %.2f ms (%.0f tokens/s)   Decode: %.3f ms/step (%.1f tokens/s)\n", prefill * 1e3,
                 static_cast<double>(batch_size * o.input_len) / prefill, step * 1e3,
                 step > 0 ? static_cast<double>(batch_size) / step : 0.0);
