@@ -15,6 +15,7 @@
 #include "ops/cuda/elementwise.h"
 #include "ops/cuda/embedding.h"
 #include "ops/cuda/gemm.h"
+#include "ops/cuda/head_norm_rope.h"
 #include "ops/cuda/hyper_connection.h"
 #include "ops/cuda/indexer_scores.h"
 #include "ops/cuda/moe_combine.h"
@@ -110,7 +111,8 @@ struct Scratch {
 };
 
 struct CompressorDevice {
-  cu::GemmWeight wkv, wgate;
+  // wkv then wgate, stacked [2, coff·d, D]: one strided-batched GEMM computes both projections of the same input.
+  cu::GemmWeight wkv_gate;
   float *ape = nullptr, *norm = nullptr;
 };
 
@@ -359,8 +361,7 @@ DeepseekV4CudaModel::DeepseekV4CudaModel(ModelConfig config, const ModelWeights&
     auto compressor = [&](const CompressorWeights& w) {
       CompressorDevice out;
       if (w.wkv.empty()) return out;
-      out.wkv = m.linear(w.wkv);
-      out.wgate = m.linear(w.wgate);
+      out.wkv_gate = {m.upload_stacked({w.wkv, w.wgate}), m.weight_dtype(), w.wkv.dim(0), w.wkv.dim(1), 0};
       out.ape = m.upload_f32(w.ape);
       out.norm = m.upload_f32(w.norm);
       return out;
@@ -368,7 +369,14 @@ DeepseekV4CudaModel::DeepseekV4CudaModel(ModelConfig config, const ModelWeights&
     d.compressor = compressor(l.compressor);
     d.indexer_compressor = compressor(l.indexer_compressor);
     d.indexer_wq_b = m.linear(l.indexer_wq_b);
-    d.indexer_weights_proj = m.linear(l.indexer_weights_proj);
+    // The head weights' H_I^-1/2 (transformers: weights_proj(x) · n_heads^-0.5) folded into the matrix: exact
+    // when H_I is a power of 4 (V4: 64), otherwise one fp32 rounding of each weight.
+    if (!l.indexer_weights_proj.empty()) {
+      Tensor scaled = l.indexer_weights_proj;
+      const float head_scale = 1.0f / std::sqrt(static_cast<float>(c.index_n_heads));
+      for (float& value : scaled.data) value *= head_scale;
+      d.indexer_weights_proj = m.linear(scaled);
+    }
     d.gate = m.linear(l.gate);
     d.gate_bias = m.upload_f32(l.gate_bias);
     if (!l.tid2eid.empty()) {
@@ -773,17 +781,22 @@ float* DeepseekV4CudaModel::Impl::run(const Step& step, LogitsMode mode) {
   float* sublayer_out = buffer<float>("sublayer_out", N * D);
   float* post = buffer<float>("post", N * hc);
   float* comb = buffer<float>("comb", N * hc * hc);
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  // hc_pre with the sublayer's RMSNorm fused (collapsed ends normalised); returns the next GEMM's operand.
+  auto collapse_and_norm = [&](const float* fn, const float* base, const float* scale, const float* norm_weight,
+                               const char* name) -> const void* {
+    const cu::CollapseNorm fused{norm_weight, eps, bf16 ? buffer<uint16_t>(name, N * D) : nullptr};
+    DSV4_CU(cu::hc_pre(hp, streams, fn, base, scale, collapsed, post, comb, hc_workspace, hc_workspace_bytes, stream,
+                       &fused));
+    return bf16 ? static_cast<const void*>(fused.bf16) : collapsed;
+  };
   for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer) {
     const LayerDevice& l = layers[static_cast<size_t>(layer)];
-    DSV4_CU(cu::hc_pre(hp, streams, l.hc_attn_fn, l.hc_attn_base, l.hc_attn_scale, collapsed, post, comb,
-                       hc_workspace, hc_workspace_bytes, stream));
-    const void* attn_operand = norm_operand(collapsed, N, D, l.attn_norm, "attn_in", stream);
+    const void* attn_operand = collapse_and_norm(l.hc_attn_fn, l.hc_attn_base, l.hc_attn_scale, l.attn_norm, "attn_in");
     attention(layer, step, attn_operand, sublayer_out);
     DSV4_CU(cu::hc_post(hp, sublayer_out, streams, post, comb, next_streams, stream));
     std::swap(streams, next_streams);
-    DSV4_CU(cu::hc_pre(hp, streams, l.hc_ffn_fn, l.hc_ffn_base, l.hc_ffn_scale, collapsed, post, comb, hc_workspace,
-                       hc_workspace_bytes, stream));
-    const void* ffn_operand = norm_operand(collapsed, N, D, l.ffn_norm, "moe_in", stream);
+    const void* ffn_operand = collapse_and_norm(l.hc_ffn_fn, l.hc_ffn_base, l.hc_ffn_scale, l.ffn_norm, "moe_in");
     moe(layer, step, collapsed, ffn_operand, sublayer_out);
     DSV4_CU(cu::hc_post(hp, sublayer_out, streams, post, comb, next_streams, stream));
     std::swap(streams, next_streams);
@@ -800,9 +813,10 @@ float* DeepseekV4CudaModel::Impl::run(const Step& step, LogitsMode mode) {
   float* final_hidden = buffer<float>("final_hidden", R * D);
   cu::HyperConnectionParams head_params = hp;
   head_params.tokens = R;
+  const cu::CollapseNorm final_norm{norm, eps, bf16 ? buffer<uint16_t>("head_in", R * D) : nullptr};
   DSV4_CU(cu::hc_head(head_params, selected, hc_head_fn, hc_head_base, hc_head_scale, final_hidden, hc_workspace,
-                      hc_workspace_bytes, stream));
-  const void* head_operand = norm_operand(final_hidden, R, D, norm, "head_in", stream);
+                      hc_workspace_bytes, stream, &final_norm));
+  const void* head_operand = bf16 ? static_cast<const void*>(final_norm.bf16) : final_hidden;
   float* logits_device = buffer<float>("logits", R * c.vocab_size);
   gemm->linear(head, head_operand, R, logits_device, stream);
   return logits_device;
@@ -819,11 +833,10 @@ void DeepseekV4CudaModel::Impl::compress(int64_t layer, EntryKind kind, const St
   const int64_t ratio = kind == EntryKind::kMain ? c.compress_rate(layer) : c.compress_rate_csa;
   const int64_t width = (csa ? 2 : 1) * head_dim;
   const char* kv_name = kind == EntryKind::kMain ? "compress_kv" : "index_compress_kv";
-  const char* gate_name = kind == EntryKind::kMain ? "compress_gate" : "index_compress_gate";
-  float* kv = buffer<float>(kv_name, N * width);
-  float* gate = buffer<float>(gate_name, N * width);
-  with.linear(w.wkv, x_operand, N, kv, on);
-  with.linear(w.wgate, x_operand, N, gate, on);
+  // kv rows then gate rows: the two projections as a batch of 2 over the same input (x batch stride 0).
+  float* kv = buffer<float>(kv_name, 2 * N * width);
+  float* gate = kv + N * width;
+  with.linear_batched(w.wkv_gate, 2, width * c.hidden_size, x_operand, c.hidden_size, 0, N, kv, width, N * width, on);
   const CacheGroupKind state_kind = kind == EntryKind::kIndex ? CacheGroupKind::kC4IndexState
                                     : csa                     ? CacheGroupKind::kC4MainState
                                                               : CacheGroupKind::kC128State;
@@ -871,8 +884,11 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
   const void* q_residual_operand = norm_operand(q_residual, N, c.q_lora_rank, l.q_norm, "q_residual_in", stream);
   float* q = buffer<float>("q", N * H * d);
   gemm->linear(l.wq_b, q_residual_operand, N, q, stream);
-  DSV4_CU(cu::rms_norm({N * H, d, eps}, q, nullptr, q, stream));
-  DSV4_CU(cu::apply_rope({N, H * d, H, d, rope_dim, rope_scaling, false}, q, step.positions, inv_freq, stream));
+  // The tuned attention kernel reads bf16 q and this step's K=V rows; the norm + RoPE pass writes them.
+  const bool tuned = bf16 && H % 64 == 0 && d == kKvHeadDim && rope_dim == kKvRopeDim;
+  uint16_t* q_bf16 = tuned ? buffer<uint16_t>("q_bf16", N * H * d) : nullptr;
+  DSV4_CU(cu::head_norm_rope({N, H, d, rope_dim, true, eps, rope_scaling}, q, nullptr, step.positions, inv_freq,
+                             q_bf16, stream));
 
   // Indexer (CSA): its compressor, q_I, weights, scores and top-k on the index stream.
   const bool csa = type == AttentionType::kCompressedSparse;
@@ -891,12 +907,14 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
     const int64_t IH = c.index_n_heads, ID = c.index_head_dim;
     float* index_q = buffer<float>("index_q", N * IH * ID);
     ig.linear(l.indexer_wq_b, q_residual_operand, N, index_q, is);
+    const PagedGroupView keys = view(step, CacheGroupKind::kC4Index, layer);
+    const bool tuned_scores = bf16 && IH == 64 && ID == 128 && keys.entries_per_block % 32 == 0;
+    uint16_t* index_q_bf16 = tuned_scores ? buffer<uint16_t>("index_q_bf16", N * IH * ID) : nullptr;
     const int64_t index_rope = static_cast<int64_t>(c.inv_freq(RopeKind::kCompress).size()) * 2;
-    DSV4_CU(cu::apply_rope({N, IH * ID, IH, ID, index_rope, scaling_compress, false}, index_q, step.positions,
-                           inv_freq_compress, is));
+    DSV4_CU(cu::head_norm_rope({N, IH, ID, index_rope, false, eps, scaling_compress}, index_q, nullptr,
+                               step.positions, inv_freq_compress, index_q_bf16, is));
     float* index_weights = buffer<float>("index_weights", N * IH);
-    ig.linear(l.indexer_weights_proj, x_operand, N, index_weights, is);
-    DSV4_CU(cu::scale_inplace(index_weights, 1.0f / std::sqrt(static_cast<float>(IH)), N * IH, is));
+    ig.linear(l.indexer_weights_proj, x_operand, N, index_weights, is);  // H_I^-1/2 is in the weights
     const int64_t max_entries = (step.max_position + 1) / c.compress_rate_csa;
     topk_indices = buffer<int32_t>("topk_indices", N * topk);
     topk_lengths = buffer<int32_t>("topk_lengths", N);
@@ -905,10 +923,7 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
     } else {
       float* scores = buffer<float>("index_scores", N * max_entries);
       const float softmax_scale = 1.0f / std::sqrt(static_cast<float>(ID));
-      const PagedGroupView keys = view(step, CacheGroupKind::kC4Index, layer);
-      if (bf16 && IH == 64 && ID == 128 && keys.entries_per_block % 32 == 0) {
-        uint16_t* q_bf16 = buffer<uint16_t>("index_q_bf16", N * IH * ID);
-        DSV4_CU(cu::f32_to_bf16(index_q, q_bf16, N * IH * ID, is));
+      if (tuned_scores) {
         ops::IndexerScoresParams ip;
         ip.num_tokens = N;
         ip.heads = IH;
@@ -924,7 +939,7 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
         ip.request_entries = step.csa_row_entries;
         ip.token_request = step.token_row;
         ip.token_position = step.positions;
-        ip.q = q_bf16;
+        ip.q = index_q_bf16;
         ip.weights = index_weights;
         ip.scores = scores;
         DSV4_CU(cu::indexer_scores(ip, is));
@@ -966,20 +981,16 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
   // The shared K=V vector of each token.
   float* kv = buffer<float>("kv", N * d);
   gemm->linear(l.wkv, x_operand, N, kv, stream);
-  DSV4_CU(cu::rms_norm({N, d, eps}, kv, l.kv_norm, kv, stream));
-  DSV4_CU(cu::apply_rope({N, d, 1, d, rope_dim, rope_scaling, false}, kv, step.positions, inv_freq, stream));
+  uint16_t* kv_bf16 = tuned ? buffer<uint16_t>("kv_bf16", N * d) : nullptr;
+  DSV4_CU(cu::head_norm_rope({N, 1, d, rope_dim, true, eps, rope_scaling}, kv, l.kv_norm, step.positions, inv_freq,
+                             kv_bf16, stream));
   // Compressed entries first: a query sees the entries its own chunk completes.
   if (type != AttentionType::kSlidingWindow) compress(layer, EntryKind::kMain, step, x_operand, stream, *gemm);
   if (csa && options.indexer_stream) DSV4_CU(cudaStreamWaitEvent(stream, index_join));
 
   const int64_t G = c.o_groups, group_width = H * d / G, o_lora = c.o_lora_rank;
-  const bool tuned = bf16 && H % 64 == 0 && d == kKvHeadDim && rope_dim == kKvRopeDim;
   const void* attended_operand = nullptr;
   if (tuned) {
-    uint16_t* q_bf16 = buffer<uint16_t>("q_bf16", N * H * d);
-    DSV4_CU(cu::f32_to_bf16(q, q_bf16, N * H * d, stream));
-    uint16_t* kv_bf16 = buffer<uint16_t>("kv_bf16", N * d);
-    DSV4_CU(cu::f32_to_bf16(kv, kv_bf16, N * d, stream));
     ops::SparseAttentionParams ap;
     ap.tokens = N;
     ap.heads = H;
@@ -1070,15 +1081,17 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
   DSV4_CU(cu::write_window(wp, stream));
 
   // Grouped output projection: group g's heads → o_lora_rank through rows [g·o_lora, (g+1)·o_lora) of wo_a.
-  float* grouped = buffer<float>("grouped", N * G * o_lora);
   // One strided-batched GEMM: group g reads columns [g·gw, (g+1)·gw) of the attended rows and rows
-  // [g·o_lora, (g+1)·o_lora) of wo_a, and writes columns [g·o_lora, (g+1)·o_lora) of `grouped`.
+  // [g·o_lora, (g+1)·o_lora) of wo_a, and writes columns [g·o_lora, (g+1)·o_lora) of `grouped` — in bf16 mode
+  // straight as wo_b's bf16 operand.
   cu::GemmWeight wg = l.wo_a;
   wg.out = o_lora;
   wg.in = group_width;
+  void* grouped = bf16 ? static_cast<void*>(buffer<uint16_t>("grouped_in", N * G * o_lora))
+                       : static_cast<void*>(buffer<float>("grouped", N * G * o_lora));
   gemm->linear_batched(wg, G, o_lora * group_width, attended_operand, H * d, group_width, N, grouped, G * o_lora, o_lora,
-                       stream);
-  gemm->linear(l.wo_b, operand(grouped, N * G * o_lora, "grouped_in", stream), N, out, stream);
+                       stream, weight_dtype());
+  gemm->linear(l.wo_b, grouped, N, out, stream);
 }
 
 void DeepseekV4CudaModel::Impl::moe_host_grouped(int64_t layer, const Step& step, const void* x_operand,

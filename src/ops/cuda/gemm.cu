@@ -47,8 +47,10 @@ Gemm::~Gemm() {
 // Row-major y = x·Wᵀ is column-major yᵀ [out, rows] = W [in, out]ᵀ · xᵀ [in, rows]: A = W transposed, B = x.
 const Gemm::Plan& Gemm::plan(const Key& key) {
   if (const auto it = plans_.find(key); it != plans_.end()) return *it->second;
-  const auto [dtype, out, in, rows, w_stride, x_stride, y_stride, accumulate, batch, w_batch, x_batch, y_batch] = key;
+  const auto [dtype, out, in, rows, w_stride, x_stride, y_stride, accumulate, batch, w_batch, x_batch, y_batch,
+              y_dtype] = key;
   const cudaDataType_t operand = dtype == static_cast<int>(GemmDtype::kBf16) ? CUDA_R_16BF : CUDA_R_32F;
+  const cudaDataType_t output = y_dtype == static_cast<int>(GemmDtype::kBf16) ? CUDA_R_16BF : CUDA_R_32F;
   auto plan = std::make_unique<Plan>();
   check(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "matmul desc");
   const cublasOperation_t transpose = CUBLAS_OP_T, none = CUBLAS_OP_N;
@@ -58,7 +60,7 @@ const Gemm::Plan& Gemm::plan(const Key& key) {
         "layout W");
   check(cublasLtMatrixLayoutCreate(&plan->b, operand, static_cast<uint64_t>(in), static_cast<uint64_t>(rows), x_stride),
         "layout x");
-  check(cublasLtMatrixLayoutCreate(&plan->c, CUDA_R_32F, static_cast<uint64_t>(out), static_cast<uint64_t>(rows),
+  check(cublasLtMatrixLayoutCreate(&plan->c, output, static_cast<uint64_t>(out), static_cast<uint64_t>(rows),
                                    y_stride),
         "layout y");
   if (batch > 1) {
@@ -98,7 +100,7 @@ void Gemm::linear(const GemmWeight& w, const void* x, int64_t rows, float* y, cu
   if (rows == 0 || w.out == 0) return;
   const int64_t w_stride = w.row_stride ? w.row_stride : w.in;
   const Key key{static_cast<int>(w.dtype), w.out, w.in, rows, w_stride, x_stride ? x_stride : w.in,
-                y_stride ? y_stride : w.out, beta != 0.0f, 1, 0, 0, 0};
+                y_stride ? y_stride : w.out, beta != 0.0f, 1, 0, 0, 0, static_cast<int>(GemmDtype::kF32)};
   const Plan& p = plan(key);
   const float alpha = 1.0f;
   check(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), p.op, &alpha, w.data, p.a, x, p.b, &beta, y, p.c, y,
@@ -107,12 +109,13 @@ void Gemm::linear(const GemmWeight& w, const void* x, int64_t rows, float* y, cu
 }
 
 void Gemm::linear_batched(const GemmWeight& w, int64_t batch, int64_t w_batch_stride, const void* x,
-                          int64_t x_stride, int64_t x_batch_stride, int64_t rows, float* y, int64_t y_stride,
-                          int64_t y_batch_stride, cudaStream_t stream) {
+                          int64_t x_stride, int64_t x_batch_stride, int64_t rows, void* y, int64_t y_stride,
+                          int64_t y_batch_stride, cudaStream_t stream, GemmDtype y_dtype) {
   if (rows == 0 || w.out == 0 || batch == 0) return;
   const int64_t w_stride = w.row_stride ? w.row_stride : w.in;
   const Key key{static_cast<int>(w.dtype), w.out, w.in, rows, w_stride, x_stride ? x_stride : w.in,
-                y_stride ? y_stride : w.out, false, batch, w_batch_stride, x_batch_stride, y_batch_stride};
+                y_stride ? y_stride : w.out, false, batch, w_batch_stride, x_batch_stride, y_batch_stride,
+                static_cast<int>(y_dtype)};
   const Plan& p = plan(key);
   const float alpha = 1.0f, beta = 0.0f;
   check(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), p.op, &alpha, w.data, p.a, x, p.b, &beta, y, p.c, y,

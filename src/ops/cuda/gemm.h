@@ -36,16 +36,18 @@ class Gemm {
               int64_t x_stride = 0, int64_t y_stride = 0);
 
   // `batch` independent products in one launch (strided batched): product b uses W + b·w_batch_stride,
-  // x + b·x_batch_stride and y + b·y_batch_stride (elements); the grouped output projection's G groups.
+  // x + b·x_batch_stride and y + b·y_batch_stride (elements); the grouped output projection's G groups, and two
+  // weights over one input (x_batch_stride 0). `y_dtype` kBf16 stores y rounded to bf16 (round to nearest even
+  // from the fp32 accumulator, what f32_to_bf16 of the fp32 result gives): the next GEMM's operand directly.
   void linear_batched(const GemmWeight& w, int64_t batch, int64_t w_batch_stride, const void* x, int64_t x_stride,
-                      int64_t x_batch_stride, int64_t rows, float* y, int64_t y_stride, int64_t y_batch_stride,
-                      cudaStream_t stream);
+                      int64_t x_batch_stride, int64_t rows, void* y, int64_t y_stride, int64_t y_batch_stride,
+                      cudaStream_t stream, GemmDtype y_dtype = GemmDtype::kF32);
 
  private:
   struct Plan;
-  // dtype, out, in, rows, strides of W / x / y, accumulate, batch, batch strides of W / x / y.
+  // dtype, out, in, rows, strides of W / x / y, accumulate, batch, batch strides of W / x / y, output dtype.
   using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, int64_t, int64_t, int64_t,
-                         int64_t>;
+                         int64_t, int>;
   const Plan& plan(const Key& key);
 
   void* handle_ = nullptr;  // cublasLtHandle_t

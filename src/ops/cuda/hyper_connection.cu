@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "ops/cuda/bf16.cuh"
+
 namespace dsv4::ops::cuda {
 namespace {
 
@@ -111,25 +113,33 @@ __global__ void __launch_bounds__(kThreads) mix_partial_kernel(const float* __re
   }
 }
 
-// One CTA per token: the mixes from the splits, pre (and for hc_pre post and the Sinkhorn comb), the collapse.
-template <int HC, bool kHead, int VEC>
+// One CTA per token: the mixes from the splits, pre (and for hc_pre post and the Sinkhorn comb), the collapse,
+// and, when `norm_weight_or_flag` is set (kNorm), the sublayer's RMSNorm of the collapsed row with its bf16 copy.
+template <int HC, bool kHead, int VEC, bool kNorm>
 __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restrict__ partial, int splits,
                                                           const float* __restrict__ streams,
                                                           const float* __restrict__ base,
                                                           const float* __restrict__ scale, int64_t D, float hc_eps,
                                                           float norm_eps, int iters, float* __restrict__ collapsed,
-                                                          float* __restrict__ post, float* __restrict__ comb) {
+                                                          float* __restrict__ post, float* __restrict__ comb,
+                                                          CollapseNorm norm) {
   using V = typename VecOf<VEC>::T;
   constexpr int NOUT = kHead ? HC : (2 + HC) * HC, NV = NOUT + 1;
   static_assert(NV <= 32 && HC * HC <= 32, "one warp holds the mixes and comb");
   __shared__ float mix[NOUT];
   __shared__ float pre[HC];
+  // The splits' partial sums, staged by the whole CTA first: read one by one by a lane they were ~splits
+  // dependent L2 round trips, the largest part of this kernel at decode (16 splits for one token).
+  __shared__ float staged[kMaxSplits * NV];
+  __shared__ float norm_sums[kWarps];
   const int64_t t = blockIdx.x;
+  for (int i = threadIdx.x; i < splits * NV; i += kThreads) staged[i] = partial[t * splits * NV + i];
+  __syncthreads();
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
     float s = 0.0f;
     if (lane < NV)
-      for (int split = 0; split < splits; ++split) s += partial[(t * splits + split) * NV + lane];
+      for (int split = 0; split < splits; ++split) s += staged[split * NV + lane];  // the same order as before
     const float sumsq = __shfl_sync(kFull, s, NOUT);
     // The CPU's rms_norm scale: 1 / sqrt(mean(h²) + eps); the mix is rms(h)·fnᵀ = scale · Σ h·fn.
     const float rms = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sumsq, static_cast<float>(HC * D)), norm_eps)));
@@ -180,11 +190,36 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
   const float* h = streams + t * HC * D;
   float* x = collapsed + t * D;
   const int64_t n = D / VEC;
+  float sum_squares = 0.0f;
   for (int64_t c = threadIdx.x; c < n; c += kThreads) {
     V sum = zero_vec(V{});
 #pragma unroll
     for (int s = 0; s < HC; ++s) sum = axpy_rn(sum, w[s], load<VEC>(h + s * D, c));
     store<VEC>(x, c, sum);
+    if constexpr (kNorm) sum_squares = fma_dot(sum, sum, sum_squares);
+  }
+  if constexpr (kNorm) {
+    // ops/cpu/norm.h: y = weight ⊙ x · rsqrt(mean(x²) + eps), as ops/cuda/rms_norm.h computes it. Each thread
+    // reads back only the columns it wrote.
+    for (int offset = 16; offset > 0; offset /= 2) sum_squares += __shfl_xor_sync(kFull, sum_squares, offset);
+    if (threadIdx.x % 32 == 0) norm_sums[threadIdx.x / 32] = sum_squares;
+    __syncthreads();
+    float total = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kWarps; ++i) total += norm_sums[i];
+    const float rms = rsqrtf(total / static_cast<float>(D) + norm.eps);
+    for (int64_t c = threadIdx.x; c < n; c += kThreads) {
+      const V value = load<VEC>(x, c);
+      const float* in = reinterpret_cast<const float*>(&value);
+      float out[VEC];
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        const int64_t column = c * VEC + i;
+        out[i] = (norm.weight ? norm.weight[column] : 1.0f) * (in[i] * rms);
+        if (norm.bf16) norm.bf16[t * D + column] = f32_to_bf16_bits(out[i]);
+      }
+      store<VEC>(x, c, *reinterpret_cast<const V*>(out));
+    }
   }
 }
 
@@ -239,7 +274,7 @@ bool valid_params(const HyperConnectionParams& p) {
 template <int HC, bool kHead>
 cudaError_t launch_mix(const HyperConnectionParams& p, const float* streams, const float* fn, const float* base,
                        const float* scale, float* collapsed, float* post, float* comb, void* workspace,
-                       size_t workspace_bytes, cudaStream_t stream) {
+                       size_t workspace_bytes, const CollapseNorm* norm, cudaStream_t stream) {
   constexpr int NOUT = kHead ? HC : (2 + HC) * HC;
   const int64_t width = HC * p.hidden;
   const bool vec4 = p.hidden % 4 == 0 && aligned16(streams) && aligned16(fn) && aligned16(collapsed);
@@ -253,14 +288,17 @@ cudaError_t launch_mix(const HyperConnectionParams& p, const float* streams, con
                       static_cast<unsigned>(splits));
   const auto tokens = static_cast<unsigned>(p.tokens);
   const auto iters = static_cast<int>(p.sinkhorn_iters);
+  const CollapseNorm fused = norm ? *norm : CollapseNorm{};
+  auto finish = [&](auto kernel) {
+    kernel<<<tokens, kThreads, 0, stream>>>(partial, splits, streams, base, scale, p.hidden, p.hc_eps, p.norm_eps,
+                                            iters, collapsed, post, comb, fused);
+  };
   if (vec4) {
     mix_partial_kernel<NOUT, 4><<<mix_grid, kThreads, 0, stream>>>(streams, fn, p.tokens, width, chunk, splits, partial);
-    finish_kernel<HC, kHead, 4><<<tokens, kThreads, 0, stream>>>(partial, splits, streams, base, scale, p.hidden,
-                                                                  p.hc_eps, p.norm_eps, iters, collapsed, post, comb);
+    norm ? finish(finish_kernel<HC, kHead, 4, true>) : finish(finish_kernel<HC, kHead, 4, false>);
   } else {
     mix_partial_kernel<NOUT, 1><<<mix_grid, kThreads, 0, stream>>>(streams, fn, p.tokens, width, chunk, splits, partial);
-    finish_kernel<HC, kHead, 1><<<tokens, kThreads, 0, stream>>>(partial, splits, streams, base, scale, p.hidden,
-                                                                  p.hc_eps, p.norm_eps, iters, collapsed, post, comb);
+    norm ? finish(finish_kernel<HC, kHead, 1, true>) : finish(finish_kernel<HC, kHead, 1, false>);
   }
   return cudaGetLastError();
 }
@@ -268,13 +306,14 @@ cudaError_t launch_mix(const HyperConnectionParams& p, const float* streams, con
 template <bool kHead>
 cudaError_t dispatch_mix(const HyperConnectionParams& p, const float* streams, const float* fn, const float* base,
                          const float* scale, float* collapsed, float* post, float* comb, void* workspace,
-                         size_t workspace_bytes, cudaStream_t stream) {
+                         size_t workspace_bytes, const CollapseNorm* norm, cudaStream_t stream) {
   if (!valid_params(p)) return cudaErrorInvalidValue;
   if (p.tokens == 0) return cudaSuccess;
+  if (norm && norm->bf16 && reinterpret_cast<uintptr_t>(norm->bf16) % 2 != 0) return cudaErrorInvalidValue;
   switch (p.hc) {
-    case 1: return launch_mix<1, kHead>(p, streams, fn, base, scale, collapsed, post, comb, workspace, workspace_bytes, stream);
-    case 2: return launch_mix<2, kHead>(p, streams, fn, base, scale, collapsed, post, comb, workspace, workspace_bytes, stream);
-    case 4: return launch_mix<4, kHead>(p, streams, fn, base, scale, collapsed, post, comb, workspace, workspace_bytes, stream);
+    case 1: return launch_mix<1, kHead>(p, streams, fn, base, scale, collapsed, post, comb, workspace, workspace_bytes, norm, stream);
+    case 2: return launch_mix<2, kHead>(p, streams, fn, base, scale, collapsed, post, comb, workspace, workspace_bytes, norm, stream);
+    case 4: return launch_mix<4, kHead>(p, streams, fn, base, scale, collapsed, post, comb, workspace, workspace_bytes, norm, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -305,13 +344,16 @@ size_t hc_workspace_bytes(int64_t max_tokens, int64_t hc) {
 
 cudaError_t hc_pre(const HyperConnectionParams& p, const float* streams, const float* fn, const float* base,
                    const float* scale, float* collapsed, float* post, float* comb, void* workspace,
-                   size_t workspace_bytes, cudaStream_t stream) {
-  return dispatch_mix<false>(p, streams, fn, base, scale, collapsed, post, comb, workspace, workspace_bytes, stream);
+                   size_t workspace_bytes, cudaStream_t stream, const CollapseNorm* norm) {
+  return dispatch_mix<false>(p, streams, fn, base, scale, collapsed, post, comb, workspace, workspace_bytes, norm,
+                             stream);
 }
 
 cudaError_t hc_head(const HyperConnectionParams& p, const float* streams, const float* fn, const float* base,
-                    const float* scale, float* out, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  return dispatch_mix<true>(p, streams, fn, base, scale, out, nullptr, nullptr, workspace, workspace_bytes, stream);
+                    const float* scale, float* out, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                    const CollapseNorm* norm) {
+  return dispatch_mix<true>(p, streams, fn, base, scale, out, nullptr, nullptr, workspace, workspace_bytes, norm,
+                            stream);
 }
 
 cudaError_t hc_post(const HyperConnectionParams& p, const float* y, const float* streams, const float* post,

@@ -5,7 +5,7 @@
 // accumulates Σ h·fn[o] for every mix output o and Σ h² over its slice of the flattened streams, reduced in a
 // fixed order into `workspace`; (2) one CTA per token sums the splits in order, applies the RMS scale
 // (mix = rsqrt(mean h² + norm_eps) · Σ h·fn), then pre / post / Sinkhorn comb (one warp, the CPU's sequential
-// sums) and the collapse Σ_s pre[s]·h[s]. Deterministic: the same inputs give bit-identical outputs.
+// sums) and the collapse Σ_s pre[s]·h[s] (optionally followed by the sublayer's RMSNorm). Deterministic: the same inputs give bit-identical outputs.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -23,15 +23,26 @@ struct HyperConnectionParams {
   float norm_eps = 1e-6f;      // the unweighted RMSNorm over the flattened streams
 };
 
+// The RMSNorm that follows every collapse in the model (attn_norm / ffn_norm after hc_pre, the final norm after
+// hc_head), fused into the collapse's CTA: collapsed = weight ⊙ c · rsqrt(mean(c²) + eps) of the collapsed row c
+// (ops/cpu/norm.h rms_norm, weight nullptr = unweighted), and, when `bf16` is set, its bf16 copy [tokens, D] (round
+// to nearest even), the next GEMM's operand.
+struct CollapseNorm {
+  const float* weight = nullptr;
+  float eps = 1e-6f;
+  uint16_t* bf16 = nullptr;
+};
+
 // Workspace bytes that hc_pre and hc_head need for any tokens <= max_tokens at this hc.
 size_t hc_workspace_bytes(int64_t max_tokens, int64_t hc);
 
 // streams [tokens, hc, D] -> collapsed [tokens, D] = Σ_s pre[s]·h[s]; post [tokens, hc]; comb [tokens, hc, hc]
 // (row j, column k: the weight of input stream j in output stream k). fn fp32 [(2+hc)·hc, hc·D], base
 // [(2+hc)·hc], scale [3], all device pointers. collapsed may not alias streams.
+// `norm` (optional): the fused RMSNorm above, applied to `collapsed`.
 cudaError_t hc_pre(const HyperConnectionParams& p, const float* streams, const float* fn, const float* base,
                    const float* scale, float* collapsed, float* post, float* comb, void* workspace,
-                   size_t workspace_bytes, cudaStream_t stream);
+                   size_t workspace_bytes, cudaStream_t stream, const CollapseNorm* norm = nullptr);
 
 // out[t, k] = post[t, k]·y[t] + Σ_j comb[t, j, k]·streams[t, j]; y [tokens, D], out [tokens, hc, D]
 // (out may not alias streams). One launch, float4 when D % 4 == 0.
@@ -41,6 +52,7 @@ cudaError_t hc_post(const HyperConnectionParams& p, const float* y, const float*
 // Final collapse: out[t] = Σ_s (σ(mix[s]·scale[0] + base[s]) + hc_eps)·h[t, s], mix = rms(h)·fnᵀ.
 // fn [hc, hc·D], base [hc], scale [1]; out [tokens, D].
 cudaError_t hc_head(const HyperConnectionParams& p, const float* streams, const float* fn, const float* base,
-                    const float* scale, float* out, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+                    const float* scale, float* out, void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                    const CollapseNorm* norm = nullptr);
 
 }  // namespace dsv4::ops::cuda

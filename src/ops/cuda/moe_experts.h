@@ -34,7 +34,7 @@ enum class MoeWeightDtype { kBf16, kFp32 };
 
 struct MoeExpertsParams {
   int64_t tokens = 0;        // rows of x and out
-  int64_t top_k = 0;         // routed experts per token
+  int64_t top_k = 0;         // routed experts per token, 1..16
   int64_t experts = 0;       // E routed experts (1 ≤ E ≤ 1023)
   int64_t hidden = 0;        // D (multiple of 8)
   int64_t intermediate = 0;  // I (multiple of 8)

@@ -1,13 +1,16 @@
 // The CUDA mHC ops against their CPU twins (ops/cpu/hyper_connection.h hc_pre / hc_post / hc_head) on random
 // inputs: V4-Flash (hc 4, D 4096) and V4-Pro (D 7168) shapes from one token (decode: many K splits) to 1,100
-// (prefill: one split), the tiny preset's D 256, and hc 1 / 2 with widths that take the scalar path.
+// (prefill: one split), the tiny preset's D 256, and hc 1 / 2 with widths that take the scalar path; hc_pre and
+// hc_head with the following RMSNorm fused (against the CPU's hc_pre / hc_head then rms_norm).
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <random>
 #include <vector>
 
+#include "core/dtype.h"
 #include "ops/cpu/hyper_connection.h"
+#include "ops/cpu/norm.h"
 #include "ops/cuda/hyper_connection.h"
 #include "small_ops_util.h"
 
@@ -157,6 +160,62 @@ void check_head(const Shape& s) {
 TEST_F(CudaHyperConnection, HeadMatchesCpuTwin) {
   for (const Shape& s : {Shape{1, 4, 4096}, Shape{6, 4, 4096}, Shape{2, 4, 7168}, Shape{3, 4, 256}, Shape{3, 2, 6}})
     check_head(s);
+}
+
+// hc_pre (or hc_head) with the sublayer's RMSNorm fused: collapsed = rms_norm(collapse) and its bf16 copy is that
+// fp32 result rounded; post and comb are the unfused kernel's, bitwise.
+void check_fused_norm(const Shape& s, bool head, bool weighted) {
+  SCOPED_TRACE(::testing::Message() << s.tokens << " tokens, hc " << s.hc << ", D " << s.hidden
+                                    << (head ? " head" : " pre") << (weighted ? " weighted" : ""));
+  const int64_t mix = head ? s.hc : (2 + s.hc) * s.hc;
+  const Inputs in = random_inputs(s, mix, head ? 1 : 3, static_cast<uint32_t>(s.tokens * 13 + s.hidden + head));
+  std::vector<float> weight(static_cast<size_t>(s.hidden));
+  std::mt19937 rng(static_cast<uint32_t>(s.hidden));
+  std::normal_distribution<float> normal(1.0f, 0.1f);
+  for (auto& v : weight) v = normal(rng);
+  const cpu::HyperConnectionParams cp{s.hc, s.hidden, 20, 1e-6f, 1e-6f};
+  std::vector<float> expected(static_cast<size_t>(s.tokens * s.hidden)), post(static_cast<size_t>(s.tokens * s.hc)),
+      comb(static_cast<size_t>(s.tokens * s.hc * s.hc));
+  if (head)
+    cpu::hc_head(cp, in.streams.data(), s.tokens, in.fn.data(), in.base.data(), in.scale.data(), expected.data());
+  else
+    cpu::hc_pre(cp, in.streams.data(), s.tokens, in.fn.data(), in.base.data(), in.scale.data(), expected.data(),
+                post.data(), comb.data());
+  cpu::rms_norm(expected.data(), s.tokens, s.hidden, s.hidden, weighted ? weight.data() : nullptr, 1e-6f,
+                expected.data());
+
+  const HyperConnectionParams p{s.tokens, s.hc, s.hidden, 20, 1e-6f, 1e-6f};
+  DeviceArray<float> d_streams(in.streams), d_fn(in.fn), d_base(in.base), d_scale(in.scale), d_weight(weight);
+  DeviceArray<float> d_out(expected.size()), d_post(post.size()), d_comb(comb.size());
+  DeviceArray<uint16_t> d_bf16(expected.size());
+  const size_t bytes = hc_workspace_bytes(s.tokens, s.hc);
+  DeviceArray<uint8_t> workspace(bytes);
+  const CollapseNorm norm{weighted ? d_weight.get() : nullptr, 1e-6f, d_bf16.get()};
+  if (head)
+    ASSERT_EQ(hc_head(p, d_streams.get(), d_fn.get(), d_base.get(), d_scale.get(), d_out.get(), workspace.get(), bytes,
+                      nullptr, &norm),
+              cudaSuccess);
+  else
+    ASSERT_EQ(hc_pre(p, d_streams.get(), d_fn.get(), d_base.get(), d_scale.get(), d_out.get(), d_post.get(),
+                     d_comb.get(), workspace.get(), bytes, nullptr, &norm),
+              cudaSuccess);
+  const std::vector<float> actual = d_out.download();
+  const std::vector<uint16_t> actual_bf16 = d_bf16.download();
+  EXPECT_LE(rel_l2(actual, expected), 1e-5);
+  for (size_t i = 0; i < actual.size(); ++i)
+    ASSERT_EQ(actual_bf16[i], f32_to_bf16(actual[i])) << "bf16 copy " << i << " is not the rounded fp32 result";
+  if (!head) {
+    const PreOut unfused = run_pre(p, in);
+    EXPECT_TRUE(bitwise_equal(d_post.download(), unfused.post) && bitwise_equal(d_comb.download(), unfused.comb))
+        << "the fused norm changed post / comb";
+  }
+}
+
+TEST_F(CudaHyperConnection, FusedNormMatchesCpuTwin) {
+  for (const bool head : {false, true})
+    for (const bool weighted : {false, true})
+      for (const Shape& s : {Shape{1, 4, 4096}, Shape{37, 4, 4096}, Shape{3, 4, 256}, Shape{4, 2, 10}})
+        check_fused_norm(s, head, weighted);
 }
 
 TEST_F(CudaHyperConnection, WorkspaceBoundHoldsForEveryBatchAndIsChecked) {

@@ -1,0 +1,88 @@
+#include "ops/cuda/head_norm_rope.h"
+
+#include "ops/cuda/bf16.cuh"
+
+namespace dsv4::ops::cuda {
+namespace {
+
+constexpr int kThreads = 128;
+
+// Block (row, head): pass 1 sums the squares (warp shuffles, then the warp sums), pass 2 normalises each channel
+// pair, rotates it when it lies in the rope slice, and stores fp32 and bf16. Thread t owns pairs t, t + 128, …,
+// so the two channels a rotation mixes are in one thread and no shared staging of the values is needed.
+__global__ void head_norm_rope_kernel(float* x, const float* __restrict__ norm_weight,
+                                      const int32_t* __restrict__ positions, const float* __restrict__ inv_freq,
+                                      uint16_t* x_bf16, int heads, int head_dim, int rope_pairs, bool normalize,
+                                      float eps, float attention_scaling) {
+  extern __shared__ float table[];  // cos [rope_pairs], then sin [rope_pairs]
+  __shared__ float warp_sums[kThreads / 32];
+  const int64_t head_index = blockIdx.x;  // row · heads + head
+  const int64_t row = head_index / heads;
+  float2* values = reinterpret_cast<float2*>(x + head_index * head_dim);
+  const int pairs = head_dim / 2, first_rope_pair = pairs - rope_pairs;
+
+  const float position = static_cast<float>(positions[row]);
+  for (int i = threadIdx.x; i < rope_pairs; i += kThreads) {
+    const float angle = __fmul_rn(inv_freq[i], position);  // fp32 product, as torch's inv_freq @ position_ids
+    float s, c;
+    sincosf(angle, &s, &c);
+    table[i] = __fmul_rn(c, attention_scaling);
+    table[rope_pairs + i] = __fmul_rn(s, attention_scaling);
+  }
+  float scale = 1.0f;
+  if (normalize) {
+    float sum = 0.0f;
+    for (int j = threadIdx.x; j < pairs; j += kThreads) {
+      const float2 v = values[j];
+      sum += v.x * v.x + v.y * v.y;
+    }
+    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = sum;
+    __syncthreads();
+    float total = 0.0f;
+    for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w];
+    scale = rsqrtf(total / static_cast<float>(head_dim) + eps);
+  } else {
+    __syncthreads();  // the rope table
+  }
+  uint32_t* out_bf16 = x_bf16 ? reinterpret_cast<uint32_t*>(x_bf16 + head_index * head_dim) : nullptr;
+  for (int j = threadIdx.x; j < pairs; j += kThreads) {
+    float2 v = values[j];
+    if (normalize) {
+      const float w0 = norm_weight ? norm_weight[2 * j] : 1.0f, w1 = norm_weight ? norm_weight[2 * j + 1] : 1.0f;
+      v.x = w0 * (v.x * scale);
+      v.y = w1 * (v.y * scale);
+    }
+    if (j >= first_rope_pair) {
+      const int i = j - first_rope_pair;
+      const float c = table[i], s = table[rope_pairs + i];
+      const float a = v.x, b = v.y;
+      v.x = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+      v.y = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+    }
+    values[j] = v;
+    if (out_bf16)
+      out_bf16[j] = static_cast<uint32_t>(f32_to_bf16_bits(v.x)) | (static_cast<uint32_t>(f32_to_bf16_bits(v.y)) << 16);
+  }
+}
+
+}  // namespace
+
+cudaError_t head_norm_rope(const HeadNormRopeParams& p, float* x, const float* norm_weight, const int32_t* positions,
+                           const float* inv_freq, uint16_t* x_bf16, cudaStream_t stream) {
+  if (p.rows < 0 || p.heads < 1 || p.head_dim < 2 || p.head_dim % 2 != 0 || p.rope_dim < 0 || p.rope_dim % 2 != 0 ||
+      p.rope_dim > p.head_dim || p.head_dim > 0x7fffffff || p.rows * p.heads > 0x7fffffff)
+    return cudaErrorInvalidValue;
+  if (p.rows == 0) return cudaSuccess;
+  // float2 / packed-bf16 accesses: every head starts on an 8-byte (fp32) and 4-byte (bf16) boundary.
+  if (reinterpret_cast<uintptr_t>(x) % 8 != 0 || reinterpret_cast<uintptr_t>(x_bf16) % 4 != 0)
+    return cudaErrorInvalidValue;
+  const int rope_pairs = static_cast<int>(p.rope_dim / 2);
+  const size_t shared = 2 * static_cast<size_t>(rope_pairs) * sizeof(float);
+  head_norm_rope_kernel<<<static_cast<unsigned>(p.rows * p.heads), kThreads, shared, stream>>>(
+      x, norm_weight, positions, inv_freq, x_bf16, static_cast<int>(p.heads), static_cast<int>(p.head_dim),
+      rope_pairs, p.normalize, p.eps, p.attention_scaling);
+  return cudaGetLastError();
+}
+
+}  // namespace dsv4::ops::cuda
