@@ -37,6 +37,7 @@
 #include <algorithm>
 
 #include "cache/kv_entry_format.h"
+#include "ops/cuda/launch.cuh"
 
 namespace dsv4::ops::cuda {
 namespace {
@@ -424,6 +425,8 @@ __device__ void write_previous_slots(const Kernel& k, const Plan& q, float* kvs,
 
 template <bool kCached>
 __global__ void __launch_bounds__(kThreads) compressor_step_kernel(const Kernel k) {
+  wait_for_prior_grid();
+  allow_dependents();
   extern __shared__ int prefix[];  // [num_requests + 1]: first task of each request
   __shared__ double redd[kWarps];
   __shared__ float redf[kWarps];
@@ -544,9 +547,9 @@ cudaError_t compressor_step(const CompressorStepParams& p, cudaStream_t stream) 
   const size_t shared = (static_cast<size_t>(p.num_requests) + 1) * sizeof(int);
   const int blocks = grid_blocks(k);
   if (p.state_slots() <= kMaxCachedSlots) {
-    compressor_step_kernel<true><<<blocks, kThreads, shared, stream>>>(k);
+    launch_dependent(compressor_step_kernel<true>, blocks, kThreads, shared, stream, k);
   } else {
-    compressor_step_kernel<false><<<blocks, kThreads, shared, stream>>>(k);
+    launch_dependent(compressor_step_kernel<false>, blocks, kThreads, shared, stream, k);
   }
   return cudaGetLastError();
 }

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "ops/cuda/bf16.cuh"
+#include "ops/cuda/launch.cuh"
 
 namespace dsv4::ops::cuda {
 namespace {
@@ -17,22 +18,32 @@ unsigned blocks_for(int64_t n) {
 }
 
 __global__ void f32_to_bf16_kernel(const float* __restrict__ in, uint16_t* __restrict__ out, int64_t n) {
+  wait_for_prior_grid();
+  allow_dependents();
   for (int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x; i < n; i += int64_t{gridDim.x} * kThreads)
     out[i] = to_bf16(in[i]);
 }
 __global__ void bf16_to_f32_kernel(const uint16_t* __restrict__ in, float* __restrict__ out, int64_t n) {
+  wait_for_prior_grid();
+  allow_dependents();
   for (int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x; i < n; i += int64_t{gridDim.x} * kThreads)
     out[i] = from_bf16(in[i]);
 }
 __global__ void round_to_bf16_kernel(float* x, int64_t n) {
+  wait_for_prior_grid();
+  allow_dependents();
   for (int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x; i < n; i += int64_t{gridDim.x} * kThreads)
     x[i] = from_bf16(to_bf16(x[i]));
 }
 __global__ void add_kernel(float* y, const float* x, int64_t n) {
+  wait_for_prior_grid();
+  allow_dependents();
   for (int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x; i < n; i += int64_t{gridDim.x} * kThreads)
     y[i] = __fadd_rn(y[i], x[i]);
 }
 __global__ void scale_kernel(float* y, float s, int64_t n) {
+  wait_for_prior_grid();
+  allow_dependents();
   for (int64_t i = blockIdx.x * int64_t{kThreads} + threadIdx.x; i < n; i += int64_t{gridDim.x} * kThreads)
     y[i] = __fmul_rn(y[i], s);
 }
@@ -41,6 +52,8 @@ __global__ void scale_kernel(float* y, float s, int64_t n) {
 template <bool kVec4>
 __global__ void gather_rows_kernel(const float* __restrict__ in, const int32_t* __restrict__ rows,
                                    float* __restrict__ out, int64_t row_elems) {
+  wait_for_prior_grid();
+  allow_dependents();
   const int64_t i = blockIdx.x;
   const float* src = in + static_cast<int64_t>(rows[i]) * row_elems;
   float* dst = out + i * row_elems;
@@ -59,35 +72,35 @@ __global__ void gather_rows_kernel(const float* __restrict__ in, const int32_t* 
 cudaError_t f32_to_bf16(const float* in, uint16_t* out, int64_t n, cudaStream_t stream) {
   if (n < 0) return cudaErrorInvalidValue;
   if (n == 0) return cudaSuccess;
-  f32_to_bf16_kernel<<<blocks_for(n), kThreads, 0, stream>>>(in, out, n);
+  launch_dependent(f32_to_bf16_kernel, blocks_for(n), kThreads, 0, stream, in, out, n);
   return cudaGetLastError();
 }
 
 cudaError_t bf16_to_f32(const uint16_t* in, float* out, int64_t n, cudaStream_t stream) {
   if (n < 0) return cudaErrorInvalidValue;
   if (n == 0) return cudaSuccess;
-  bf16_to_f32_kernel<<<blocks_for(n), kThreads, 0, stream>>>(in, out, n);
+  launch_dependent(bf16_to_f32_kernel, blocks_for(n), kThreads, 0, stream, in, out, n);
   return cudaGetLastError();
 }
 
 cudaError_t round_to_bf16(float* x, int64_t n, cudaStream_t stream) {
   if (n < 0) return cudaErrorInvalidValue;
   if (n == 0) return cudaSuccess;
-  round_to_bf16_kernel<<<blocks_for(n), kThreads, 0, stream>>>(x, n);
+  launch_dependent(round_to_bf16_kernel, blocks_for(n), kThreads, 0, stream, x, n);
   return cudaGetLastError();
 }
 
 cudaError_t add_inplace(float* y, const float* x, int64_t n, cudaStream_t stream) {
   if (n < 0) return cudaErrorInvalidValue;
   if (n == 0) return cudaSuccess;
-  add_kernel<<<blocks_for(n), kThreads, 0, stream>>>(y, x, n);
+  launch_dependent(add_kernel, blocks_for(n), kThreads, 0, stream, y, x, n);
   return cudaGetLastError();
 }
 
 cudaError_t scale_inplace(float* y, float s, int64_t n, cudaStream_t stream) {
   if (n < 0) return cudaErrorInvalidValue;
   if (n == 0) return cudaSuccess;
-  scale_kernel<<<blocks_for(n), kThreads, 0, stream>>>(y, s, n);
+  launch_dependent(scale_kernel, blocks_for(n), kThreads, 0, stream, y, s, n);
   return cudaGetLastError();
 }
 
@@ -101,9 +114,9 @@ cudaError_t gather_rows(const GatherRowsParams& p, const float* in, const int32_
   const dim3 grid(static_cast<unsigned>(p.count),
                   static_cast<unsigned>(std::min<int64_t>((per_row + kThreads - 1) / kThreads, 65535)));
   if (vec4)
-    gather_rows_kernel<true><<<grid, kThreads, 0, stream>>>(in, rows, out, p.row_elems);
+    launch_dependent(gather_rows_kernel<true>, grid, kThreads, 0, stream, in, rows, out, p.row_elems);
   else
-    gather_rows_kernel<false><<<grid, kThreads, 0, stream>>>(in, rows, out, p.row_elems);
+    launch_dependent(gather_rows_kernel<false>, grid, kThreads, 0, stream, in, rows, out, p.row_elems);
   return cudaGetLastError();
 }
 

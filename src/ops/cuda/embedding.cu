@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "ops/cuda/bf16.cuh"
+#include "ops/cuda/launch.cuh"
 
 namespace dsv4::ops::cuda {
 namespace {
@@ -24,6 +25,8 @@ __device__ __forceinline__ float4 load4(const uint16_t* row, int64_t c) {
 template <typename T, bool kVec4>
 __global__ void embedding_kernel(const T* __restrict__ table, const int32_t* __restrict__ token_ids,
                                  float* __restrict__ out, int64_t vocab, int64_t D, int64_t hc) {
+  wait_for_prior_grid();
+  allow_dependents();
   const int64_t t = blockIdx.x;
   const int64_t id = token_ids[t];
   const bool valid = id >= 0 && id < vocab;
@@ -56,9 +59,11 @@ cudaError_t launch(const EmbeddingParams& p, const T* table, const int32_t* toke
   const dim3 grid(static_cast<unsigned>(p.tokens),
                   static_cast<unsigned>(std::min<int64_t>((per_row + kThreads - 1) / kThreads, 65535)));
   if (vec4)
-    embedding_kernel<T, true><<<grid, kThreads, 0, stream>>>(table, token_ids, out, p.vocab, p.hidden, p.hc);
+    launch_dependent(embedding_kernel<T, true>, grid, kThreads, 0, stream, table, token_ids, out, p.vocab,
+                     p.hidden, p.hc);
   else
-    embedding_kernel<T, false><<<grid, kThreads, 0, stream>>>(table, token_ids, out, p.vocab, p.hidden, p.hc);
+    launch_dependent(embedding_kernel<T, false>, grid, kThreads, 0, stream, table, token_ids, out, p.vocab,
+                     p.hidden, p.hc);
   return cudaGetLastError();
 }
 

@@ -2,6 +2,7 @@
 
 #include <cublasLt.h>
 
+#include <cstdlib>
 #include <memory>
 #include <string>
 
@@ -16,6 +17,18 @@ void check(cublasStatus_t status, const char* what) {
 }
 
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // what cuBLASLt's Hopper kernels ask for at most
+constexpr int kCandidates = 8;                        // heuristic answers timed per shape
+constexpr int kTimedRuns = 5;
+constexpr int64_t kMaxTunedRows =
+    64;  // decode shapes: a bounded set; prefill keeps the heuristic (no stall per length)
+
+bool autotune_enabled() {
+  static const bool enabled = [] {
+    const char* value = std::getenv("DSV4_GEMM_AUTOTUNE");
+    return value == nullptr || std::string(value) != "0";
+  }();
+  return enabled;
+}
 
 }  // namespace
 
@@ -45,7 +58,14 @@ Gemm::~Gemm() {
 }
 
 // Row-major y = x·Wᵀ is column-major yᵀ [out, rows] = W [in, out]ᵀ · xᵀ [in, rows]: A = W transposed, B = x.
-const Gemm::Plan& Gemm::plan(const Key& key) {
+//
+// The algorithm: at decode shapes cuBLASLt's first heuristic answer is often split-K with a separate
+// reduction kernel (17 extra launches in a 4-layer decode step). So the first call of each decode shape (rows
+// <= 64: a bounded set, where no prefill length stalls on timing) times up to kCandidates heuristic answers
+// on its own operands and keeps the fastest, as TensorRT-LLM's GEMM plugin profiles its tactics. Not during
+// CUDA-graph capture (nothing can be timed there) nor when accumulating into y (the runs would add up): the
+// first answer is kept then. DSV4_GEMM_AUTOTUNE=0 always keeps the first answer.
+const Gemm::Plan& Gemm::plan(const Key& key, const void* w, const void* x, void* y, cudaStream_t stream) {
   if (const auto it = plans_.find(key); it != plans_.end()) return *it->second;
   const auto [dtype, out, in, rows, w_stride, x_stride, y_stride, accumulate, batch, w_batch, x_batch, y_batch,
               y_dtype] = key;
@@ -80,18 +100,55 @@ const Gemm::Plan& Gemm::plan(const Key& key) {
   check(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes_,
                                              sizeof workspace_bytes_),
         "preference workspace");
-  cublasLtMatmulHeuristicResult_t result{};
+  cublasLtMatmulHeuristicResult_t results[kCandidates]{};
   int found = 0;
-  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(static_cast<cublasLtHandle_t>(handle_), plan->op,
-                                                               plan->a, plan->b, plan->c, plan->c, preference, 1,
-                                                               &result, &found);
+  const auto lt = static_cast<cublasLtHandle_t>(handle_);
+  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
+      lt, plan->op, plan->a, plan->b, plan->c, plan->c, preference, kCandidates, results, &found);
   cublasLtMatmulPreferenceDestroy(preference);
   if (status != CUBLAS_STATUS_SUCCESS || found == 0)
     throw Error("cuBLASLt has no algorithm for a " + std::string(operand == CUDA_R_16BF ? "bf16" : "fp32") + " [" +
                 std::to_string(rows) + " x " + std::to_string(in) + "] x [" + std::to_string(in) + " x " +
                 std::to_string(out) + "] product");
-  plan->algo = result.algo;
-  (void)accumulate;
+  plan->algo = results[0].algo;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  const bool can_time = autotune_enabled() && found > 1 && !accumulate && rows <= kMaxTunedRows &&
+                        cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
+                        capture == cudaStreamCaptureStatusNone;
+  if (can_time) {
+    cudaEvent_t start = nullptr, stop = nullptr;
+    if (cudaEventCreate(&start) == cudaSuccess && cudaEventCreate(&stop) == cudaSuccess) {
+      const float alpha = 1.0f, beta = 0.0f;
+      // Timings are noisy: another answer replaces the heuristic's first only when it is 5 % faster, so the
+      // choice (and with it the rounding of a step) rarely changes from one process to the next.
+      float best_ms = 0.0f, first_ms = -1.0f;
+      bool have_best = false;
+      for (int i = 0; i < found; ++i) {
+        auto run = [&] {
+          return cublasLtMatmul(lt, plan->op, &alpha, w, plan->a, x, plan->b, &beta, y, plan->c, y, plan->c,
+                                &results[i].algo, workspace_, workspace_bytes_, stream);
+        };
+        if (run() != CUBLAS_STATUS_SUCCESS) continue;  // a candidate that refuses these operands
+        cudaEventRecord(start, stream);
+        for (int r = 0; r < kTimedRuns; ++r) run();
+        cudaEventRecord(stop, stream);
+        float ms = 0.0f;
+        if (cudaEventSynchronize(stop) != cudaSuccess ||
+            cudaEventElapsedTime(&ms, start, stop) != cudaSuccess)
+          continue;
+        if (i == 0) first_ms = ms;
+        if (!have_best || ms < best_ms) {
+          best_ms = ms;
+          have_best = true;
+          plan->algo = results[i].algo;
+        }
+      }
+      if (first_ms >= 0.0f && first_ms <= best_ms * 1.05f) plan->algo = results[0].algo;
+    }
+    if (start) cudaEventDestroy(start);
+    if (stop) cudaEventDestroy(stop);
+    cudaGetLastError();  // timing failures only cost the choice, never the call
+  }
   return *(plans_[key] = plan.release());
 }
 
@@ -101,7 +158,7 @@ void Gemm::linear(const GemmWeight& w, const void* x, int64_t rows, float* y, cu
   const int64_t w_stride = w.row_stride ? w.row_stride : w.in;
   const Key key{static_cast<int>(w.dtype), w.out, w.in, rows, w_stride, x_stride ? x_stride : w.in,
                 y_stride ? y_stride : w.out, beta != 0.0f, 1, 0, 0, 0, static_cast<int>(GemmDtype::kF32)};
-  const Plan& p = plan(key);
+  const Plan& p = plan(key, w.data, x, y, stream);
   const float alpha = 1.0f;
   check(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), p.op, &alpha, w.data, p.a, x, p.b, &beta, y, p.c, y,
                        p.c, &p.algo, workspace_, workspace_bytes_, stream),
@@ -116,7 +173,7 @@ void Gemm::linear_batched(const GemmWeight& w, int64_t batch, int64_t w_batch_st
   const Key key{static_cast<int>(w.dtype), w.out, w.in, rows, w_stride, x_stride ? x_stride : w.in,
                 y_stride ? y_stride : w.out, false, batch, w_batch_stride, x_batch_stride, y_batch_stride,
                 static_cast<int>(y_dtype)};
-  const Plan& p = plan(key);
+  const Plan& p = plan(key, w.data, x, y, stream);
   const float alpha = 1.0f, beta = 0.0f;
   check(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), p.op, &alpha, w.data, p.a, x, p.b, &beta, y, p.c, y,
                        p.c, &p.algo, workspace_, workspace_bytes_, stream),

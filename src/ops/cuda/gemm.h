@@ -1,10 +1,11 @@
 // Dense projections on the device through cuBLASLt (the library NVIDIA tunes for Hopper; no hand-written GEMM
-// for the dense layers): y [rows, out] = x [rows, in] · Wᵀ (+ beta · y), W row-major [out, in] as the checkpoint
-// stores it. Two modes, as the GPU model's numerics:
+// for the dense layers): y [rows, out] = x [rows, in] · Wᵀ (+ beta · y), W row-major [out, in] as the
+// checkpoint stores it. Two modes, as the GPU model's numerics:
 //   kF32   fp32 operands, fp32 compute (CUBLAS_COMPUTE_32F, no TF32): the exact twin of ops/cpu/linear.h;
 //   kBf16  bf16 operands (x already converted), fp32 accumulation, fp32 output.
-// One Gemm per stream: it owns the Lt handle, a workspace and the chosen algorithm per shape (the heuristic runs
-// once per shape, so steady-state calls do no host work beyond the launch and are CUDA-graph capturable).
+// One Gemm per stream: it owns the Lt handle, a workspace and the chosen algorithm per shape (picked once per
+// shape by timing cuBLASLt's heuristic candidates, gemm.cu says why, so steady-state calls do no host work
+// beyond the launch and are CUDA-graph capturable).
 #pragma once
 #include <cstdint>
 #include <map>
@@ -48,7 +49,8 @@ class Gemm {
   // dtype, out, in, rows, strides of W / x / y, accumulate, batch, batch strides of W / x / y, output dtype.
   using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, int64_t, int64_t, int64_t,
                          int64_t, int>;
-  const Plan& plan(const Key& key);
+  // The plan of a shape, made (and its algorithm timed on these operands) at the shape's first call.
+  const Plan& plan(const Key& key, const void* w, const void* x, void* y, cudaStream_t stream);
 
   void* handle_ = nullptr;  // cublasLtHandle_t
   void* workspace_ = nullptr;

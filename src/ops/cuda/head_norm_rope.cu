@@ -1,6 +1,7 @@
 #include "ops/cuda/head_norm_rope.h"
 
 #include "ops/cuda/bf16.cuh"
+#include "ops/cuda/launch.cuh"
 
 namespace dsv4::ops::cuda {
 namespace {
@@ -14,6 +15,8 @@ __global__ void head_norm_rope_kernel(float* x, const float* __restrict__ norm_w
                                       const int32_t* __restrict__ positions, const float* __restrict__ inv_freq,
                                       uint16_t* x_bf16, int heads, int head_dim, int rope_pairs, bool normalize,
                                       float eps, float attention_scaling) {
+  wait_for_prior_grid();
+  allow_dependents();
   extern __shared__ float table[];  // cos [rope_pairs], then sin [rope_pairs]
   __shared__ float warp_sums[kThreads / 32];
   const int64_t head_index = blockIdx.x;  // row · heads + head
@@ -79,9 +82,9 @@ cudaError_t head_norm_rope(const HeadNormRopeParams& p, float* x, const float* n
     return cudaErrorInvalidValue;
   const int rope_pairs = static_cast<int>(p.rope_dim / 2);
   const size_t shared = 2 * static_cast<size_t>(rope_pairs) * sizeof(float);
-  head_norm_rope_kernel<<<static_cast<unsigned>(p.rows * p.heads), kThreads, shared, stream>>>(
-      x, norm_weight, positions, inv_freq, x_bf16, static_cast<int>(p.heads), static_cast<int>(p.head_dim),
-      rope_pairs, p.normalize, p.eps, p.attention_scaling);
+  launch_dependent(head_norm_rope_kernel, static_cast<unsigned>(p.rows * p.heads), kThreads, shared, stream,
+                   x, norm_weight, positions, inv_freq, x_bf16, static_cast<int>(p.heads),
+                   static_cast<int>(p.head_dim), rope_pairs, p.normalize, p.eps, p.attention_scaling);
   return cudaGetLastError();
 }
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "ops/cuda/bf16.cuh"
+#include "ops/cuda/launch.cuh"
 
 namespace dsv4::ops::cuda {
 namespace {
@@ -60,6 +61,8 @@ __global__ void __launch_bounds__(kThreads) mix_partial_kernel(const float* __re
                                                                const float* __restrict__ fn, int64_t tokens,
                                                                int64_t width, int64_t chunk, int splits,
                                                                float* __restrict__ partial) {
+  wait_for_prior_grid();
+  allow_dependents();
   using V = typename VecOf<VEC>::T;
   constexpr int TT = kTokensPerCta, NV = NOUT + 1;
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * TT;
@@ -123,6 +126,8 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
                                                           float norm_eps, int iters, float* __restrict__ collapsed,
                                                           float* __restrict__ post, float* __restrict__ comb,
                                                           CollapseNorm norm) {
+  wait_for_prior_grid();
+  allow_dependents();
   using V = typename VecOf<VEC>::T;
   constexpr int NOUT = kHead ? HC : (2 + HC) * HC, NV = NOUT + 1;
   static_assert(NV <= 32 && HC * HC <= 32, "one warp holds the mixes and comb");
@@ -230,6 +235,8 @@ __global__ void __launch_bounds__(kThreads) hc_post_kernel(const float* __restri
                                                            const float* __restrict__ post,
                                                            const float* __restrict__ comb, float* __restrict__ out,
                                                            int64_t D) {
+  wait_for_prior_grid();
+  allow_dependents();
   using V = typename VecOf<VEC>::T;
   const int64_t t = blockIdx.x;
   float w[HC], cm[HC][HC];
@@ -290,14 +297,16 @@ cudaError_t launch_mix(const HyperConnectionParams& p, const float* streams, con
   const auto iters = static_cast<int>(p.sinkhorn_iters);
   const CollapseNorm fused = norm ? *norm : CollapseNorm{};
   auto finish = [&](auto kernel) {
-    kernel<<<tokens, kThreads, 0, stream>>>(partial, splits, streams, base, scale, p.hidden, p.hc_eps, p.norm_eps,
-                                            iters, collapsed, post, comb, fused);
+    launch_dependent(kernel, tokens, kThreads, 0, stream, partial, splits, streams, base, scale, p.hidden,
+                     p.hc_eps, p.norm_eps, iters, collapsed, post, comb, fused);
   };
   if (vec4) {
-    mix_partial_kernel<NOUT, 4><<<mix_grid, kThreads, 0, stream>>>(streams, fn, p.tokens, width, chunk, splits, partial);
+    launch_dependent(mix_partial_kernel<NOUT, 4>, mix_grid, kThreads, 0, stream, streams, fn, p.tokens, width,
+                     chunk, splits, partial);
     norm ? finish(finish_kernel<HC, kHead, 4, true>) : finish(finish_kernel<HC, kHead, 4, false>);
   } else {
-    mix_partial_kernel<NOUT, 1><<<mix_grid, kThreads, 0, stream>>>(streams, fn, p.tokens, width, chunk, splits, partial);
+    launch_dependent(mix_partial_kernel<NOUT, 1>, mix_grid, kThreads, 0, stream, streams, fn, p.tokens, width,
+                     chunk, splits, partial);
     norm ? finish(finish_kernel<HC, kHead, 1, true>) : finish(finish_kernel<HC, kHead, 1, false>);
   }
   return cudaGetLastError();
@@ -326,9 +335,9 @@ cudaError_t launch_post(const HyperConnectionParams& p, const float* y, const fl
   const dim3 grid(static_cast<unsigned>(p.tokens),
                   static_cast<unsigned>(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535)));
   if (vec4)
-    hc_post_kernel<HC, 4><<<grid, kThreads, 0, stream>>>(y, streams, post, comb, out, p.hidden);
+    launch_dependent(hc_post_kernel<HC, 4>, grid, kThreads, 0, stream, y, streams, post, comb, out, p.hidden);
   else
-    hc_post_kernel<HC, 1><<<grid, kThreads, 0, stream>>>(y, streams, post, comb, out, p.hidden);
+    launch_dependent(hc_post_kernel<HC, 1>, grid, kThreads, 0, stream, y, streams, post, comb, out, p.hidden);
   return cudaGetLastError();
 }
 

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "ops/cuda/launch.cuh"
+
 namespace dsv4::ops::cuda {
 namespace {
 
@@ -114,6 +116,8 @@ __device__ __forceinline__ void fragments_of_step(const KeyTile<kDtype>& tile, i
 template <IndexKeyDtype kDtype, int kMinBlocks>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
     indexer_scores_kernel(const IndexerScoresParams p, int tiles_per_cta) {
+  wait_for_prior_grid();
+  allow_dependents();
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();  // bf16 mma.sync needs sm_80+; the host wrapper refuses to launch such a build (see below)
 #else
@@ -246,9 +250,11 @@ cudaError_t indexer_scores(const IndexerScoresParams& p, cudaStream_t stream) {
   const int64_t per_cta = std::max<int64_t>(1, std::min<int64_t>(32, tiles * p.num_tokens / (2 * resident)));
   const dim3 grid(static_cast<unsigned>((tiles + per_cta - 1) / per_cta), static_cast<unsigned>(p.num_tokens));
   if (p.keys.dtype == IndexKeyDtype::kFp8)
-    indexer_scores_kernel<IndexKeyDtype::kFp8, 3><<<grid, kWarps * 32, 0, stream>>>(p, static_cast<int>(per_cta));
+    launch_dependent(indexer_scores_kernel<IndexKeyDtype::kFp8, 3>, grid, kWarps * 32, 0, stream, p,
+                     static_cast<int>(per_cta));
   else
-    indexer_scores_kernel<IndexKeyDtype::kBf16, 2><<<grid, kWarps * 32, 0, stream>>>(p, static_cast<int>(per_cta));
+    launch_dependent(indexer_scores_kernel<IndexKeyDtype::kBf16, 2>, grid, kWarps * 32, 0, stream, p,
+                     static_cast<int>(per_cta));
   return cudaGetLastError();
 }
 

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 
+#include "ops/cuda/launch.cuh"
+
 namespace dsv4::ops::cuda {
 namespace {
 
@@ -105,6 +107,8 @@ __device__ int block_exclusive_scan(int value, int* scratch, int& total) {
 }
 
 __global__ void __launch_bounds__(kPrepThreads) moe_prep_kernel(const PrepArgs a) {
+  wait_for_prior_grid();
+  allow_dependents();
   const int tid = threadIdx.x;
   if (blockIdx.x > 0) {
     // x -> bf16, 4 elements per step (D % 8 == 0, x 16-byte aligned).
@@ -264,6 +268,8 @@ __device__ __forceinline__ uint32_t swizzle(int row, int chunk) {
 // epilogue writes h = silu(min(g, L)) · clamp(u, −L, L) in bf16. gemm2: plain columns, y in fp32.
 template <class C, bool kGateUp>
 __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) expert_gemm_kernel(const GemmArgs a) {
+  wait_for_prior_grid();
+  allow_dependents();
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();  // bf16 mma.sync needs sm_80+; the host wrapper refuses to launch such a build
 #else
@@ -439,6 +445,8 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 __global__ void gate_up_fp32_kernel(const Fp32Args a) {
+  wait_for_prior_grid();
+  allow_dependents();
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
   const int64_t tasks = static_cast<int64_t>(a.offsets[a.experts + 1]) * a.I;
@@ -462,6 +470,8 @@ __global__ void gate_up_fp32_kernel(const Fp32Args a) {
 }
 
 __global__ void down_fp32_kernel(const Fp32Args a) {
+  wait_for_prior_grid();
+  allow_dependents();
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
   const int64_t tasks = static_cast<int64_t>(a.offsets[a.experts + 1]) * a.D;
@@ -495,6 +505,8 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const float* _
                                                                   const int32_t* __restrict__ offsets,
                                                                   float* __restrict__ out, int top_k, int experts,
                                                                   int D) {
+  wait_for_prior_grid();
+  allow_dependents();
   const int64_t t = blockIdx.x;
   const int D4 = D / 4;
   const auto* y4 = reinterpret_cast<const float4*>(y);
@@ -574,7 +586,7 @@ cudaError_t run_bf16_gemms(const MoeExpertsParams& p, GemmArgs args, const uint1
   args.N = static_cast<int>(p.intermediate);
   const dim3 grid1(static_cast<unsigned>((p.intermediate + C::kBN / 2 - 1) / (C::kBN / 2)),
                    static_cast<unsigned>(items));
-  expert_gemm_kernel<C, true><<<grid1, C::kThreads, C::kSmemBytes, stream>>>(args);
+  launch_dependent(expert_gemm_kernel<C, true>, grid1, C::kThreads, C::kSmemBytes, stream, args);
   if ((status = cudaGetLastError()) != cudaSuccess) return status;
   // gemm2: h · w2ᵀ -> y
   args.a = h;
@@ -584,7 +596,7 @@ cudaError_t run_bf16_gemms(const MoeExpertsParams& p, GemmArgs args, const uint1
   args.K = static_cast<int>(p.intermediate);
   args.N = static_cast<int>(p.hidden);
   const dim3 grid2(static_cast<unsigned>((p.hidden + C::kBN - 1) / C::kBN), static_cast<unsigned>(items));
-  expert_gemm_kernel<C, false><<<grid2, C::kThreads, C::kSmemBytes, stream>>>(args);
+  launch_dependent(expert_gemm_kernel<C, false>, grid2, C::kThreads, C::kSmemBytes, stream, args);
   return cudaGetLastError();
 }
 
@@ -646,7 +658,8 @@ cudaError_t moe_experts(const MoeExpertsParams& p, const MoeExpertWeights& w, co
   if (status != cudaSuccess) return status;
   const int64_t convert_blocks =
       bf16 ? std::min<int64_t>(kPrepConvertBlocks, (p.tokens * p.hidden / 4 + kPrepThreads - 1) / kPrepThreads) : 0;
-  moe_prep_kernel<<<static_cast<unsigned>(1 + convert_blocks), kPrepThreads, prep_smem, stream>>>(prep);
+  launch_dependent(moe_prep_kernel, static_cast<unsigned>(1 + convert_blocks), kPrepThreads, prep_smem,
+                   stream, prep);
   if ((status = cudaGetLastError()) != cudaSuccess) return status;
 
   if (bf16) {
@@ -671,15 +684,17 @@ cudaError_t moe_experts(const MoeExpertsParams& p, const MoeExpertWeights& w, co
     const auto blocks = [&](int64_t tasks) {
       return static_cast<unsigned>(std::clamp<int64_t>((tasks + kThreads / 32 - 1) / (kThreads / 32), 1, 16384));
     };
-    gate_up_fp32_kernel<<<blocks(rows * p.intermediate), kThreads, 0, stream>>>(args);
+    launch_dependent(gate_up_fp32_kernel, blocks(rows * p.intermediate), kThreads, 0, stream, args);
     if ((status = cudaGetLastError()) != cudaSuccess) return status;
-    down_fp32_kernel<<<blocks(rows * p.hidden), kThreads, 0, stream>>>(args);
+    launch_dependent(down_fp32_kernel, blocks(rows * p.hidden), kThreads, 0, stream, args);
     if ((status = cudaGetLastError()) != cudaSuccess) return status;
   }
   const int64_t column_blocks = (p.hidden / 4 + kCombineThreads - 1) / kCombineThreads;
-  combine_kernel<<<dim3(static_cast<unsigned>(p.tokens), static_cast<unsigned>(std::min<int64_t>(column_blocks, 64))),
-                   kCombineThreads, 0, stream>>>(y, slot_row, weights, offsets, out, static_cast<int>(p.top_k),
-                                                 static_cast<int>(p.experts), static_cast<int>(p.hidden));
+  launch_dependent(
+      combine_kernel,
+      dim3(static_cast<unsigned>(p.tokens), static_cast<unsigned>(std::min<int64_t>(column_blocks, 64))),
+      kCombineThreads, 0, stream, y, slot_row, weights, offsets, out, static_cast<int>(p.top_k),
+      static_cast<int>(p.experts), static_cast<int>(p.hidden));
   return cudaGetLastError();
 }
 

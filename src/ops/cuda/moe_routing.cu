@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "ops/cuda/launch.cuh"
+
 namespace dsv4::ops::cuda {
 namespace {
 
@@ -22,6 +24,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) route_kernel(const float*
                                                                    int32_t* __restrict__ chosen,
                                                                    float* __restrict__ weights, float* scores_out,
                                                                    int64_t tokens, int E, int K, float scaling) {
+  wait_for_prior_grid();
+  allow_dependents();
   __shared__ float warp_scores[kWarpsPerBlock][kRouteMaxExperts];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
@@ -116,11 +120,12 @@ void launch_route(const RouteParams& p, const float* logits, const float* bias, 
   const auto blocks = static_cast<unsigned>((p.tokens + kWarpsPerBlock - 1) / kWarpsPerBlock);
   const auto E = static_cast<int>(p.experts), K = static_cast<int>(p.top_k);
   if (tid2eid)
-    route_kernel<kFunc, true><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(
-        logits, bias, tid2eid, token_ids, chosen, weights, scores_out, p.tokens, E, K, p.routed_scaling_factor);
+    launch_dependent(route_kernel<kFunc, true>, blocks, kWarpsPerBlock * 32, 0, stream, logits, bias, tid2eid,
+                     token_ids, chosen, weights, scores_out, p.tokens, E, K, p.routed_scaling_factor);
   else
-    route_kernel<kFunc, false><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(
-        logits, bias, tid2eid, token_ids, chosen, weights, scores_out, p.tokens, E, K, p.routed_scaling_factor);
+    launch_dependent(route_kernel<kFunc, false>, blocks, kWarpsPerBlock * 32, 0, stream, logits, bias,
+                     tid2eid, token_ids, chosen, weights, scores_out, p.tokens, E, K,
+                     p.routed_scaling_factor);
 }
 
 constexpr int kSwigluThreads = 256;
@@ -136,6 +141,8 @@ template <bool kVec4>
 __global__ void __launch_bounds__(kSwigluThreads) swiglu_kernel(const float* __restrict__ gate_up,
                                                                 float* __restrict__ out, int64_t inter,
                                                                 float limit) {
+  wait_for_prior_grid();
+  allow_dependents();
   const int64_t r = blockIdx.x;
   const float* gate = gate_up + r * 2 * inter;
   const float* up = gate + inter;
@@ -186,9 +193,9 @@ cudaError_t swiglu_clamped(const SwigluParams& p, const float* gate_up, float* o
   const dim3 grid(static_cast<unsigned>(p.rows),
                   static_cast<unsigned>(std::min<int64_t>((n + kSwigluThreads - 1) / kSwigluThreads, 65535)));
   if (vec4)
-    swiglu_kernel<true><<<grid, kSwigluThreads, 0, stream>>>(gate_up, out, p.inter, p.limit);
+    launch_dependent(swiglu_kernel<true>, grid, kSwigluThreads, 0, stream, gate_up, out, p.inter, p.limit);
   else
-    swiglu_kernel<false><<<grid, kSwigluThreads, 0, stream>>>(gate_up, out, p.inter, p.limit);
+    launch_dependent(swiglu_kernel<false>, grid, kSwigluThreads, 0, stream, gate_up, out, p.inter, p.limit);
   return cudaGetLastError();
 }
 

@@ -3,6 +3,7 @@
 #include <cfloat>
 
 #include "ops/cuda/bf16.cuh"
+#include "ops/cuda/launch.cuh"
 
 namespace dsv4::ops::cuda {
 namespace {
@@ -22,6 +23,8 @@ __device__ __forceinline__ float warp_sum(float value) {
 
 // One CTA per (token, head); each warp runs an online softmax over every 4th key, then the warps merge.
 __global__ void paged_sink_attention_kernel(PagedSinkAttentionParams p) {
+  wait_for_prior_grid();
+  allow_dependents();
   const int64_t t = blockIdx.x, h = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int per_lane = static_cast<int>((p.head_dim + 31) / 32);
@@ -101,6 +104,8 @@ __global__ void paged_sink_attention_kernel(PagedSinkAttentionParams p) {
 // One CTA per (token, 32 entries): q of the token in shared memory, one warp per entry at a time.
 constexpr int kIndexerEntriesPerCta = 32;
 __global__ void paged_indexer_scores_kernel(PagedIndexerScoresParams p) {
+  wait_for_prior_grid();
+  allow_dependents();
   extern __shared__ float q_shared[];
   const int64_t t = blockIdx.x;
   const int64_t q_size = p.heads * p.head_dim;
@@ -135,6 +140,8 @@ __global__ void paged_indexer_scores_kernel(PagedIndexerScoresParams p) {
 
 __global__ void dense_entry_indices_kernel(const int32_t* positions, int64_t ratio, int64_t stride, int32_t* indices,
                                            int32_t* lengths) {
+  wait_for_prior_grid();
+  allow_dependents();
   const int64_t t = blockIdx.x;
   const int64_t visible = (positions[t] + 1) / ratio;
   for (int64_t j = threadIdx.x; j < stride; j += blockDim.x)
@@ -143,6 +150,8 @@ __global__ void dense_entry_indices_kernel(const int32_t* positions, int64_t rat
 }
 
 __global__ void write_window_kernel(WindowWriteParams p) {
+  wait_for_prior_grid();
+  allow_dependents();
   const int64_t t = blockIdx.x;
   const int64_t position = p.positions[t], row = p.token_row[t];
   if (position < p.row_end[row] - p.window_size) return;
@@ -163,8 +172,9 @@ __global__ void write_window_kernel(WindowWriteParams p) {
 cudaError_t paged_sink_attention(const PagedSinkAttentionParams& p, cudaStream_t stream) {
   if (p.tokens == 0) return cudaSuccess;
   if (p.head_dim > 32 * kMaxPerLane) return cudaErrorInvalidValue;
-  paged_sink_attention_kernel<<<dim3(static_cast<unsigned>(p.tokens), static_cast<unsigned>(p.heads)), 32 * kWarps, 0,
-                                stream>>>(p);
+  launch_dependent(paged_sink_attention_kernel,
+                   dim3(static_cast<unsigned>(p.tokens), static_cast<unsigned>(p.heads)), 32 * kWarps, 0,
+                   stream, p);
   return cudaGetLastError();
 }
 
@@ -173,21 +183,22 @@ cudaError_t paged_indexer_scores(const PagedIndexerScoresParams& p, cudaStream_t
   if (p.head_dim > 256 || p.heads * p.head_dim > 8192) return cudaErrorInvalidValue;
   const auto chunks = static_cast<unsigned>((p.max_entries + kIndexerEntriesPerCta - 1) / kIndexerEntriesPerCta);
   const size_t shared = static_cast<size_t>(p.heads * p.head_dim) * sizeof(float);
-  paged_indexer_scores_kernel<<<dim3(static_cast<unsigned>(p.tokens), chunks), 32 * kWarps, shared, stream>>>(p);
+  launch_dependent(paged_indexer_scores_kernel, dim3(static_cast<unsigned>(p.tokens), chunks), 32 * kWarps,
+                   shared, stream, p);
   return cudaGetLastError();
 }
 
 cudaError_t dense_entry_indices(int64_t tokens, const int32_t* positions, int64_t ratio, int64_t stride,
                                 int32_t* indices, int32_t* lengths, cudaStream_t stream) {
   if (tokens == 0) return cudaSuccess;
-  dense_entry_indices_kernel<<<static_cast<unsigned>(tokens), 256, 0, stream>>>(positions, ratio, stride, indices,
-                                                                               lengths);
+  launch_dependent(dense_entry_indices_kernel, static_cast<unsigned>(tokens), 256, 0, stream, positions,
+                   ratio, stride, indices, lengths);
   return cudaGetLastError();
 }
 
 cudaError_t write_window(const WindowWriteParams& p, cudaStream_t stream) {
   if (p.tokens == 0) return cudaSuccess;
-  write_window_kernel<<<static_cast<unsigned>(p.tokens), 128, 0, stream>>>(p);
+  launch_dependent(write_window_kernel, static_cast<unsigned>(p.tokens), 128, 0, stream, p);
   return cudaGetLastError();
 }
 

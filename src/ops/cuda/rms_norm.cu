@@ -1,6 +1,7 @@
 #include "ops/cuda/rms_norm.h"
 
 #include "ops/cuda/bf16.cuh"
+#include "ops/cuda/launch.cuh"
 
 namespace dsv4::ops::cuda {
 namespace {
@@ -9,6 +10,8 @@ constexpr int kThreads = 256;
 
 __global__ void rms_norm_kernel(const float* __restrict__ x, const float* __restrict__ weight, float* y, int64_t dim,
                                 float eps, uint16_t* y_bf16) {
+  wait_for_prior_grid();
+  allow_dependents();
   const int64_t row = blockIdx.x;
   const float* in = x + row * dim;
   float* out = y + row * dim;
@@ -36,14 +39,16 @@ __global__ void rms_norm_kernel(const float* __restrict__ x, const float* __rest
 
 cudaError_t rms_norm(const RmsNormParams& p, const float* x, const float* weight, float* y, cudaStream_t stream) {
   if (p.rows == 0) return cudaSuccess;
-  rms_norm_kernel<<<static_cast<unsigned>(p.rows), kThreads, 0, stream>>>(x, weight, y, p.dim, p.eps, nullptr);
+  launch_dependent(rms_norm_kernel, static_cast<unsigned>(p.rows), kThreads, 0, stream, x, weight, y, p.dim,
+                   p.eps, nullptr);
   return cudaGetLastError();
 }
 
 cudaError_t rms_norm_with_bf16(const RmsNormParams& p, const float* x, const float* weight, float* y,
                                uint16_t* y_bf16, cudaStream_t stream) {
   if (p.rows == 0) return cudaSuccess;
-  rms_norm_kernel<<<static_cast<unsigned>(p.rows), kThreads, 0, stream>>>(x, weight, y, p.dim, p.eps, y_bf16);
+  launch_dependent(rms_norm_kernel, static_cast<unsigned>(p.rows), kThreads, 0, stream, x, weight, y, p.dim,
+                   p.eps, y_bf16);
   return cudaGetLastError();
 }
 

@@ -1,5 +1,7 @@
 #include "ops/cuda/rope.h"
 
+#include "ops/cuda/launch.cuh"
+
 namespace dsv4::ops::cuda {
 namespace {
 
@@ -9,6 +11,8 @@ template <bool kVec2>
 __global__ void rope_kernel(float* x, const int32_t* __restrict__ positions, const float* __restrict__ inv_freq,
                             int64_t row_stride, int heads, int head_dim, int pairs, float attention_scaling,
                             float sin_sign) {
+  wait_for_prior_grid();
+  allow_dependents();
   extern __shared__ float table[];  // cos [pairs], then sin [pairs]
   float* cos_table = table;
   float* sin_table = table + pairs;
@@ -63,11 +67,12 @@ cudaError_t apply_rope(const RopeParams& p, float* x, const int32_t* positions, 
   const float sin_sign = p.inverse ? -1.0f : 1.0f;
   const auto heads = static_cast<int>(p.heads), head_dim = static_cast<int>(p.head_dim);
   if (vec2)
-    rope_kernel<true><<<static_cast<unsigned>(p.rows), kThreads, shared, stream>>>(
-        x, positions, inv_freq, p.row_stride, heads, head_dim, pairs, p.attention_scaling, sin_sign);
+    launch_dependent(rope_kernel<true>, static_cast<unsigned>(p.rows), kThreads, shared, stream, x, positions,
+                     inv_freq, p.row_stride, heads, head_dim, pairs, p.attention_scaling, sin_sign);
   else
-    rope_kernel<false><<<static_cast<unsigned>(p.rows), kThreads, shared, stream>>>(
-        x, positions, inv_freq, p.row_stride, heads, head_dim, pairs, p.attention_scaling, sin_sign);
+    launch_dependent(rope_kernel<false>, static_cast<unsigned>(p.rows), kThreads, shared, stream, x,
+                     positions, inv_freq, p.row_stride, heads, head_dim, pairs, p.attention_scaling,
+                     sin_sign);
   return cudaGetLastError();
 }
 

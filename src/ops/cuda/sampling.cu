@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "core/host_device.h"
+#include "ops/cuda/launch.cuh"
 
 namespace dsv4::ops::cuda {
 namespace {
@@ -666,6 +667,8 @@ struct PenaltyShared {
 constexpr int kLeanThreads = 1024;
 constexpr int kLeanPer = kChunk / kLeanThreads;
 __global__ void __launch_bounds__(kLeanThreads, 2) chunk_argmax_kernel(const SamplingArgs a, const Workspace ws, int chunks) {
+  wait_for_prior_grid();
+  allow_dependents();
   __shared__ Scratch scratch;
   const int row = blockIdx.y, chunk = blockIdx.x;
   const uint32_t flags = a.params[row].flags;
@@ -695,6 +698,8 @@ __global__ void __launch_bounds__(kLeanThreads, 2) chunk_argmax_kernel(const Sam
 
 // The full kernel of pass 1 for every other row.
 __global__ void __launch_bounds__(kChunkThreads, 2) chunk_pass_kernel(const SamplingArgs a, const Workspace ws, int chunks) {
+  wait_for_prior_grid();
+  allow_dependents();
   constexpr bool kExtras = true;
   __shared__ SelectShared sel;
   __shared__ Scratch scratch;
@@ -1021,6 +1026,8 @@ __device__ void write_token(const SamplingArgs& a, const SamplingRow& p, int row
 
 // Pass 2: combines the chunks; finishes greedy and top_k <= 512 rows, logprobs' top-N, and prepares the rest.
 __global__ void __launch_bounds__(kRowThreads, 1) row_decide_kernel(const SamplingArgs a, const Workspace ws, int chunks) {
+  wait_for_prior_grid();
+  allow_dependents();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   RowShared& sh = *reinterpret_cast<RowShared*>(smem_raw);
   __shared__ Scratch s;
@@ -1157,6 +1164,8 @@ __global__ void __launch_bounds__(kRowThreads, 1) row_decide_kernel(const Sampli
 
 // Pass 3: each candidate's fixed-point weight, binned (top_p < 1) or summed per chunk (top_p = 1).
 __global__ void __launch_bounds__(kChunkThreads, 2) chunk_weight_kernel(const SamplingArgs a, const Workspace ws, int chunks) {
+  wait_for_prior_grid();
+  allow_dependents();
   __shared__ u64 hist[kBins];
   __shared__ double table[64];
   __shared__ Scratch s;
@@ -1203,6 +1212,8 @@ __global__ void __launch_bounds__(kChunkThreads, 2) chunk_weight_kernel(const Sa
 
 // Pass 4: top_p's boundary and the draw for full rows.
 __global__ void __launch_bounds__(kRowThreads, 1) row_finish_kernel(const SamplingArgs a, const Workspace ws, int chunks) {
+  wait_for_prior_grid();
+  allow_dependents();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   RowShared& sh = *reinterpret_cast<RowShared*>(smem_raw);
   __shared__ Scratch s;
@@ -1324,6 +1335,8 @@ __global__ void __launch_bounds__(kRowThreads, 1) row_finish_kernel(const Sampli
 
 // Pass 5: the sampled token's rank among the raw logits.
 __global__ void __launch_bounds__(kChunkThreads) rank_kernel(const SamplingArgs a, int chunks) {
+  wait_for_prior_grid();
+  allow_dependents();
   __shared__ Scratch s;
   const int row = blockIdx.y, chunk = blockIdx.x;
   const SamplingRow p = a.params[row];
@@ -1379,14 +1392,15 @@ cudaError_t sample_tokens(const SamplingArgs& a, void* workspace, size_t workspa
   const int chunks = static_cast<int>((a.vocab + kChunk - 1) / kChunk);
   const dim3 chunk_grid(chunks, static_cast<unsigned>(a.rows));
   const unsigned rows = static_cast<unsigned>(a.rows);
-  chunk_argmax_kernel<<<chunk_grid, kLeanThreads, 0, stream>>>(a, ws, chunks);
-  if (a.chunk_extras) chunk_pass_kernel<<<chunk_grid, kChunkThreads, 0, stream>>>(a, ws, chunks);
-  row_decide_kernel<<<rows, kRowThreads, kRowSmem, stream>>>(a, ws, chunks);
+  launch_dependent(chunk_argmax_kernel, chunk_grid, kLeanThreads, 0, stream, a, ws, chunks);
+  if (a.chunk_extras)
+    launch_dependent(chunk_pass_kernel, chunk_grid, kChunkThreads, 0, stream, a, ws, chunks);
+  launch_dependent(row_decide_kernel, rows, kRowThreads, kRowSmem, stream, a, ws, chunks);
   if (a.full_path) {
-    chunk_weight_kernel<<<chunk_grid, kChunkThreads, 0, stream>>>(a, ws, chunks);
-    row_finish_kernel<<<rows, kRowThreads, kRowSmem, stream>>>(a, ws, chunks);
+    launch_dependent(chunk_weight_kernel, chunk_grid, kChunkThreads, 0, stream, a, ws, chunks);
+    launch_dependent(row_finish_kernel, rows, kRowThreads, kRowSmem, stream, a, ws, chunks);
   }
-  if (a.logprobs) rank_kernel<<<chunk_grid, kChunkThreads, 0, stream>>>(a, chunks);
+  if (a.logprobs) launch_dependent(rank_kernel, chunk_grid, kChunkThreads, 0, stream, a, chunks);
   return cudaGetLastError();
 }
 

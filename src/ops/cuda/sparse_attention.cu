@@ -8,6 +8,8 @@
 #include <climits>
 #include <cmath>
 
+#include "ops/cuda/launch.cuh"
+
 namespace dsv4::ops::cuda {
 namespace {
 
@@ -106,6 +108,8 @@ template <KvEntryFormat kFormat, bool kSplit>
 __global__ void __launch_bounds__(kThreads, 1)
     sparse_attention_kernel(const SparseAttentionParams p, const uint16_t* __restrict__ q, uint16_t* __restrict__ out,
                             float* __restrict__ partial_o, float* __restrict__ partial_ml, int splits) {
+  wait_for_prior_grid();
+  allow_dependents();
   using L = SmemLayout<kFormat>;
   extern __shared__ __align__(128) uint8_t smem[];
   const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
@@ -405,6 +409,8 @@ __global__ void __launch_bounds__(128) sparse_attention_combine_kernel(const Spa
                                                                        const float* __restrict__ partial_o,
                                                                        const float* __restrict__ partial_ml,
                                                                        uint16_t* __restrict__ out, int splits) {
+  wait_for_prior_grid();
+  allow_dependents();
   const int64_t head = blockIdx.x, token = blockIdx.y;
   const int dim = 4 * threadIdx.x;
   float m = -INFINITY;
@@ -446,7 +452,7 @@ cudaError_t launch(const SparseAttentionParams& p, const uint16_t* q, uint16_t* 
   if (attribute != cudaSuccess) return attribute;
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(p.heads / kHeadsPerCta),
                   static_cast<unsigned>(p.tokens));
-  kernel<<<grid, kThreads, kSmem, stream>>>(p, q, out, partial_o, partial_ml, splits);
+  launch_dependent(kernel, grid, kThreads, kSmem, stream, p, q, out, partial_o, partial_ml, splits);
   return cudaGetLastError();
 }
 
@@ -491,8 +497,9 @@ cudaError_t sparse_attention(const SparseAttentionParams& p, const uint16_t* q, 
   const cudaError_t status = fp8 ? launch<KvEntryFormat::kFp8, true>(p, q, out, partial_o, partial_ml, splits, stream)
                                  : launch<KvEntryFormat::kBf16, true>(p, q, out, partial_o, partial_ml, splits, stream);
   if (status != cudaSuccess) return status;
-  sparse_attention_combine_kernel<<<dim3(static_cast<unsigned>(p.heads), static_cast<unsigned>(p.tokens)), 128, 0,
-                                    stream>>>(p, partial_o, partial_ml, out, splits);
+  launch_dependent(sparse_attention_combine_kernel,
+                   dim3(static_cast<unsigned>(p.heads), static_cast<unsigned>(p.tokens)), 128, 0, stream, p,
+                   partial_o, partial_ml, out, splits);
   return cudaGetLastError();
 }
 

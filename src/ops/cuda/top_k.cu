@@ -2,6 +2,8 @@
 
 #include <cstdint>
 
+#include "ops/cuda/launch.cuh"
+
 namespace dsv4::ops::cuda {
 namespace {
 
@@ -206,6 +208,8 @@ struct Workspace {
 template <int kCtaThreads>
 __global__ void __launch_bounds__(kCtaThreads, 1024 / kCtaThreads) chunk_select_kernel(const TopKParams p,
                                                                                  Workspace ws, int chunks) {
+  wait_for_prior_grid();
+  allow_dependents();
   __shared__ SelectShared sh;
   __shared__ uint32_t counter;
   const int64_t row = blockIdx.y;
@@ -229,6 +233,8 @@ __global__ void __launch_bounds__(kCtaThreads, 1024 / kCtaThreads) chunk_select_
 }
 
 __global__ void __launch_bounds__(kThreads, 1) merge_select_kernel(const TopKParams p, Workspace ws, int chunks) {
+  wait_for_prior_grid();
+  allow_dependents();
   __shared__ SelectShared sh;
   __shared__ uint32_t counter;
   __shared__ int32_t chosen[kTopKMaxK];
@@ -300,10 +306,10 @@ cudaError_t top_k(const TopKParams& p, void* workspace, size_t workspace_bytes, 
   ws.counts = reinterpret_cast<uint32_t*>(ws.indices + slots * p.k);
   const dim3 grid(chunks, static_cast<unsigned>(p.rows));
   if (p.k <= 512)
-    chunk_select_kernel<kThreads / 2><<<grid, kThreads / 2, 0, stream>>>(p, ws, chunks);
+    launch_dependent(chunk_select_kernel<kThreads / 2>, grid, kThreads / 2, 0, stream, p, ws, chunks);
   else
-    chunk_select_kernel<kThreads><<<grid, kThreads, 0, stream>>>(p, ws, chunks);
-  merge_select_kernel<<<static_cast<unsigned>(p.rows), kThreads, 0, stream>>>(p, ws, chunks);
+    launch_dependent(chunk_select_kernel<kThreads>, grid, kThreads, 0, stream, p, ws, chunks);
+  launch_dependent(merge_select_kernel, static_cast<unsigned>(p.rows), kThreads, 0, stream, p, ws, chunks);
   return cudaGetLastError();
 }
 
