@@ -10,13 +10,22 @@ forward and writes one golden set per directory:
   config.json (HF form, read by our loader), model.safetensors (official tensor names), golden.json (ids),
   logits.npy (float32 [1, vocab]: last-position logits of one prefill), logits_decode.npy (prefill of the first
   `decode_from` tokens, then one token per step: the reference's decode path, last step's logits).
+By default the reference runs with a defined tie order in torch.Tensor.topk (equal values: lower index first) and
+exact accumulation (every GEMM / einsum / F.linear summed in float64, rounded once to its fp32 / bf16 output), so that
+its prefill and decode paths compute the same function (docs/numerics.md "The oracle"), and torch.rsqrt of bf16
+(the per-head q norm), torch.sigmoid and F.softplus round once; --torch-topk, --native-accumulation and
+--native-elementwise restore torch's own behaviour. --dump-intermediates FILE.npz records the outputs of every
+Block / Attention / Compressor / Indexer / MoE / Gate call of both runs and prints where the two paths first differ.
 Usage: deepseek_reference.py --model-py .devcarry/ref --out OUT [--device cuda] [--config-only]
+         [--dump-intermediates FILE.npz] [--torch-topk] [--native-accumulation] [--native-elementwise]
 """
 import argparse
+import functools
 import json
 import os
 import struct
 import sys
+import zipfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -50,12 +59,140 @@ def hf_config(t):
     }
 
 
-def write_npy(path, values, shape):
-    header = "{'descr': '<f4', 'fortran_order': False, 'shape': (%s), }" % "".join(f"{s}, " for s in shape)
+def npy_bytes(values, shape, integer=False):
+    """A .npy file (version 1.0) of little-endian float32 (or int32) values."""
+    descr, code = ("<i4", "i") if integer else ("<f4", "f")
+    header = "{'descr': '%s', 'fortran_order': False, 'shape': (%s), }" % (descr, "".join(f"{s}, " for s in shape))
     header = header.ljust(((len(header) + 11) // 64 + 1) * 64 - 11) + "\n"
+    return (b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode() +
+            struct.pack(f"<{len(values)}{code}", *values))
+
+
+def write_npy(path, values, shape):
     with open(path, "wb") as f:
-        f.write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode())
-        f.write(struct.pack(f"<{len(values)}f", *values))
+        f.write(npy_bytes(values, shape))
+
+
+def install_canonical_torch(kernel_standin, exact_accumulation, stable_topk, exact_elementwise):
+    """The reference's own choices left open, fixed so that prefill and decode compute the same function.
+    stable_topk: torch.Tensor.topk (model.py Indexer.forward and Gate.forward) keeps equal values in index order,
+    lower index first (torch's CPU topk uses std::nth_element, whose choice among ties depends on the row's length:
+    the prefill row holds every compressed entry with -inf for the future ones, the decode row only the visible ones).
+    exact_accumulation: kernel_standin.EXACT, and model.py's own F.linear (compressor wkv / wgate, gate, mHC fns, head,
+    indexer weights_proj) and torch.einsum (wo_a, indexer scores) summed in float64 and rounded once to fp32, then to
+    their output dtype: the value every fp32-accumulating GEMM approximates, independent of the row count.
+    exact_elementwise: torch.rsqrt of a bf16 tensor (model.py Attention.forward, the per-head q norm) as
+    bf16(1/sqrt(x)) with one rounding. torch's CPU kernel computes that in its vectorised body but
+    bf16(1/bf16(sqrt(x))) in the scalar tail of each contiguous run (c10's sqrt(BFloat16) returns a BFloat16), so the
+    result depended on where a row fell in the flattened tensor: a decode step (heads elements) is all tail, a prefill
+    mostly body. One rounding is what the body and our head_rms_norm_bf16 compute. torch.sigmoid (hc_head) and
+    F.softplus (Gate) likewise go through float64 (one rounding), not Sleef in the body and libm in the tail."""
+    import torch
+    kernel_standin.EXACT = exact_accumulation
+    if exact_elementwise:
+        rsqrt, sigmoid, softplus = torch.rsqrt, torch.sigmoid, torch.nn.functional.softplus
+        reduced = (torch.bfloat16, torch.float16)
+        torch.rsqrt = lambda x: rsqrt(x.float()).to(x.dtype) if x.dtype in reduced else rsqrt(x)
+        torch.sigmoid = lambda x: sigmoid(x.double()).to(x.dtype)
+        torch.nn.functional.softplus = \
+            lambda x, beta=1.0, threshold=20.0: softplus(x.double(), beta, threshold).to(x.dtype)
+    if stable_topk:
+        torch.Tensor.topk = kernel_standin.stable_topk
+    if exact_accumulation:
+        functional = torch.nn.functional
+        einsum = torch.einsum
+
+        def exact_linear(input, weight, bias=None):
+            y = torch.matmul(input.double(), weight.double().T)
+            if bias is not None:
+                y = y + bias.double()
+            return y.float().to(torch.promote_types(input.dtype, weight.dtype))
+
+        def exact_einsum(equation, *operands):
+            dtype = functools.reduce(torch.promote_types, [o.dtype for o in operands])
+            return einsum(equation, *[o.double() for o in operands]).float().to(dtype)
+
+        functional.linear = exact_linear
+        torch.einsum = exact_einsum
+
+
+class Recorder:
+    """Forward hooks on every Block / Attention / Compressor / Indexer / MoE / Gate: batch row 0 of each call's
+    output, concatenated over the calls of one run along the first axis, so that both runs give one row per token
+    (compressors: one row per emitted entry). Indexer rows are the chosen compressed entry numbers (offset removed,
+    -1 padded to index_topk, ascending); Gate rows are the expert ids ascending, and their routing weights."""
+
+    def __init__(self, model, ref):
+        self.runs, self.order, self.ratio = {}, [], {}
+        self.current = None
+        kinds = (ref.Block, ref.Attention, ref.Compressor, ref.Indexer, ref.MoE, ref.Gate)
+        for name, module in model.named_modules():
+            if isinstance(module, kinds):
+                module.register_forward_hook(self._hook(name, ref))
+                if isinstance(module, ref.Compressor):
+                    self.ratio[name] = module.compress_ratio
+
+    def start(self, run):
+        self.current = self.runs.setdefault(run, {})
+
+    def _add(self, key, value):
+        if key not in self.order:
+            self.order.append(key)
+        self.current.setdefault(key, []).append(value.detach().cpu().clone())
+
+    def _hook(self, name, ref):
+        import torch
+
+        def hook(module, args, output):
+            if self.current is None or output is None:  # a compressor call that emitted no entry returns None
+                return
+            if isinstance(module, ref.Indexer):
+                offset, idx = args[3], output[0].long()
+                idx = torch.where(idx >= 0, idx - offset, -1)
+                pad = module.index_topk - idx.size(-1)
+                idx = torch.cat([idx, idx.new_full((idx.size(0), pad), -1)], -1) if pad > 0 else idx
+                self._add(name, idx.sort(-1).values.int())
+            elif isinstance(module, ref.Gate):
+                weights, indices = output
+                order = indices.long().argsort(-1)
+                self._add(name + ".experts", indices.long().gather(-1, order).int())
+                self._add(name + ".weights", weights.gather(-1, order).float())
+            else:
+                self._add(name, output[0].float())
+        return hook
+
+    def stacked(self, run):
+        import torch
+        return {key: torch.cat(parts, 0) for key, parts in self.runs[run].items()}
+
+    def write_npz(self, path):
+        with zipfile.ZipFile(path, "w") as z:
+            for run in self.runs:
+                for key, t in self.stacked(run).items():
+                    integer = not t.dtype.is_floating_point
+                    z.writestr(f"{run}/{key}.npy", npy_bytes(t.flatten().tolist(), list(t.shape), integer))
+
+    def compare(self, a_run, b_run):
+        """Per hooked output: rows (tokens / entries) on which the runs differ, the largest relative L2 of a row, and
+        the first (token, module) in execution order at which the two paths differ."""
+        import torch
+        a, b = self.stacked(a_run), self.stacked(b_run)
+        lines, first = [], None
+        for key in self.order:
+            if key not in a or key not in b or a[key].shape != b[key].shape:
+                lines.append(f"  {key:40s} shapes {tuple(a[key].shape) if key in a else None} vs "
+                             f"{tuple(b[key].shape) if key in b else None}")
+                continue
+            x, y = a[key].float().flatten(1), b[key].float().flatten(1)
+            diff = (x - y).norm(dim=1) / x.norm(dim=1).clamp(min=1e-30)
+            rows = [i for i in range(x.size(0)) if not torch.equal(x[i], y[i])]
+            lines.append(f"  {key:40s} rows {x.size(0):3d}  differing {len(rows):3d}  max rel L2 "
+                         f"{diff.max().item():.3g}" + (f"  first row {rows[0]}" if rows else ""))
+            for i in rows[:1]:
+                token = (i + 1) * self.ratio[key] - 1 if key in self.ratio else i
+                if first is None or token < first[0]:
+                    first = (token, key)
+        return lines, first
 
 
 def main():
@@ -65,6 +202,14 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--config-only", action="store_true", help="write config.json only (no torch needed)")
+    ap.add_argument("--dump-intermediates", metavar="NPZ",
+                    help="record every Block/Attention/Compressor/Indexer/MoE/Gate output of both runs into NPZ "
+                         "and print where the prefill and decode paths first differ")
+    ap.add_argument("--torch-topk", action="store_true", help="keep torch's topk tie order (unspecified)")
+    ap.add_argument("--native-accumulation", action="store_true",
+                    help="plain fp32 / bf16 torch GEMMs instead of exact (float64) accumulation")
+    ap.add_argument("--native-elementwise", action="store_true",
+                    help="torch's own rsqrt (bf16) / sigmoid / softplus, whose CPU result depends on the tensor length")
     args = ap.parse_args()
     t = TINY
     out = os.path.join(args.out, "tiny_fp8_fp4")
@@ -79,6 +224,8 @@ def main():
     sys.modules["kernel"] = kernel_standin  # model.py does `from kernel import ...`
     sys.path.insert(0, os.path.abspath(args.model_py))
     import model as ref
+    install_canonical_torch(kernel_standin, not args.native_accumulation, not args.torch_topk,
+                            not args.native_elementwise)
 
     torch.set_default_dtype(torch.bfloat16)
     torch.set_default_device(args.device)
@@ -174,6 +321,9 @@ def main():
             f.write(data)
 
     ids = torch.randint(0, t["vocab"], (1, t["seq"]), generator=gen, device="cpu")
+    recorder = Recorder(model, ref) if args.dump_intermediates else None
+    if recorder:
+        recorder.start("prefill")
     logits = model(ids.to(args.device), 0).float().cpu()
     write_npy(os.path.join(out, "logits.npy"), logits.flatten().tolist(), list(logits.shape))
     # Fresh state, then the reference's decode path (reference quirk: reset the compressor states, §7.2).
@@ -182,6 +332,8 @@ def main():
             module.kv_state.zero_()
             module.score_state.fill_(float("-inf"))
     k = t["decode_from"]
+    if recorder:
+        recorder.start("decode")
     model(ids[:, :k].to(args.device), 0)
     for pos in range(k, t["seq"]):
         step = model(ids[:, pos:pos + 1].to(args.device), pos).float().cpu()
@@ -190,9 +342,18 @@ def main():
     with open(os.path.join(out, "golden.json"), "w") as f:
         json.dump({"ids": ids.flatten().tolist(), "decode_from": k, "device": args.device,
                    "reference": "official inference/model.py + tools/reference/kernel_standin.py",
+                   "accumulation": "native" if args.native_accumulation else "exact (float64, one rounding)",
+                   "topk_ties": "torch" if args.torch_topk else "lower index first",
+                   "elementwise": "native" if args.native_elementwise else "one rounding (bf16 rsqrt via fp32)",
                    "prefill_vs_decode_relative_l2": rel}, f, indent=1)
     print(f"wrote {out}: logits {list(logits.shape)}, prefill vs decode relative L2 {rel:.3g}, "
           f"checkpoint {os.path.getsize(os.path.join(out, 'model.safetensors'))} bytes")
+    if recorder:
+        recorder.write_npz(args.dump_intermediates)
+        lines, first = recorder.compare("prefill", "decode")
+        print(f"intermediates -> {args.dump_intermediates}; prefill(40) vs prefill({k}) + decode, per hooked output:")
+        print("\n".join(lines))
+        print("first difference: " + (f"token {first[0]}, {first[1]}" if first else "none (bit-identical)"))
 
 
 if __name__ == "__main__":
