@@ -7,6 +7,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "ops/cuda/skinny_gemm.h"
 
 namespace dsv4::ops::cuda {
 namespace {
@@ -19,14 +20,19 @@ void check(cublasStatus_t status, const char* what) {
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // what cuBLASLt's Hopper kernels ask for at most
 constexpr int kCandidates = 8;                        // heuristic answers timed per shape
 constexpr int kTimedRuns = 5;
-constexpr int64_t kMaxTunedRows =
-    64;  // decode shapes: a bounded set; prefill keeps the heuristic (no stall per length)
+// Decode shapes: a bounded set; prefill keeps the heuristic (no stall per prompt length).
+constexpr int64_t kMaxTunedRows = 64;
 
+bool switched_on(const char* name) {
+  const char* value = std::getenv(name);
+  return value == nullptr || std::string(value) != "0";
+}
 bool autotune_enabled() {
-  static const bool enabled = [] {
-    const char* value = std::getenv("DSV4_GEMM_AUTOTUNE");
-    return value == nullptr || std::string(value) != "0";
-  }();
+  static const bool enabled = switched_on("DSV4_GEMM_AUTOTUNE");
+  return enabled;
+}
+bool skinny_enabled() {  // DSV4_SKINNY_GEMM=0: cuBLASLt only (to measure what ops/cuda/skinny_gemm gains)
+  static const bool enabled = switched_on("DSV4_SKINNY_GEMM");
   return enabled;
 }
 
@@ -36,6 +42,9 @@ struct Gemm::Plan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtMatmulAlgo_t algo{};
+  bool skinny =
+      false;  // ops/cuda/skinny_gemm instead of cuBLASLt (bf16, few rows: the default, or timed faster)
+  SkinnyGemmParams skinny_params;
   ~Plan() {
     if (a) cublasLtMatrixLayoutDestroy(a);
     if (b) cublasLtMatrixLayoutDestroy(b);
@@ -60,7 +69,9 @@ Gemm::~Gemm() {
 // Row-major y = x·Wᵀ is column-major yᵀ [out, rows] = W [in, out]ᵀ · xᵀ [in, rows]: A = W transposed, B = x.
 //
 // The algorithm: at decode shapes cuBLASLt's first heuristic answer is often split-K with a separate
-// reduction kernel (17 extra launches in a 4-layer decode step). So the first call of each decode shape (rows
+// reduction kernel (17 extra launches in a 4-layer decode step), and these stream the weights at ~45 % of the
+// copy bandwidth at one row: ops/cuda/skinny_gemm (bf16, ≤ 8 rows) is one more candidate. So the first call
+// of each decode shape (rows
 // <= 64: a bounded set, where no prefill length stalls on timing) times up to kCandidates heuristic answers
 // on its own operands and keeps the fastest, as TensorRT-LLM's GEMM plugin profiles its tactics. Not during
 // CUDA-graph capture (nothing can be timed there) nor when accumulating into y (the runs would add up): the
@@ -111,9 +122,24 @@ const Gemm::Plan& Gemm::plan(const Key& key, const void* w, const void* x, void*
                 std::to_string(rows) + " x " + std::to_string(in) + "] x [" + std::to_string(in) + " x " +
                 std::to_string(out) + "] product");
   plan->algo = results[0].algo;
+  SkinnyGemmParams& sp = plan->skinny_params;
+  sp.rows = rows;
+  sp.out = out;
+  sp.in = in;
+  sp.w_stride = w_stride;
+  sp.x_stride = x_stride;
+  sp.y_stride = y_stride;
+  sp.batch = batch;
+  sp.w_batch_stride = w_batch;
+  sp.x_batch_stride = x_batch;
+  sp.y_batch_stride = y_batch;
+  sp.bf16_output = output == CUDA_R_16BF;
+  const bool skinny_candidate =
+      skinny_enabled() && operand == CUDA_R_16BF && !accumulate && skinny_gemm_supported(sp, w, x);
+  plan->skinny = skinny_candidate;  // the default where it applies; timing below may overrule it
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  const bool can_time = autotune_enabled() && found > 1 && !accumulate && rows <= kMaxTunedRows &&
-                        cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
+  const bool can_time = autotune_enabled() && (found > 1 || skinny_candidate) && !accumulate &&
+                        rows <= kMaxTunedRows && cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
                         capture == cudaStreamCaptureStatusNone;
   if (can_time) {
     cudaEvent_t start = nullptr, stop = nullptr;
@@ -144,6 +170,15 @@ const Gemm::Plan& Gemm::plan(const Key& key, const void* w, const void* x, void*
         }
       }
       if (first_ms >= 0.0f && first_ms <= best_ms * 1.05f) plan->algo = results[0].algo;
+      if (skinny_candidate && skinny_gemm(sp, w, x, y, stream) == cudaSuccess) {
+        cudaEventRecord(start, stream);
+        for (int r = 0; r < kTimedRuns; ++r) skinny_gemm(sp, w, x, y, stream);
+        cudaEventRecord(stop, stream);
+        float ms = 0.0f;
+        if (cudaEventSynchronize(stop) == cudaSuccess &&
+            cudaEventElapsedTime(&ms, start, stop) == cudaSuccess)
+          plan->skinny = !have_best || ms < best_ms;
+      }
     }
     if (start) cudaEventDestroy(start);
     if (stop) cudaEventDestroy(stop);
@@ -159,6 +194,7 @@ void Gemm::linear(const GemmWeight& w, const void* x, int64_t rows, float* y, cu
   const Key key{static_cast<int>(w.dtype), w.out, w.in, rows, w_stride, x_stride ? x_stride : w.in,
                 y_stride ? y_stride : w.out, beta != 0.0f, 1, 0, 0, 0, static_cast<int>(GemmDtype::kF32)};
   const Plan& p = plan(key, w.data, x, y, stream);
+  if (p.skinny && skinny_gemm(p.skinny_params, w.data, x, y, stream) == cudaSuccess) return;
   const float alpha = 1.0f;
   check(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), p.op, &alpha, w.data, p.a, x, p.b, &beta, y, p.c, y,
                        p.c, &p.algo, workspace_, workspace_bytes_, stream),
@@ -174,6 +210,7 @@ void Gemm::linear_batched(const GemmWeight& w, int64_t batch, int64_t w_batch_st
                 y_stride ? y_stride : w.out, false, batch, w_batch_stride, x_batch_stride, y_batch_stride,
                 static_cast<int>(y_dtype)};
   const Plan& p = plan(key, w.data, x, y, stream);
+  if (p.skinny && skinny_gemm(p.skinny_params, w.data, x, y, stream) == cudaSuccess) return;
   const float alpha = 1.0f, beta = 0.0f;
   check(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), p.op, &alpha, w.data, p.a, x, p.b, &beta, y, p.c, y,
                        p.c, &p.algo, workspace_, workspace_bytes_, stream),

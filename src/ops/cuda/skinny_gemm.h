@@ -1,0 +1,40 @@
+// y [rows, out] = x [rows, in] · Wᵀ for the few rows of a decode step (rows ≤ kSkinnyMaxRows), bf16 W and x,
+// fp32 accumulation, fp32 or bf16 y; strided batches as ops/cuda/gemm.h's linear_batched.
+//
+// Why hand-written: at one to eight rows the product is a pure weight stream (bytes = out · in · 2), but
+// cuBLASLt's kernels for these shapes reached ~45 % of the copy bandwidth on the H200 (ncu of a V4-Flash
+// decode step: 12-CTA split-K grids plus a separate reduction launch for the 1024-wide projections). Here
+// each CTA owns 4 output rows and its 8 warps split `in` 8 ways, so even a 1024-row projection fills 256
+// CTAs; every lane streams 16-byte vectors of the 4 weight rows and reuses each x vector for all 4. The warp
+// partials are summed in a fixed order (deterministic). gemm.cu times it against cuBLASLt's candidates per
+// shape and keeps the faster.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace dsv4::ops::cuda {
+
+inline constexpr int64_t kSkinnyMaxRows = 8;
+
+struct SkinnyGemmParams {
+  int64_t rows = 0;  // ≤ kSkinnyMaxRows
+  int64_t out = 0;
+  int64_t in = 0;        // multiple of 8
+  int64_t w_stride = 0;  // elements between rows of W (multiple of 8)
+  int64_t x_stride = 0;  // elements between rows of x (multiple of 8)
+  int64_t y_stride = 0;  // elements between rows of y
+  int64_t batch = 1;
+  int64_t w_batch_stride = 0, x_batch_stride = 0,
+          y_batch_stride = 0;  // elements (multiples of 8 for W and x)
+  bool bf16_output = false;    // y rounded to bf16 (round to nearest even) instead of fp32
+};
+
+// Whether the kernel takes these shapes and pointers (16-byte aligned W and x).
+bool skinny_gemm_supported(const SkinnyGemmParams& p, const void* w, const void* x);
+
+// W, x: bf16 device arrays; y fp32 or bf16. cudaErrorInvalidValue when !skinny_gemm_supported.
+cudaError_t skinny_gemm(const SkinnyGemmParams& p, const void* w, const void* x, void* y,
+                        cudaStream_t stream);
+
+}  // namespace dsv4::ops::cuda

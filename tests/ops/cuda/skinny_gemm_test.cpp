@@ -1,0 +1,137 @@
+// The decode-shaped bf16 GEMM (ops/cuda/skinny_gemm.h) against a naive fp64 product of the same bf16 values:
+// 1..8 rows, output counts that are not multiples of the 4-row CTA, `in` not a multiple of the 2048-wide CTA
+// step, padded strides, a strided batch over column slices of x, one x for two weights (x batch stride 0), bf16
+// output; poisoned outputs, bitwise repeat, rejected shapes.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "core/dtype.h"
+#include "ops/cuda/skinny_gemm.h"
+#include "small_ops_util.h"
+
+namespace dsv4::ops::cuda {
+namespace {
+
+using testing::small_ops::bitwise_equal;
+using testing::small_ops::DeviceArray;
+
+class CudaSkinnyGemm : public testing::small_ops::GpuTest {};
+
+std::vector<uint16_t> random_bf16(size_t count, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.05f, 1.0f);
+  std::vector<uint16_t> v(count);
+  for (auto& x : v) x = f32_to_bf16(normal(rng));
+  return v;
+}
+
+void check(const SkinnyGemmParams& p, uint32_t seed) {
+  SCOPED_TRACE(::testing::Message() << "rows " << p.rows << " out " << p.out << " in " << p.in << " batch " << p.batch
+                                    << (p.bf16_output ? " bf16 out" : ""));
+  const int64_t w_count = (p.batch - 1) * p.w_batch_stride + (p.out - 1) * p.w_stride + p.in;
+  const int64_t x_count = (p.batch - 1) * p.x_batch_stride + (p.rows - 1) * p.x_stride + p.in;
+  const int64_t y_count = (p.batch - 1) * p.y_batch_stride + (p.rows - 1) * p.y_stride + p.out;
+  const auto w = random_bf16(static_cast<size_t>(w_count), seed), x = random_bf16(static_cast<size_t>(x_count), seed + 1);
+  DeviceArray<uint16_t> dw(w), dx(x);
+  DeviceArray<float> dy32(static_cast<size_t>(y_count));
+  DeviceArray<uint16_t> dy16(static_cast<size_t>(y_count));
+  void* y = p.bf16_output ? static_cast<void*>(dy16.get()) : static_cast<void*>(dy32.get());
+  ASSERT_TRUE(skinny_gemm_supported(p, dw.get(), dx.get()));
+  ASSERT_EQ(skinny_gemm(p, dw.get(), dx.get(), y, nullptr), cudaSuccess);
+  std::vector<float> actual(static_cast<size_t>(y_count));
+  if (p.bf16_output) {
+    const auto bits = dy16.download();
+    for (size_t i = 0; i < bits.size(); ++i) actual[i] = bf16_to_f32(bits[i]);
+  } else {
+    actual = dy32.download();
+  }
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t t = 0; t < p.rows; ++t)
+      for (int64_t o = 0; o < p.out; ++o) {
+        double sum = 0, magnitude = 0;
+        for (int64_t i = 0; i < p.in; ++i) {
+          const double product = static_cast<double>(bf16_to_f32(w[b * p.w_batch_stride + o * p.w_stride + i])) *
+                                 bf16_to_f32(x[b * p.x_batch_stride + t * p.x_stride + i]);
+          sum += product;
+          magnitude += std::abs(product);
+        }
+        const float got = actual[static_cast<size_t>(b * p.y_batch_stride + t * p.y_stride + o)];
+        // fp32 accumulation: error ≲ in · 2^-24 · Σ|products|; bf16 output adds half an ulp of the result.
+        const double bound = 1e-6 * magnitude + (p.bf16_output ? std::abs(sum) / 256 : 0.0);
+        ASSERT_NEAR(got, sum, bound) << "batch " << b << " row " << t << " out " << o;
+      }
+  // Outputs between the rows' strides are untouched (still the poison), and the result repeats bitwise.
+  if (!p.bf16_output && p.y_stride > p.out) {
+    const auto raw = dy32.download();
+    EXPECT_TRUE(std::isnan(raw[static_cast<size_t>(p.out)])) << "wrote past a row";
+  }
+  ASSERT_EQ(skinny_gemm(p, dw.get(), dx.get(), y, nullptr), cudaSuccess);
+  if (!p.bf16_output) {
+    EXPECT_TRUE(bitwise_equal(dy32.download(), actual)) << "not bitwise repeatable";
+  }
+}
+
+SkinnyGemmParams plain(int64_t rows, int64_t out, int64_t in) {
+  SkinnyGemmParams p;
+  p.rows = rows;
+  p.out = out;
+  p.in = in;
+  p.w_stride = in;
+  p.x_stride = in;
+  p.y_stride = out;
+  return p;
+}
+
+TEST_F(CudaSkinnyGemm, DecodeShapesMatchNaiveProduct) {
+  uint32_t seed = 1;
+  for (const int64_t rows : {1, 2, 3, 5, 8}) {
+    check(plain(rows, 1024, 4096), seed++);  // wq_a
+    check(plain(rows, 37, 1024), seed++);    // out not a multiple of 4
+    check(plain(rows, 64, 4104), seed++);    // in not a multiple of the CTA's 2048-element step
+  }
+  check(plain(1, 4096, 8192), seed++);  // wo_b
+}
+
+TEST_F(CudaSkinnyGemm, StridesBatchesAndBf16Output) {
+  // wo_a: 4 groups, group g reads columns [g·256, (g+1)·256) of x and writes its slice of y, in bf16.
+  SkinnyGemmParams grouped = plain(3, 32, 256);
+  grouped.batch = 4;
+  grouped.w_batch_stride = 32 * 256;
+  grouped.x_stride = 4 * 256;
+  grouped.x_batch_stride = 256;
+  grouped.y_stride = 4 * 32;
+  grouped.y_batch_stride = 32;
+  grouped.bf16_output = true;
+  check(grouped, 11);
+  // The compressor's wkv ‖ wgate: one x, two weights, outputs one after the other.
+  SkinnyGemmParams pair = plain(2, 48, 512);
+  pair.batch = 2;
+  pair.w_batch_stride = 48 * 512;
+  pair.x_batch_stride = 0;
+  pair.y_batch_stride = 2 * 48;
+  check(pair, 12);
+  // Padded row strides of W, x and y.
+  SkinnyGemmParams padded = plain(4, 20, 96);
+  padded.w_stride = 104;
+  padded.x_stride = 112;
+  padded.y_stride = 25;
+  check(padded, 13);
+}
+
+TEST_F(CudaSkinnyGemm, RejectsWhatItDoesNotTake) {
+  DeviceArray<uint16_t> buffer(4096);
+  SkinnyGemmParams p = plain(9, 16, 64);  // too many rows
+  EXPECT_FALSE(skinny_gemm_supported(p, buffer.get(), buffer.get()));
+  EXPECT_EQ(skinny_gemm(p, buffer.get(), buffer.get(), buffer.get(), nullptr), cudaErrorInvalidValue);
+  p = plain(1, 16, 60);  // in not a multiple of 8
+  EXPECT_FALSE(skinny_gemm_supported(p, buffer.get(), buffer.get()));
+  p = plain(1, 16, 64);  // misaligned x
+  EXPECT_FALSE(skinny_gemm_supported(p, buffer.get(), buffer.get() + 1));
+  EXPECT_TRUE(skinny_gemm_supported(p, buffer.get(), buffer.get()));
+}
+
+}  // namespace
+}  // namespace dsv4::ops::cuda
