@@ -196,6 +196,9 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
   float* x = collapsed + t * D;
   const int64_t n = D / VEC;
   float sum_squares = 0.0f;
+  // Unrolled so a thread's loads of all its columns (4 × 4 float4 at D = 4096) are in flight together: one
+  // memory latency instead of one per column step (the kernel took 10 µs per call at decode before).
+#pragma unroll 4
   for (int64_t c = threadIdx.x; c < n; c += kThreads) {
     V sum = zero_vec(V{});
 #pragma unroll
