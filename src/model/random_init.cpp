@@ -119,6 +119,25 @@ ModelWeights random_weights(const ModelConfig& config, uint64_t seed) {
   return ModelWeights::from_tensors(config, random_tensors(config, seed));
 }
 
+RandomWeightSource::RandomWeightSource(ModelConfig config, uint64_t seed) : config_(std::move(config)), seed_(seed) {
+  for (const auto& spec : checkpoint_tensors(config_)) specs_.emplace(spec.name, spec);
+}
+
+Tensor RandomWeightSource::generate(const std::string& name) const {
+  return random_tensor(config_, specs_.at(name), seed_);
+}
+
+ModelWeights RandomWeightSource::globals() {
+  return assemble_global_weights([this](const std::string& name) { return generate(name); });
+}
+
+LayerWeights RandomWeightSource::layer(int64_t index) {
+  DSV4_CHECK(index >= 0 && index < config_.num_hidden_layers,
+             "layer " + std::to_string(index) + " outside the config's " + std::to_string(config_.num_hidden_layers) +
+                 " layers");
+  return assemble_layer_weights(config_, index, [this](const std::string& name) { return generate(name); });
+}
+
 void write_random_model(const ModelConfig& config, uint64_t seed, StorageDType dtype, const std::string& out_dir,
                         const std::string& tokenizer_path) {
   namespace fs = std::filesystem;
