@@ -24,7 +24,11 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 void add_common(CLI::App* cmd, BenchOfflineOptions& o) {
-  cmd->add_option("--model", o.model_dir, "HF model directory (default: the embedded tiny model)");
+  cmd->add_option("--model", o.model_dir,
+                  "HF model directory, or a config .json with --load-format dummy (default: the embedded tiny model)");
+  cmd->add_option("--load-format", o.load_format,
+                  "auto (read the checkpoint) or dummy (random weights of the config, seeded by --seed)")
+      ->capture_default_str();
   cmd->add_option("--device", o.device, "auto, cpu, cuda or cuda:N")->capture_default_str();
   cmd->add_option("--dtype", o.dtype, "CUDA precision: auto/bf16 or f32")->capture_default_str();
   cmd->add_option("--gpu-memory-utilization", o.gpu_memory_utilization, "CUDA: share of device memory")
@@ -36,7 +40,8 @@ void add_common(CLI::App* cmd, BenchOfflineOptions& o) {
   cmd->add_option("--max-num-batched-tokens", o.max_num_batched_tokens, "token budget of one step")
       ->capture_default_str();
   cmd->add_flag("--enable-prefix-caching", o.enable_prefix_caching, "keep prefix caching on");
-  cmd->add_option("--seed", o.seed, "seeds the random prompts")->capture_default_str();
+  cmd->add_option("--seed", o.seed, "seeds the random prompts (and the weights with --load-format dummy)")
+      ->capture_default_str();
   cmd->add_option("--output-json", o.output_json, "write the results as JSON");
 }
 
@@ -51,6 +56,8 @@ Setup make_setup(const BenchOfflineOptions& o) {
   backend.device = o.device;
   backend.dtype = o.dtype;
   backend.gpu_memory_utilization = o.gpu_memory_utilization;
+  backend.load_format = o.load_format;
+  backend.dummy_seed = o.seed;
   Setup setup{load_backend(o.model_dir, backend), {}};
   setup.engine.max_num_seqs = o.max_num_seqs;
   setup.engine.max_num_batched_tokens = o.max_num_batched_tokens;

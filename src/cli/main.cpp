@@ -32,7 +32,11 @@ int main(int argc, char** argv) {
 
   dsv4::cli::GenerateOptions gen;
   auto* generate_cmd = app.add_subcommand("generate", "Greedy generation from token ids");
-  generate_cmd->add_option("--model", gen.model_dir, "HF model directory (default: the embedded tiny model)");
+  generate_cmd->add_option("--model", gen.model_dir,
+                           "HF model directory, or a config .json with --load-format dummy (default: the embedded "
+                           "tiny model)");
+  generate_cmd->add_option("--load-format", gen.load_format,
+                           "auto (read the checkpoint) or dummy (random weights of the config, seeded by --seed)");
   auto* ids_option = generate_cmd->add_option("--ids", gen.ids, "comma-separated prompt token ids");
   generate_cmd->add_option("--prompt", gen.prompt, "prompt text (the user message with --chat)")->excludes(ids_option);
   generate_cmd->add_option("--tokenizer", gen.tokenizer_path, "tokenizer.json or its directory");
@@ -43,7 +47,8 @@ int main(int argc, char** argv) {
   generate_cmd->add_option("--top-p", gen.top_p, "nucleus sampling mass");
   generate_cmd->add_option("--top-k", gen.top_k, "keep the k most likely tokens (-1: all)");
   generate_cmd->add_option("--min-p", gen.min_p, "drop tokens below min_p x the top probability");
-  generate_cmd->add_option("--seed", gen.seed, "per-request seed (reproducible sampling)");
+  generate_cmd->add_option("--seed", gen.seed,
+                           "per-request seed (reproducible sampling); with --load-format dummy also the weights'");
   generate_cmd->add_option("-n,--n", gen.n, "parallel samples of the prompt (seed + i each)");
   generate_cmd->add_option("--stop", gen.stop, "stop string, not emitted (repeatable; with --prompt)");
   generate_cmd->add_option("--max-tokens", gen.max_tokens, "tokens to generate");

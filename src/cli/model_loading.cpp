@@ -16,34 +16,43 @@ namespace dsv4::cli {
 
 namespace {
 
-struct Checkpoint {
-  ModelConfig config;
-  ModelWeights weights;
-};
-
-Checkpoint load_checkpoint(const std::string& model_dir, const std::string& numerics) {
+Numerics parse_numerics(const std::string& numerics) {
   DSV4_CHECK(numerics == "hf" || numerics == "deepseek", "--numerics '" + numerics + "': expected hf or deepseek");
-  const Numerics mode = numerics == "deepseek" ? Numerics::kDeepSeek : Numerics::kHf;
-  if (model_dir.empty()) {
-    ModelConfig config = ModelConfig::preset("tiny");
-    config.numerics = mode;
-    ModelWeights weights = random_weights(config, kDefaultModelSeed);
-    return {std::move(config), std::move(weights)};
+  return numerics == "deepseek" ? Numerics::kDeepSeek : Numerics::kHf;
+}
+
+// The config of `model_dir`: the embedded default's when empty; with `config_file_allowed` (--load-format dummy)
+// a .json file is the config itself, otherwise a file is a .safetensors next to its config.json.
+ModelConfig model_config(const std::string& model_dir, Numerics numerics, bool config_file_allowed) {
+  ModelConfig config = ModelConfig::preset("tiny");
+  if (!model_dir.empty()) {
+    namespace fs = std::filesystem;
+    DSV4_CHECK(fs::exists(model_dir), "model '" + model_dir + "' does not exist");
+    const fs::path path(model_dir);
+    const fs::path config_path = fs::is_directory(path) ? path / "config.json"
+                                 : config_file_allowed ? path
+                                                       : path.parent_path() / "config.json";
+    config = ModelConfig::from_file(config_path.string());
   }
-  namespace fs = std::filesystem;
-  DSV4_CHECK(fs::exists(model_dir), "model '" + model_dir + "' does not exist");
-  const fs::path dir = fs::is_directory(model_dir) ? fs::path(model_dir) : fs::path(model_dir).parent_path();
-  ModelConfig config = ModelConfig::from_file((dir / "config.json").string());
-  config.numerics = mode;
-  ModelWeights weights = ModelWeights::load(config, model_dir);
-  return {std::move(config), std::move(weights)};
+  config.numerics = numerics;
+  return config;
+}
+
+// Where the weights of `model_dir` come from: the checkpoint, or random values (the embedded default: seed
+// kDefaultModelSeed; --load-format dummy: its seed).
+std::unique_ptr<ModelWeightSource> weight_source(const ModelConfig& config, const std::string& model_dir,
+                                                 const std::string& load_format, uint64_t dummy_seed) {
+  if (load_format == "dummy") return std::make_unique<RandomWeightSource>(config, dummy_seed);
+  if (model_dir.empty()) return std::make_unique<RandomWeightSource>(config, kDefaultModelSeed);
+  return std::make_unique<CheckpointWeightSource>(config, model_dir);
 }
 
 }  // namespace
 
 DeepseekV4Model load_model(const std::string& model_dir, const std::string& numerics) {
-  Checkpoint checkpoint = load_checkpoint(model_dir, numerics);
-  return DeepseekV4Model(std::move(checkpoint.config), std::move(checkpoint.weights));
+  ModelConfig config = model_config(model_dir, parse_numerics(numerics), /*config_file_allowed=*/false);
+  const auto source = weight_source(config, model_dir, "auto", kDefaultModelSeed);
+  return DeepseekV4Model(std::move(config), ModelWeights::from_source(*source));
 }
 
 LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& options) {
@@ -55,17 +64,20 @@ LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& o
              "--dtype '" + options.dtype + "': expected auto, bf16 or f32");
   DSV4_CHECK(options.gpu_memory_utilization > 0 && options.gpu_memory_utilization <= 1,
              "--gpu-memory-utilization must be in (0, 1]");
+  DSV4_CHECK(options.load_format == "auto" || options.load_format == "dummy",
+             "--load-format '" + options.load_format + "': expected auto or dummy");
   bool cuda = device != "cpu" && device != "auto";
 #ifdef DSV4_HAVE_CUDA
   if (device == "auto") cuda = cuda_device_available() && options.numerics == "hf";
 #else
   DSV4_CHECK(!cuda, "--device " + device + ": this build has no CUDA backend (nvcc was not found at configure time)");
 #endif
-  Checkpoint checkpoint = load_checkpoint(model_dir, options.numerics);
+  ModelConfig config = model_config(model_dir, parse_numerics(options.numerics), options.load_format == "dummy");
+  const auto source = weight_source(config, model_dir, options.load_format, options.dummy_seed);
   LoadedBackend loaded;
   loaded.gpu_memory_utilization = options.gpu_memory_utilization;
   if (!cuda) {
-    loaded.cpu_model = std::make_unique<DeepseekV4Model>(std::move(checkpoint.config), std::move(checkpoint.weights));
+    loaded.cpu_model = std::make_unique<DeepseekV4Model>(std::move(config), ModelWeights::from_source(*source));
     loaded.backend = std::make_unique<CpuModelBackend>(*loaded.cpu_model);
     return loaded;
   }
@@ -88,7 +100,7 @@ LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& o
   cuda_options.cuda_graphs = !switched_off("DSV4_CUDA_GRAPHS");
   cuda_options.indexer_stream = !switched_off("DSV4_INDEXER_STREAM");
   cuda_options.device_sampling = !switched_off("DSV4_DEVICE_SAMPLING");
-  loaded.backend = std::make_unique<DeepseekV4CudaModel>(std::move(checkpoint.config), checkpoint.weights, cuda_options);
+  loaded.backend = std::make_unique<DeepseekV4CudaModel>(std::move(config), *source, cuda_options);
   loaded.on_cuda = true;
 #endif
   return loaded;

@@ -24,6 +24,11 @@ struct BackendOptions {
   std::string dtype = "auto";
   std::string numerics = "hf";
   double gpu_memory_utilization = 0.9;  // CUDA: the share of device memory weights + cache may use
+  // vLLM's --load-format: "auto" reads the checkpoint; "dummy" gives random weights (random_init.h, `dummy_seed`)
+  // of the config at the model path (a directory holding config.json, or a config .json file) and reads no
+  // safetensors: benchmark any shape without writing a checkpoint.
+  std::string load_format = "auto";
+  uint64_t dummy_seed = 0;
 };
 
 // A model ready for the engine. `cpu_model` is set (and `backend` wraps it) on the CPU.
@@ -36,6 +41,8 @@ struct LoadedBackend {
   int64_t cache_bytes(int64_t requested_bytes, bool explicitly_requested, int64_t max_batched_tokens) const;
   double gpu_memory_utilization = 0.9;
 };
+// On CUDA the weights are streamed (model/weights.h ModelWeightSource): host memory holds one layer at a time,
+// so a model whose fp32 copy exceeds host memory loads.
 LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& options);
 
 // The tokenizer for text in/out: `explicit_path`, else the model directory's tokenizer.json, else the DeepSeek

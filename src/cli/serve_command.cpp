@@ -13,7 +13,10 @@ namespace dsv4::cli {
 
 CLI::App* add_serve_command(CLI::App& app, ServeOptions& o) {
   auto* cmd = app.add_subcommand("serve", "OpenAI-compatible HTTP server (vLLM's flags)");
-  cmd->add_option("model", o.model_dir, "HF model directory (default: the embedded tiny model)");
+  cmd->add_option("model", o.model_dir,
+                  "HF model directory, or a config .json with --load-format dummy (default: the embedded tiny model)");
+  cmd->add_option("--load-format", o.load_format,
+                  "auto (read the checkpoint) or dummy (random weights of the config, seed 0; no safetensors read)");
   cmd->add_option("--tokenizer", o.tokenizer_path, "tokenizer.json or its directory");
   cmd->add_option("--host", o.host, "address to bind (loopback unless told otherwise)");
   cmd->add_option("--port", o.port, "TCP port (0: any free port, printed at start)")->check(CLI::Range(0, 65535));
@@ -46,6 +49,7 @@ int serve(const ServeOptions& options) {
   backend_options.device = options.device;
   backend_options.dtype = options.dtype;
   backend_options.gpu_memory_utilization = options.gpu_memory_utilization;
+  backend_options.load_format = options.load_format;
   LoadedBackend loaded = load_backend(options.model_dir, backend_options);
   ModelBackend& model = *loaded.backend;
   const Tokenizer tokenizer = load_tokenizer(options.tokenizer_path, options.model_dir);

@@ -22,6 +22,7 @@ struct ServeOptions {
   int64_t max_num_batched_tokens = 2048;
   std::string device = "auto", dtype = "auto";  // cli/model_loading.h BackendOptions
   double gpu_memory_utilization = 0.9;
+  std::string load_format = "auto";  // auto or dummy (random weights of the config, seed 0)
   double kv_cache_gib = 1.0;
   bool kv_cache_gib_given = false;  // sizes the cache on CUDA too when given
   bool enable_prefix_caching = true;

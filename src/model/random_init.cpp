@@ -10,22 +10,29 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/thread_pool.h"
 #include "model/safetensors.h"
 
 namespace dsv4 {
 namespace {
 
-// SplitMix64: a tiny, portable generator (std::normal_distribution differs between standard libraries).
+// SplitMix64: a tiny, portable generator (std::normal_distribution differs between standard libraries). It is
+// counter-based (each draw adds one constant to the state), so the generator k draws ahead is one multiply away:
+// that lets a fill start every chunk exactly where the sequential loop would be.
+constexpr uint64_t kSplitMixIncrement = 0x9e3779b97f4a7c15ull;
 struct Random {
   uint64_t state;
+  Random ahead(uint64_t draws) const { return Random{state + draws * kSplitMixIncrement}; }  // mod 2^64, as next()
   uint64_t next() {
-    uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+    uint64_t z = (state += kSplitMixIncrement);
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     return z ^ (z >> 31);
   }
   double uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }  // [0, 1)
-  double normal() {  // Box-Muller
+  static constexpr uint64_t kDrawsPerNormal = 2;
+  static constexpr uint64_t kDrawsPerUniform = 1;
+  double normal() {  // Box-Muller: kDrawsPerNormal draws
     const double u1 = 1.0 - uniform(), u2 = uniform();
     return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2);
   }
@@ -37,11 +44,26 @@ uint64_t hash_name(const std::string& name, uint64_t seed) {
   return h;
 }
 
+// Elements per parallel chunk: large enough that the jump-ahead and scheduling are noise.
+constexpr int64_t kFillGrain = int64_t{1} << 15;
+
+// data[i] = draw(the generator `draws_per_element`·i draws after `start`), over the thread pool. Every element
+// consumes the same number of draws, so each chunk jumps to its first element's state and the result is the
+// sequential loop's bit for bit, whatever the thread count.
+template <typename Draw>
+void parallel_fill(std::vector<float>& data, Random start, uint64_t draws_per_element, const Draw& draw) {
+  ThreadPool::global().parallel_for(static_cast<int64_t>(data.size()), [&](int64_t begin, int64_t end) {
+    Random random = start.ahead(draws_per_element * static_cast<uint64_t>(begin));
+    for (int64_t i = begin; i < end; ++i) data[static_cast<size_t>(i)] = draw(random);
+  }, kFillGrain);
+}
+
 Tensor random_tensor(const ModelConfig& config, const TensorSpec& spec, uint64_t seed) {
   Random random{hash_name(spec.name, seed)};
   Tensor tensor(spec.shape);
   auto normal = [&](double stddev, double mean = 0.0) {
-    for (float& value : tensor.data) value = static_cast<float>(mean + stddev * random.normal());
+    parallel_fill(tensor.data, random, Random::kDrawsPerNormal,
+                  [=](Random& r) { return static_cast<float>(mean + stddev * r.normal()); });
   };
   switch (spec.role) {
     case TensorRole::kLinear: normal(1.0 / std::sqrt(static_cast<double>(spec.shape.back()))); break;
@@ -50,13 +72,14 @@ Tensor random_tensor(const ModelConfig& config, const TensorSpec& spec, uint64_t
     case TensorRole::kHcFn: normal(1.0 / std::sqrt(static_cast<double>(spec.shape.back()))); break;
     case TensorRole::kHcBase: normal(0.5); break;
     case TensorRole::kHcScale:
-      for (float& value : tensor.data) value = static_cast<float>(0.5 + random.uniform());
+      parallel_fill(tensor.data, random, Random::kDrawsPerUniform,
+                    [](Random& r) { return static_cast<float>(0.5 + r.uniform()); });
       break;
     case TensorRole::kSink: normal(0.5); break;
     case TensorRole::kPositionBias: normal(0.5); break;
     case TensorRole::kRouterBias: normal(0.1); break;
     case TensorRole::kHashTable: {
-      // Each row: top_k distinct experts (a partial Fisher-Yates shuffle).
+      // Each row: top_k distinct experts (a partial Fisher-Yates shuffle). Sequential: [vocab, top_k] is small.
       const int64_t experts = config.n_routed_experts, top_k = spec.shape[1];
       std::vector<int32_t> ids(static_cast<size_t>(experts));
       for (int64_t row = 0; row < spec.shape[0]; ++row) {
@@ -96,6 +119,25 @@ ModelWeights random_weights(const ModelConfig& config, uint64_t seed) {
   return ModelWeights::from_tensors(config, random_tensors(config, seed));
 }
 
+RandomWeightSource::RandomWeightSource(ModelConfig config, uint64_t seed) : config_(std::move(config)), seed_(seed) {
+  for (const auto& spec : checkpoint_tensors(config_)) specs_.emplace(spec.name, spec);
+}
+
+Tensor RandomWeightSource::generate(const std::string& name) const {
+  return random_tensor(config_, specs_.at(name), seed_);
+}
+
+ModelWeights RandomWeightSource::globals() {
+  return assemble_global_weights([this](const std::string& name) { return generate(name); });
+}
+
+LayerWeights RandomWeightSource::layer(int64_t index) {
+  DSV4_CHECK(index >= 0 && index < config_.num_hidden_layers,
+             "layer " + std::to_string(index) + " outside the config's " + std::to_string(config_.num_hidden_layers) +
+                 " layers");
+  return assemble_layer_weights(config_, index, [this](const std::string& name) { return generate(name); });
+}
+
 void write_random_model(const ModelConfig& config, uint64_t seed, StorageDType dtype, const std::string& out_dir,
                         const std::string& tokenizer_path) {
   namespace fs = std::filesystem;
@@ -121,10 +163,12 @@ void write_random_model(const ModelConfig& config, uint64_t seed, StorageDType d
     } else if (dtype == StorageDType::kBF16) {
       entry.dtype = DType::kBF16;
       entry.bytes.resize(tensor.data.size() * 2);
-      for (size_t i = 0; i < tensor.data.size(); ++i) {
-        const uint16_t bits = f32_to_bf16(tensor.data[i]);
-        std::memcpy(&entry.bytes[i * 2], &bits, 2);
-      }
+      ThreadPool::global().parallel_for(static_cast<int64_t>(tensor.data.size()), [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          const uint16_t bits = f32_to_bf16(tensor.data[static_cast<size_t>(i)]);
+          std::memcpy(&entry.bytes[static_cast<size_t>(i) * 2], &bits, 2);
+        }
+      }, kFillGrain);
     } else {
       entry.bytes.resize(tensor.data.size() * sizeof(float));
       std::memcpy(entry.bytes.data(), tensor.data.data(), entry.bytes.size());

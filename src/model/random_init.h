@@ -3,6 +3,7 @@
 // so tests exercise every term; hash tables get distinct experts per row.
 #pragma once
 #include <cstdint>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -17,6 +18,23 @@ namespace dsv4 {
 std::vector<std::pair<std::string, Tensor>> random_tensors(const ModelConfig& config, uint64_t seed);
 // The same values as fp32 weights in memory (the embedded default model, tests, benchmarks).
 ModelWeights random_weights(const ModelConfig& config, uint64_t seed);
+
+// The same tensors again (names, values), generated a piece at a time when asked for: a random model of any size
+// with host memory for one layer (`--load-format dummy` on the GPU backend).
+class RandomWeightSource final : public ModelWeightSource {
+ public:
+  RandomWeightSource(ModelConfig config, uint64_t seed);
+  const ModelConfig& config() const override { return config_; }
+  ModelWeights globals() override;
+  LayerWeights layer(int64_t index) override;
+
+ private:
+  Tensor generate(const std::string& name) const;
+
+  ModelConfig config_;
+  uint64_t seed_;
+  std::map<std::string, TensorSpec> specs_;  // checkpoint_tensors(config_) by name
+};
 
 enum class StorageDType { kF32, kBF16 };
 

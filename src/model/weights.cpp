@@ -34,47 +34,72 @@ std::string list_names(const std::vector<std::string>& names, size_t limit = 12)
 constexpr float kFp4Values[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                   -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
-// Reads one checkpoint tensor as fp32 with the logical shape `expected`, dequantizing block-scaled FP8
-// ([out, in] e4m3 with [ceil(out/128), ceil(in/128)] scales) and packed FP4 ([out, in/2] bytes with
-// [out, in/32] scales).
-Tensor read_tensor(const SafetensorsArchive& archive, const std::string& stored_name, const TensorInfo& info,
-                   const std::string* scale_name, const TensorSpec& spec, std::vector<std::string>& errors) {
+// Whether a stored tensor (with its scale companion when `scale_info` is set) can become the fp32 tensor `spec`
+// describes: block-scaled FP8 ([out, in] e4m3 with [ceil(out/128), ceil(in/128)] scales), packed FP4 ([out, in/2]
+// bytes with [out, in/32] scales) or a plain dtype of the logical shape. Appends the reason to `errors` when not.
+// Header fields only: no data is touched.
+bool check_stored_tensor(const std::string& stored_name, const TensorInfo& info, const std::string& scale_name,
+                         const TensorInfo* scale_info, const TensorSpec& spec, std::vector<std::string>& errors) {
   const std::vector<int64_t>& expected = spec.shape;
   // Expert ids must be integers; everything else a float dtype (or FP8/FP4 bytes with a scale tensor).
   const bool integer = info.dtype == DType::kI64 || info.dtype == DType::kI32;
   const bool plain_float = info.dtype == DType::kF32 || info.dtype == DType::kBF16 || info.dtype == DType::kF16;
-  if ((spec.role == TensorRole::kHashTable) != integer || (!integer && !plain_float && !scale_name)) {
+  if ((spec.role == TensorRole::kHashTable) != integer || (!integer && !plain_float && !scale_info)) {
     errors.push_back(stored_name + ": dtype " + std::string(dtype_name(info.dtype)) + " is not valid for this tensor" +
                      (spec.role == TensorRole::kHashTable ? " (expected I64 or I32)" : " (expected F32, BF16 or F16)"));
-    return Tensor{};
+    return false;
   }
   auto mismatch = [&](const std::vector<int64_t>& shape) {
     errors.push_back(stored_name + ": shape " + shape_string(shape) + " (" + std::string(dtype_name(info.dtype)) +
                      "), expected " + shape_string(expected));
-    return Tensor{};
+    return false;
   };
-  const bool packed_fp4 = scale_name && (info.dtype == DType::kI8 || info.dtype == DType::kU8);
+  const bool packed_fp4 = scale_info && (info.dtype == DType::kI8 || info.dtype == DType::kU8);
   if (!packed_fp4 && info.shape != expected) return mismatch(info.shape);
   if (packed_fp4 && (expected.size() != 2 || info.shape.size() != 2 || info.shape[0] != expected[0] ||
                      info.shape[1] * 2 != expected[1]))
     return mismatch(info.shape);
-  Tensor tensor(expected);
-  if (!scale_name) {
-    tensor.data = archive.read_f32(stored_name);
-    return tensor;
-  }
-  const auto* scale_entry = archive.find(*scale_name);
-  const std::vector<float> scales = archive.read_f32(*scale_name);
-  const auto& scale_shape = scale_entry->info->shape;
+  if (!scale_info) return true;
+  const auto& scale_shape = scale_info->shape;
   const int64_t rows = expected[0], cols = expected[1];
-  const uint8_t* raw = archive.find(stored_name)->file->data(info);
   if (packed_fp4) {
     const int64_t groups = (cols + 31) / 32;
     if (scale_shape != std::vector<int64_t>{rows, groups}) {
-      errors.push_back(*scale_name + ": shape " + shape_string(scale_shape) + ", expected " +
+      errors.push_back(scale_name + ": shape " + shape_string(scale_shape) + ", expected " +
                        shape_string({rows, groups}) + " for FP4 weight " + stored_name);
-      return Tensor{};
+      return false;
     }
+    return true;
+  }
+  if (info.dtype != DType::kF8E4M3) {
+    errors.push_back(stored_name + ": has scale " + scale_name + " but dtype " + std::string(dtype_name(info.dtype)));
+    return false;
+  }
+  const int64_t block_rows = (rows + 127) / 128, block_cols = (cols + 127) / 128;
+  if (scale_shape != std::vector<int64_t>{block_rows, block_cols}) {
+    errors.push_back(scale_name + ": shape " + shape_string(scale_shape) + ", expected " +
+                     shape_string({block_rows, block_cols}) + " (128x128 blocks of " + stored_name + ")");
+    return false;
+  }
+  return true;
+}
+
+// Reads a tensor check_stored_tensor accepted as fp32 of its logical shape, dequantizing FP8 / FP4.
+Tensor read_tensor(const SafetensorsArchive& archive, const std::string& stored_name, const std::string& scale_name,
+                   const TensorSpec& spec) {
+  if (scale_name.empty()) {
+    Tensor tensor;
+    tensor.shape = spec.shape;
+    tensor.data = archive.read_f32(stored_name);
+    return tensor;
+  }
+  Tensor tensor(spec.shape);
+  const SafetensorsArchive::Entry& entry = *archive.find(stored_name);
+  const std::vector<float> scales = archive.read_f32(scale_name);
+  const int64_t rows = spec.shape[0], cols = spec.shape[1];
+  const uint8_t* raw = entry.file->data(*entry.info);
+  if (entry.info->dtype == DType::kI8 || entry.info->dtype == DType::kU8) {  // packed FP4
+    const int64_t groups = (cols + 31) / 32;
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t c = 0; c < cols; ++c) {
         const uint8_t byte = raw[r * (cols / 2) + c / 2];
@@ -83,16 +108,7 @@ Tensor read_tensor(const SafetensorsArchive& archive, const std::string& stored_
       }
     return tensor;
   }
-  if (info.dtype != DType::kF8E4M3) {
-    errors.push_back(stored_name + ": has scale " + *scale_name + " but dtype " + std::string(dtype_name(info.dtype)));
-    return Tensor{};
-  }
-  const int64_t block_rows = (rows + 127) / 128, block_cols = (cols + 127) / 128;
-  if (scale_shape != std::vector<int64_t>{block_rows, block_cols}) {
-    errors.push_back(*scale_name + ": shape " + shape_string(scale_shape) + ", expected " +
-                     shape_string({block_rows, block_cols}) + " (128x128 blocks of " + stored_name + ")");
-    return Tensor{};
-  }
+  const int64_t block_cols = (cols + 127) / 128;
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c)
       tensor.data[r * cols + c] = f8e4m3_to_f32(raw[r * cols + c]) * scales[(r / 128) * block_cols + c / 128];
@@ -179,8 +195,9 @@ std::vector<TensorSpec> checkpoint_tensors(const ModelConfig& c) {
   return specs;
 }
 
-ModelWeights ModelWeights::load(const ModelConfig& config, const std::string& path) {
-  const SafetensorsArchive archive(path);
+CheckpointWeightSource::CheckpointWeightSource(ModelConfig config, const std::string& path)
+    : config_(std::move(config)), archive_(std::make_unique<SafetensorsArchive>(path)) {
+  const SafetensorsArchive& archive = *archive_;
   // canonical name -> stored name; scale companions and the MTP block are set aside.
   std::map<std::string, std::string> stored;
   std::set<std::string> consumed;
@@ -193,17 +210,15 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::string& pa
     }
     stored[canonical_tensor_name(name)] = name;
   }
-  auto scale_of = [&](const std::string& weight_name) -> const std::string* {
-    static thread_local std::string found;
-    if (!ends_with(weight_name, ".weight")) return nullptr;
+  auto scale_of = [&](const std::string& weight_name) -> std::string {
+    if (!ends_with(weight_name, ".weight")) return {};
     const std::string stem = weight_name.substr(0, weight_name.size() - 7);
     for (const std::string& candidate : {stem + ".scale", weight_name + "_scale_inv", stem + ".weight_scale_inv"})
-      if (name_set.count(candidate)) return &(found = candidate);
-    return nullptr;
+      if (name_set.count(candidate)) return candidate;
+    return {};
   };
   std::vector<std::string> missing, errors;
-  std::vector<std::pair<std::string, Tensor>> tensors;
-  for (const auto& spec : checkpoint_tensors(config)) {
+  for (const auto& spec : checkpoint_tensors(config_)) {
     const auto it = stored.find(spec.name);
     if (it == stored.end()) {
       missing.push_back(spec.name + " " + shape_string(spec.shape));
@@ -211,10 +226,11 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::string& pa
     }
     const std::string& stored_name = it->second;
     consumed.insert(stored_name);
-    const std::string* scale_name = scale_of(stored_name);
-    if (scale_name) consumed.insert(*scale_name);
-    Tensor tensor = read_tensor(archive, stored_name, *archive.find(stored_name)->info, scale_name, spec, errors);
-    if (!tensor.empty() || Tensor::count(spec.shape) == 0) tensors.emplace_back(spec.name, std::move(tensor));
+    const std::string scale_name = scale_of(stored_name);
+    if (!scale_name.empty()) consumed.insert(scale_name);
+    const TensorInfo* scale_info = scale_name.empty() ? nullptr : archive.find(scale_name)->info;
+    if (check_stored_tensor(stored_name, *archive.find(stored_name)->info, scale_name, scale_info, spec, errors))
+      stored_[spec.name] = StoredTensor{spec, stored_name, scale_name};
   }
   std::vector<std::string> unexpected;
   for (const auto& name : names)
@@ -227,7 +243,36 @@ ModelWeights ModelWeights::load(const ModelConfig& config, const std::string& pa
     if (!errors.empty()) message += "\n  " + std::to_string(errors.size()) + " bad tensors:" + list_names(errors);
     throw Error(message);
   }
-  return from_tensors(config, std::move(tensors));
+}
+
+CheckpointWeightSource::~CheckpointWeightSource() = default;
+
+Tensor CheckpointWeightSource::read(const std::string& name) const {
+  const StoredTensor& tensor = stored_.at(name);
+  return read_tensor(*archive_, tensor.stored_name, tensor.scale_name, tensor.spec);
+}
+
+ModelWeights CheckpointWeightSource::globals() {
+  return assemble_global_weights([this](const std::string& name) { return read(name); });
+}
+
+LayerWeights CheckpointWeightSource::layer(int64_t index) {
+  DSV4_CHECK(index >= 0 && index < config_.num_hidden_layers,
+             "layer " + std::to_string(index) + " outside the checkpoint's " +
+                 std::to_string(config_.num_hidden_layers) + " layers");
+  return assemble_layer_weights(config_, index, [this](const std::string& name) { return read(name); });
+}
+
+ModelWeights ModelWeights::load(const ModelConfig& config, const std::string& path) {
+  CheckpointWeightSource source(config, path);
+  return from_source(source);
+}
+
+ModelWeights ModelWeights::from_source(ModelWeightSource& source) {
+  ModelWeights weights = source.globals();
+  for (int64_t layer = 0; layer < source.config().num_hidden_layers; ++layer)
+    weights.layers.push_back(source.layer(layer));
+  return weights;
 }
 
 ModelWeights ModelWeights::from_tensors(const ModelConfig& config, std::vector<std::pair<std::string, Tensor>> list) {
@@ -241,8 +286,14 @@ ModelWeights ModelWeights::from_tensors(const ModelConfig& config, std::vector<s
       problems.push_back(spec.name + ": shape " + it->second.shape_string() + ", expected " + shape_string(spec.shape));
   }
   if (!problems.empty()) throw Error("weights do not match the config:" + list_names(problems));
-  auto take = [&](const std::string& name) { return std::move(by_name.at(name)); };
+  const TakeTensor take = [&](const std::string& name) { return std::move(by_name.at(name)); };
+  ModelWeights w = assemble_global_weights(take);
+  for (int64_t layer = 0; layer < config.num_hidden_layers; ++layer)
+    w.layers.push_back(assemble_layer_weights(config, layer, take));
+  return w;
+}
 
+ModelWeights assemble_global_weights(const TakeTensor& take) {
   ModelWeights w;
   w.embed = take("model.embed_tokens.weight");
   w.head = take("head.weight");
@@ -250,6 +301,10 @@ ModelWeights ModelWeights::from_tensors(const ModelConfig& config, std::vector<s
   w.hc_head_fn = take("model.hc_head.hc_fn");
   w.hc_head_base = take("model.hc_head.hc_base");
   w.hc_head_scale = take("model.hc_head.hc_scale");
+  return w;
+}
+
+LayerWeights assemble_layer_weights(const ModelConfig& config, int64_t layer, const TakeTensor& take) {
   const int64_t I = config.moe_intermediate_size, D = config.hidden_size;
   auto fuse_gate_up = [&](const std::string& prefix) {
     Tensor w1 = take(prefix + "w1.weight"), w3 = take(prefix + "w3.weight");
@@ -258,59 +313,56 @@ ModelWeights ModelWeights::from_tensors(const ModelConfig& config, std::vector<s
     std::copy(w3.data.begin(), w3.data.end(), fused.data.begin() + I * D);
     return fused;
   };
-  for (int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
-    const std::string p = "model.layers." + std::to_string(layer) + ".";
-    LayerWeights l;
-    l.hc_attn_fn = take(p + "hc_attn_fn");
-    l.hc_attn_base = take(p + "hc_attn_base");
-    l.hc_attn_scale = take(p + "hc_attn_scale");
-    l.hc_ffn_fn = take(p + "hc_ffn_fn");
-    l.hc_ffn_base = take(p + "hc_ffn_base");
-    l.hc_ffn_scale = take(p + "hc_ffn_scale");
-    l.attn_norm = take(p + "attn_norm.weight");
-    l.ffn_norm = take(p + "ffn_norm.weight");
-    l.wq_a = take(p + "attn.wq_a.weight");
-    l.q_norm = take(p + "attn.q_norm.weight");
-    l.wq_b = take(p + "attn.wq_b.weight");
-    l.wkv = take(p + "attn.wkv.weight");
-    l.kv_norm = take(p + "attn.norm.weight");
-    l.wo_a = take(p + "attn.wo_a.weight");
-    l.wo_b = take(p + "attn.wo_b.weight");
-    l.attn_sink = take(p + "attn.attn_sink");
-    const AttentionType type = config.layer_types[static_cast<size_t>(layer)];
-    auto take_compressor = [&](const std::string& q) {
-      return CompressorWeights{take(q + "wkv.weight"), take(q + "wgate.weight"), take(q + "ape"), take(q + "norm.weight")};
-    };
-    if (type != AttentionType::kSlidingWindow) l.compressor = take_compressor(p + "attn.compressor.");
-    if (type == AttentionType::kCompressedSparse) {
-      l.indexer_compressor = take_compressor(p + "attn.indexer.compressor.");
-      l.indexer_wq_b = take(p + "attn.indexer.wq_b.weight");
-      l.indexer_weights_proj = take(p + "attn.indexer.weights_proj.weight");
-    }
-    l.gate = take(p + "ffn.gate.weight");
-    if (config.mlp_layer_types[static_cast<size_t>(layer)] == MlpType::kHashMoe) {
-      const Tensor table = take(p + "ffn.gate.tid2eid");
-      l.tid2eid.resize(table.data.size());
-      for (size_t i = 0; i < table.data.size(); ++i) {
-        const float expert = table.data[i];
-        if (!(expert >= 0 && expert < static_cast<float>(config.n_routed_experts)) || std::floor(expert) != expert)
-          throw Error(p + "ffn.gate.tid2eid: entry " + std::to_string(i) + " = " + std::to_string(expert) +
-                      " is not an expert id in [0, " + std::to_string(config.n_routed_experts) + ")");
-        l.tid2eid[i] = static_cast<int32_t>(expert);
-      }
-    } else {
-      l.gate_bias = take(p + "ffn.gate.bias");
-    }
-    for (int64_t e = 0; e < config.n_routed_experts; ++e) {
-      const std::string expert = p + "ffn.experts." + std::to_string(e) + ".";
-      l.experts_w13.push_back(fuse_gate_up(expert));
-      l.experts_w2.push_back(take(expert + "w2.weight"));
-    }
-    l.shared_w13 = fuse_gate_up(p + "ffn.shared_experts.");
-    l.shared_w2 = take(p + "ffn.shared_experts.w2.weight");
-    w.layers.push_back(std::move(l));
+  const std::string p = "model.layers." + std::to_string(layer) + ".";
+  LayerWeights l;
+  l.hc_attn_fn = take(p + "hc_attn_fn");
+  l.hc_attn_base = take(p + "hc_attn_base");
+  l.hc_attn_scale = take(p + "hc_attn_scale");
+  l.hc_ffn_fn = take(p + "hc_ffn_fn");
+  l.hc_ffn_base = take(p + "hc_ffn_base");
+  l.hc_ffn_scale = take(p + "hc_ffn_scale");
+  l.attn_norm = take(p + "attn_norm.weight");
+  l.ffn_norm = take(p + "ffn_norm.weight");
+  l.wq_a = take(p + "attn.wq_a.weight");
+  l.q_norm = take(p + "attn.q_norm.weight");
+  l.wq_b = take(p + "attn.wq_b.weight");
+  l.wkv = take(p + "attn.wkv.weight");
+  l.kv_norm = take(p + "attn.norm.weight");
+  l.wo_a = take(p + "attn.wo_a.weight");
+  l.wo_b = take(p + "attn.wo_b.weight");
+  l.attn_sink = take(p + "attn.attn_sink");
+  const AttentionType type = config.layer_types[static_cast<size_t>(layer)];
+  auto take_compressor = [&](const std::string& q) {
+    return CompressorWeights{take(q + "wkv.weight"), take(q + "wgate.weight"), take(q + "ape"), take(q + "norm.weight")};
+  };
+  if (type != AttentionType::kSlidingWindow) l.compressor = take_compressor(p + "attn.compressor.");
+  if (type == AttentionType::kCompressedSparse) {
+    l.indexer_compressor = take_compressor(p + "attn.indexer.compressor.");
+    l.indexer_wq_b = take(p + "attn.indexer.wq_b.weight");
+    l.indexer_weights_proj = take(p + "attn.indexer.weights_proj.weight");
   }
-  return w;
+  l.gate = take(p + "ffn.gate.weight");
+  if (config.mlp_layer_types[static_cast<size_t>(layer)] == MlpType::kHashMoe) {
+    const Tensor table = take(p + "ffn.gate.tid2eid");
+    l.tid2eid.resize(table.data.size());
+    for (size_t i = 0; i < table.data.size(); ++i) {
+      const float expert = table.data[i];
+      if (!(expert >= 0 && expert < static_cast<float>(config.n_routed_experts)) || std::floor(expert) != expert)
+        throw Error(p + "ffn.gate.tid2eid: entry " + std::to_string(i) + " = " + std::to_string(expert) +
+                    " is not an expert id in [0, " + std::to_string(config.n_routed_experts) + ")");
+      l.tid2eid[i] = static_cast<int32_t>(expert);
+    }
+  } else {
+    l.gate_bias = take(p + "ffn.gate.bias");
+  }
+  for (int64_t e = 0; e < config.n_routed_experts; ++e) {
+    const std::string expert = p + "ffn.experts." + std::to_string(e) + ".";
+    l.experts_w13.push_back(fuse_gate_up(expert));
+    l.experts_w2.push_back(take(expert + "w2.weight"));
+  }
+  l.shared_w13 = fuse_gate_up(p + "ffn.shared_experts.");
+  l.shared_w2 = take(p + "ffn.shared_experts.w2.weight");
+  return l;
 }
 
 }  // namespace dsv4

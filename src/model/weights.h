@@ -1,7 +1,11 @@
-// The weights of a DeepSeek-V4 checkpoint, converted to fp32 for the CPU backend, and the list of tensors a
-// config implies (the on-disk names of transformers 5.17 save_pretrained, docs/MODEL.md "Tensor names on disk").
+// The weights of a DeepSeek-V4 checkpoint, converted to fp32 for the CPU backend, the list of tensors a config
+// implies (the on-disk names of transformers 5.17 save_pretrained, docs/MODEL.md "Tensor names on disk"), and the
+// sources that hand the weights out a layer at a time (the GPU backend streams them to the device).
 #pragma once
 #include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -52,6 +56,8 @@ struct LayerWeights {
   Tensor shared_w13, shared_w2;
 };
 
+class ModelWeightSource;
+
 struct ModelWeights {
   Tensor embed, head, norm, hc_head_fn, hc_head_base, hc_head_scale;
   std::vector<LayerWeights> layers;
@@ -62,6 +68,57 @@ struct ModelWeights {
   static ModelWeights load(const ModelConfig& config, const std::string& path);
   // Takes ownership of tensors keyed by on-disk name (validated like load()).
   static ModelWeights from_tensors(const ModelConfig& config, std::vector<std::pair<std::string, Tensor>> tensors);
+  // Every piece of `source`: its globals, then each layer in order.
+  static ModelWeights from_source(ModelWeightSource& source);
+};
+
+// The one place that knows which on-disk tensor becomes which field, shared by from_tensors and every weight
+// source. `take(name)` hands over the tensor of that on-disk name (checkpoint_tensors' names and shapes).
+using TakeTensor = std::function<Tensor(const std::string& name)>;
+// embed, head, norm, hc_head_*; `layers` left empty.
+ModelWeights assemble_global_weights(const TakeTensor& take);
+// Layer `layer`: fuses each expert's w1 ‖ w3 and turns tid2eid into expert ids (throws dsv4::Error on an entry
+// that is not one).
+LayerWeights assemble_layer_weights(const ModelConfig& config, int64_t layer, const TakeTensor& take);
+
+// The weights one piece at a time, so a backend can upload a layer and free it before asking for the next: host
+// memory stays at about one layer instead of the whole fp32 model (the GPU backend, docs/gpu.md).
+class ModelWeightSource {
+ public:
+  virtual ~ModelWeightSource() = default;
+  // The config the pieces are shaped by.
+  virtual const ModelConfig& config() const = 0;
+  // embed, head, norm, hc_head_*; `layers` empty.
+  virtual ModelWeights globals() = 0;
+  // Layer `index`, in [0, config().num_hidden_layers).
+  virtual LayerWeights layer(int64_t index) = 0;
+};
+
+class SafetensorsArchive;
+
+// A checkpoint kept open (memory-mapped). The constructor checks every tensor's name, dtype and shape against the
+// config from the headers alone and throws one dsv4::Error listing every problem (ModelWeights::load's message),
+// so a bad checkpoint fails before anything is read or uploaded; each call then reads (and dequantizes) only the
+// tensors it returns.
+class CheckpointWeightSource final : public ModelWeightSource {
+ public:
+  CheckpointWeightSource(ModelConfig config, const std::string& path);
+  ~CheckpointWeightSource() override;
+  const ModelConfig& config() const override { return config_; }
+  ModelWeights globals() override;
+  LayerWeights layer(int64_t index) override;
+
+ private:
+  struct StoredTensor {
+    TensorSpec spec;          // the tensor as the config wants it
+    std::string stored_name;  // its name in the checkpoint
+    std::string scale_name;   // FP8/FP4 scale companion; empty when stored as a plain dtype
+  };
+  Tensor read(const std::string& name) const;
+
+  ModelConfig config_;
+  std::unique_ptr<SafetensorsArchive> archive_;
+  std::map<std::string, StoredTensor> stored_;  // by save_pretrained name
 };
 
 }  // namespace dsv4

@@ -37,6 +37,20 @@ expect_success "forward chunked" "$dsv4" forward --model "$work/model" --ids 1,2
   --dump-logits "$work/logits.npy"
 expect_success "generate embedded" "$dsv4" generate --ids 0,100,200 --max-tokens 3
 grep -q "generated:" "$work/out" || { echo "FAIL generate printed no tokens"; failures=$((failures + 1)); }
+# --load-format dummy: random weights of the config alone (a config .json or a directory), no safetensors read;
+# with the seed init-random used they are that checkpoint's weights, so greedy generation gives the same tokens.
+"$dsv4" generate --model "$work/model" --ids 1,2,3,4 --max-tokens 8 --device cpu >"$work/from_checkpoint" 2>&1
+mkdir -p "$work/config_only" && cp "$work/config.json" "$work/config_only/"
+for dummy_model in "$work/config.json" "$work/config_only"; do
+  expect_success "generate --load-format dummy ($(basename "$dummy_model"))" "$dsv4" generate --model "$dummy_model" \
+    --load-format dummy --seed 3 --ids 1,2,3,4 --max-tokens 8 --device cpu
+  if ! grep "generated:" "$work/out" | cmp -s - <(grep "generated:" "$work/from_checkpoint"); then
+    echo "FAIL --load-format dummy --seed 3 did not generate what the seed-3 checkpoint does"; failures=$((failures + 1))
+  fi
+done
+expect_success "bench latency --load-format dummy" "$dsv4" bench latency --model "$work/config.json" --load-format dummy \
+  --input-len 8 --output-len 4 --batch-size 2 --num-iters 1 --device cpu
+expect_failure "unknown load format" "--load-format 'pt'" "$dsv4" generate --model "$work/model" --load-format pt --ids 1
 
 model=$work/model/model.safetensors
 size=$(stat -c %s "$model")

@@ -303,6 +303,26 @@ struct DeepseekV4CudaModel::Impl {
 
 DeepseekV4CudaModel::DeepseekV4CudaModel(ModelConfig config, const ModelWeights& weights, CudaModelOptions options)
     : impl_(std::make_unique<Impl>()), device_sampling_(options.device_sampling) {
+  open_device(std::move(config), options);
+  upload_globals(weights);
+  for (int64_t layer = 0; layer < impl_->config.num_hidden_layers; ++layer)
+    upload_layer(weights.layers[static_cast<size_t>(layer)]);
+  upload_rope_tables();
+}
+
+DeepseekV4CudaModel::DeepseekV4CudaModel(ModelConfig config, ModelWeightSource& weights, CudaModelOptions options)
+    : impl_(std::make_unique<Impl>()), device_sampling_(options.device_sampling) {
+  DSV4_CHECK(weights.config().num_hidden_layers == config.num_hidden_layers,
+             "the weight source has " + std::to_string(weights.config().num_hidden_layers) + " layers, the config " +
+                 std::to_string(config.num_hidden_layers));
+  open_device(std::move(config), options);
+  upload_globals(weights.globals());  // the temporary (embedding and LM head) is freed here
+  for (int64_t layer = 0; layer < impl_->config.num_hidden_layers; ++layer)
+    upload_layer(weights.layer(layer));  // likewise: one layer's host copy at a time
+  upload_rope_tables();
+}
+
+void DeepseekV4CudaModel::open_device(ModelConfig config, const CudaModelOptions& options) {
   Impl& m = *impl_;
   m.config = std::move(config);
   m.options = options;
@@ -331,74 +351,82 @@ DeepseekV4CudaModel::DeepseekV4CudaModel(ModelConfig config, const ModelWeights&
   DSV4_CU(cudaEventCreate(&m.sampling_end));
   m.gemm = std::make_unique<cu::Gemm>();
   m.index_gemm = std::make_unique<cu::Gemm>();
+}
 
-  const ModelConfig& c = m.config;
+void DeepseekV4CudaModel::upload_globals(const ModelWeights& weights) {
+  Impl& m = *impl_;
   m.embed = m.upload_weight(weights.embed);
   m.head = m.linear(weights.head);
   m.norm = m.upload_f32(weights.norm);
   m.hc_head_fn = m.upload_f32(weights.hc_head_fn);
   m.hc_head_base = m.upload_f32(weights.hc_head_base);
   m.hc_head_scale = m.upload_f32(weights.hc_head_scale);
-  for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer) {
-    const LayerWeights& l = weights.layers[static_cast<size_t>(layer)];
-    LayerDevice d{};
-    d.hc_attn_fn = m.upload_f32(l.hc_attn_fn);
-    d.hc_attn_base = m.upload_f32(l.hc_attn_base);
-    d.hc_attn_scale = m.upload_f32(l.hc_attn_scale);
-    d.hc_ffn_fn = m.upload_f32(l.hc_ffn_fn);
-    d.hc_ffn_base = m.upload_f32(l.hc_ffn_base);
-    d.hc_ffn_scale = m.upload_f32(l.hc_ffn_scale);
-    d.attn_norm = m.upload_f32(l.attn_norm);
-    d.ffn_norm = m.upload_f32(l.ffn_norm);
-    d.q_norm = m.upload_f32(l.q_norm);
-    d.kv_norm = m.upload_f32(l.kv_norm);
-    d.attn_sink = m.upload_f32(l.attn_sink);
-    d.wq_a = m.linear(l.wq_a);
-    d.wq_b = m.linear(l.wq_b);
-    d.wkv = m.linear(l.wkv);
-    d.wo_a = m.linear(l.wo_a);
-    d.wo_b = m.linear(l.wo_b);
-    auto compressor = [&](const CompressorWeights& w) {
-      CompressorDevice out;
-      if (w.wkv.empty()) return out;
-      out.wkv_gate = {m.upload_stacked({w.wkv, w.wgate}), m.weight_dtype(), w.wkv.dim(0), w.wkv.dim(1), 0};
-      out.ape = m.upload_f32(w.ape);
-      out.norm = m.upload_f32(w.norm);
-      return out;
-    };
-    d.compressor = compressor(l.compressor);
-    d.indexer_compressor = compressor(l.indexer_compressor);
-    d.indexer_wq_b = m.linear(l.indexer_wq_b);
-    // The head weights' H_I^-1/2 (transformers: weights_proj(x) · n_heads^-0.5) folded into the matrix: exact
-    // when H_I is a power of 4 (V4: 64), otherwise one fp32 rounding of each weight.
-    if (!l.indexer_weights_proj.empty()) {
-      Tensor scaled = l.indexer_weights_proj;
-      const float head_scale = 1.0f / std::sqrt(static_cast<float>(c.index_n_heads));
-      for (float& value : scaled.data) value *= head_scale;
-      d.indexer_weights_proj = m.linear(scaled);
-    }
-    d.gate = m.linear(l.gate);
-    d.gate_bias = m.upload_f32(l.gate_bias);
-    if (!l.tid2eid.empty()) {
-      d.tid2eid = static_cast<int32_t*>(m.weights_memory.allocate(l.tid2eid.size() * sizeof(int32_t)));
-      DSV4_CU(cudaMemcpy(d.tid2eid, l.tid2eid.data(), l.tid2eid.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
-    }
-    d.experts_w13 = m.upload_stacked(l.experts_w13);
-    d.experts_w2 = m.upload_stacked(l.experts_w2);
-    auto pointers = [&](void* stacked, const std::vector<Tensor>& tensors) -> const void* const* {
-      std::vector<const void*> host;
-      for (size_t e = 0; e < tensors.size(); ++e)
-        host.push_back(static_cast<const std::byte*>(stacked) + e * tensors[0].data.size() * m.weight_element_bytes());
-      auto* device = static_cast<const void**>(m.weights_memory.allocate(host.size() * sizeof(void*)));
-      DSV4_CU(cudaMemcpy(device, host.data(), host.size() * sizeof(void*), cudaMemcpyHostToDevice));
-      return device;
-    };
-    d.expert_w13_pointers = pointers(d.experts_w13, l.experts_w13);
-    d.expert_w2_pointers = pointers(d.experts_w2, l.experts_w2);
-    d.shared_w13 = m.upload_weight(l.shared_w13);
-    d.shared_w2 = m.upload_weight(l.shared_w2);
-    m.layers.push_back(d);
+}
+
+void DeepseekV4CudaModel::upload_layer(const LayerWeights& l) {
+  Impl& m = *impl_;
+  LayerDevice d{};
+  d.hc_attn_fn = m.upload_f32(l.hc_attn_fn);
+  d.hc_attn_base = m.upload_f32(l.hc_attn_base);
+  d.hc_attn_scale = m.upload_f32(l.hc_attn_scale);
+  d.hc_ffn_fn = m.upload_f32(l.hc_ffn_fn);
+  d.hc_ffn_base = m.upload_f32(l.hc_ffn_base);
+  d.hc_ffn_scale = m.upload_f32(l.hc_ffn_scale);
+  d.attn_norm = m.upload_f32(l.attn_norm);
+  d.ffn_norm = m.upload_f32(l.ffn_norm);
+  d.q_norm = m.upload_f32(l.q_norm);
+  d.kv_norm = m.upload_f32(l.kv_norm);
+  d.attn_sink = m.upload_f32(l.attn_sink);
+  d.wq_a = m.linear(l.wq_a);
+  d.wq_b = m.linear(l.wq_b);
+  d.wkv = m.linear(l.wkv);
+  d.wo_a = m.linear(l.wo_a);
+  d.wo_b = m.linear(l.wo_b);
+  auto compressor = [&](const CompressorWeights& w) {
+    CompressorDevice out;
+    if (w.wkv.empty()) return out;
+    out.wkv_gate = {m.upload_stacked({w.wkv, w.wgate}), m.weight_dtype(), w.wkv.dim(0), w.wkv.dim(1), 0};
+    out.ape = m.upload_f32(w.ape);
+    out.norm = m.upload_f32(w.norm);
+    return out;
+  };
+  d.compressor = compressor(l.compressor);
+  d.indexer_compressor = compressor(l.indexer_compressor);
+  d.indexer_wq_b = m.linear(l.indexer_wq_b);
+  // The head weights' H_I^-1/2 (transformers: weights_proj(x) · n_heads^-0.5) folded into the matrix: exact
+  // when H_I is a power of 4 (V4: 64), otherwise one fp32 rounding of each weight.
+  if (!l.indexer_weights_proj.empty()) {
+    Tensor scaled = l.indexer_weights_proj;
+    const float head_scale = 1.0f / std::sqrt(static_cast<float>(m.config.index_n_heads));
+    for (float& value : scaled.data) value *= head_scale;
+    d.indexer_weights_proj = m.linear(scaled);
   }
+  d.gate = m.linear(l.gate);
+  d.gate_bias = m.upload_f32(l.gate_bias);
+  if (!l.tid2eid.empty()) {
+    d.tid2eid = static_cast<int32_t*>(m.weights_memory.allocate(l.tid2eid.size() * sizeof(int32_t)));
+    DSV4_CU(cudaMemcpy(d.tid2eid, l.tid2eid.data(), l.tid2eid.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+  }
+  d.experts_w13 = m.upload_stacked(l.experts_w13);
+  d.experts_w2 = m.upload_stacked(l.experts_w2);
+  auto pointers = [&](void* stacked, const std::vector<Tensor>& tensors) -> const void* const* {
+    std::vector<const void*> host;
+    for (size_t e = 0; e < tensors.size(); ++e)
+      host.push_back(static_cast<const std::byte*>(stacked) + e * tensors[0].data.size() * m.weight_element_bytes());
+    auto* device = static_cast<const void**>(m.weights_memory.allocate(host.size() * sizeof(void*)));
+    DSV4_CU(cudaMemcpy(device, host.data(), host.size() * sizeof(void*), cudaMemcpyHostToDevice));
+    return device;
+  };
+  d.expert_w13_pointers = pointers(d.experts_w13, l.experts_w13);
+  d.expert_w2_pointers = pointers(d.experts_w2, l.experts_w2);
+  d.shared_w13 = m.upload_weight(l.shared_w13);
+  d.shared_w2 = m.upload_weight(l.shared_w2);
+  m.layers.push_back(d);
+}
+
+void DeepseekV4CudaModel::upload_rope_tables() {
+  Impl& m = *impl_;
+  const ModelConfig& c = m.config;
   auto upload_vector = [&](const std::vector<float>& v) {
     auto* p = static_cast<float*>(m.weights_memory.allocate(v.size() * sizeof(float)));
     DSV4_CU(cudaMemcpy(p, v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice));

@@ -33,6 +33,10 @@ class DeepseekV4CudaModel final : public ModelBackend {
   // Uploads the weights (converting to the precision's dtype). Throws dsv4::Error when no device is usable or
   // the weights do not fit.
   DeepseekV4CudaModel(ModelConfig config, const ModelWeights& weights, CudaModelOptions options = {});
+  // The same model from a source read piece by piece: the globals, then each layer, each piece's host copy
+  // dropped once it is on the device, so host memory peaks at about one layer (a model whose fp32 copy does not
+  // fit in host memory loads). Same device contents and layout as the constructor above.
+  DeepseekV4CudaModel(ModelConfig config, ModelWeightSource& weights, CudaModelOptions options = {});
   ~DeepseekV4CudaModel() override;
 
   const ModelConfig& config() const override;
@@ -64,6 +68,13 @@ class DeepseekV4CudaModel final : public ModelBackend {
   void reset_step_profile();
 
  private:
+  // Construction, shared by both constructors in this order: the device, streams and GEMM handles; the global
+  // weights; each layer; the RoPE tables.
+  void open_device(ModelConfig config, const CudaModelOptions& options);
+  void upload_globals(const ModelWeights& globals);
+  void upload_layer(const LayerWeights& layer);
+  void upload_rope_tables();
+
   struct Impl;
   std::unique_ptr<Impl> impl_;
   bool device_sampling_ = true;

@@ -6,9 +6,13 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <functional>
 #include <map>
 
 #include "../test_models.h"
@@ -323,6 +327,74 @@ TEST(CudaModel, EngineSeededSamplingMatchesCpuEngine) {
     for (const auto& [id, values] : expected.second)
       for (size_t i = 0; i < values.size(); ++i) EXPECT_NEAR(actual.second.at(id).at(i), values[i], 1e-3);
   }
+}
+
+// One request on a fresh model from `make`: a prefill of `prompt`, then `decodes` greedy steps; every step's
+// last-position logits.
+std::vector<std::vector<float>> greedy_logits(const std::function<std::unique_ptr<DeepseekV4CudaModel>()>& make,
+                                              const ModelConfig& config, std::vector<int32_t> tokens, int64_t decodes,
+                                              int64_t* weight_bytes) {
+  const std::unique_ptr<DeepseekV4CudaModel> gpu = make();
+  *weight_bytes = gpu->weight_bytes();
+  PrefixCacheOptions cache_options;
+  cache_options.enabled = false;
+  HybridKvCacheManager manager(CacheLayout::for_model(config, gpu->kv_storage(), gpu->index_storage()),
+                               int64_t{1} << 30, cache_options);
+  gpu->bind_cache(manager);
+  EXPECT_EQ(manager.admit(0, tokens).value_or(-1), 0);
+  const std::unique_ptr<SequenceState> state = gpu->make_state(0);
+  std::vector<std::vector<float>> logits;
+  int64_t done = 0;
+  for (int64_t step = 0; step <= decodes; ++step) {
+    const int64_t length = static_cast<int64_t>(tokens.size()) - done;
+    EXPECT_TRUE(manager.allocate(0, length));
+    const SequenceChunk chunk{state.get(), std::span<const int32_t>(tokens.data() + done, static_cast<size_t>(length))};
+    const Tensor out = gpu->forward(std::span(&chunk, 1), LogitsMode::kLastPerSequence);
+    done += length;
+    manager.commit(0, tokens, done);
+    logits.push_back(out.data);
+    tokens.push_back(argmax(out.ptr(), config.vocab_size));
+  }
+  return logits;
+}
+
+// The streaming constructor (a layer on the host at a time) builds the model the in-memory one does: the same
+// device bytes and bitwise the same logits, from a random source and from a checkpoint streamed off disk.
+TEST(CudaModel, StreamedWeightSourcesBuildTheSameModel) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig config = tiny_config();
+  const ModelWeights weights = random_weights(config, 7);
+  const std::filesystem::path checkpoint =
+      std::filesystem::path(::testing::TempDir()) / ("dsv4_cuda_streamed_" + std::to_string(::getpid()));
+  write_random_model(config, 7, StorageDType::kF32, checkpoint.string());
+  const std::vector<int32_t> prompt = random_ids(131, config.vocab_size, 3);
+  for (const CudaPrecision precision : {CudaPrecision::kF32, CudaPrecision::kBf16}) {
+    CudaModelOptions options;
+    options.precision = precision;
+    int64_t expected_bytes = 0;
+    const auto expected = greedy_logits(
+        [&] { return std::make_unique<DeepseekV4CudaModel>(config, weights, options); }, config, prompt, 6,
+        &expected_bytes);
+    const std::map<std::string, std::function<std::unique_ptr<ModelWeightSource>()>> sources = {
+        {"random", [&] { return std::make_unique<RandomWeightSource>(config, 7); }},
+        {"checkpoint", [&] { return std::make_unique<CheckpointWeightSource>(config, checkpoint.string()); }}};
+    for (const auto& [name, make_source] : sources) {
+      SCOPED_TRACE(name + (precision == CudaPrecision::kF32 ? " f32" : " bf16"));
+      int64_t bytes = 0;
+      const auto actual = greedy_logits(
+          [&] {
+            const auto source = make_source();
+            return std::make_unique<DeepseekV4CudaModel>(config, *source, options);
+          },
+          config, prompt, 6, &bytes);
+      EXPECT_EQ(bytes, expected_bytes);
+      ASSERT_EQ(actual.size(), expected.size());
+      for (size_t step = 0; step < actual.size(); ++step)
+        EXPECT_EQ(0, std::memcmp(actual[step].data(), expected[step].data(), actual[step].size() * sizeof(float)))
+            << "step " << step;
+    }
+  }
+  std::filesystem::remove_all(checkpoint);
 }
 
 }  // namespace
