@@ -23,16 +23,21 @@ constexpr int kTimedRuns = 5;
 // Decode shapes: a bounded set; prefill keeps the heuristic (no stall per prompt length).
 constexpr int64_t kMaxTunedRows = 64;
 
-bool switched_on(const char* name) {
+bool switched(const char* name, bool default_on) {
   const char* value = std::getenv(name);
-  return value == nullptr || std::string(value) != "0";
+  if (value == nullptr) return default_on;
+  return std::string(value) != "0";
 }
+// Off by default: a timed choice can differ between two processes (or two models in one), and with it the
+// rounding of every step, so two runs of the same seeded request would no longer agree bit for bit. Measured
+// gain when on: 1.310 -> 1.271 ms per decode step at batch 1 on the 4-layer V4-Flash shape, none at batch 8
+// (docs/PERF.md). DSV4_GEMM_AUTOTUNE=1 turns it on.
 bool autotune_enabled() {
-  static const bool enabled = switched_on("DSV4_GEMM_AUTOTUNE");
+  static const bool enabled = switched("DSV4_GEMM_AUTOTUNE", false);
   return enabled;
 }
-bool skinny_enabled() {  // DSV4_SKINNY_GEMM=0: cuBLASLt only (to measure what ops/cuda/skinny_gemm gains)
-  static const bool enabled = switched_on("DSV4_SKINNY_GEMM");
+bool skinny_enabled() {  // DSV4_SKINNY_GEMM=0: leave ops/cuda/skinny_gemm out of the timed candidates
+  static const bool enabled = switched("DSV4_SKINNY_GEMM", true);
   return enabled;
 }
 
@@ -68,14 +73,13 @@ Gemm::~Gemm() {
 
 // Row-major y = x·Wᵀ is column-major yᵀ [out, rows] = W [in, out]ᵀ · xᵀ [in, rows]: A = W transposed, B = x.
 //
-// The algorithm: at decode shapes cuBLASLt's first heuristic answer is often split-K with a separate
-// reduction kernel (17 extra launches in a 4-layer decode step), and these stream the weights at ~45 % of the
-// copy bandwidth at one row: ops/cuda/skinny_gemm (bf16, ≤ 8 rows) is one more candidate. So the first call
-// of each decode shape (rows
-// <= 64: a bounded set, where no prefill length stalls on timing) times up to kCandidates heuristic answers
-// on its own operands and keeps the fastest, as TensorRT-LLM's GEMM plugin profiles its tactics. Not during
-// CUDA-graph capture (nothing can be timed there) nor when accumulating into y (the runs would add up): the
-// first answer is kept then. DSV4_GEMM_AUTOTUNE=0 always keeps the first answer.
+// The algorithm: cuBLASLt's first heuristic answer, unless DSV4_GEMM_AUTOTUNE=1 (off by default, see
+// autotune_enabled). At decode shapes that answer is often split-K with a separate reduction kernel (17 extra
+// launches in a 4-layer decode step) streaming the weights at ~45 % of the copy bandwidth at one row, so with
+// autotuning the first call of each decode shape (rows <= 64: a bounded set, no prefill length stalls on timing)
+// times up to kCandidates heuristic answers and ops/cuda/skinny_gemm (bf16, <= 8 rows) on its own operands and
+// keeps the fastest, as TensorRT-LLM's GEMM plugin profiles its tactics. Never during CUDA-graph capture (nothing
+// can be timed there) nor when accumulating into y (the runs would add up).
 const Gemm::Plan& Gemm::plan(const Key& key, const void* w, const void* x, void* y, cudaStream_t stream) {
   if (const auto it = plans_.find(key); it != plans_.end()) return *it->second;
   const auto [dtype, out, in, rows, w_stride, x_stride, y_stride, accumulate, batch, w_batch, x_batch, y_batch,
@@ -136,7 +140,8 @@ const Gemm::Plan& Gemm::plan(const Key& key, const void* w, const void* x, void*
   sp.bf16_output = output == CUDA_R_16BF;
   const bool skinny_candidate =
       skinny_enabled() && operand == CUDA_R_16BF && !accumulate && skinny_gemm_supported(sp, w, x);
-  plan->skinny = skinny_candidate;  // the default where it applies; timing below may overrule it
+  // The skinny kernel only where it timed faster: it loses to cuBLASLt on some shapes (all-skinny measured 1.341 ms
+  // at batch 1 and 2.755 ms at batch 8 against cuBLASLt's 1.310 / 1.787).
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   const bool can_time = autotune_enabled() && (found > 1 || skinny_candidate) && !accumulate &&
                         rows <= kMaxTunedRows && cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&

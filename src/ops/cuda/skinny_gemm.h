@@ -6,8 +6,9 @@
 // decode step: 12-CTA split-K grids plus a separate reduction launch for the 1024-wide projections). Here
 // each CTA owns 4 output rows and its 8 warps split `in` 8 ways, so even a 1024-row projection fills 256
 // CTAs; every lane streams 16-byte vectors of the 4 weight rows and reuses each x vector for all 4. The warp
-// partials are summed in a fixed order (deterministic). gemm.cu times it against cuBLASLt's candidates per
-// shape and keeps the faster.
+// partials are summed in a fixed order (deterministic). With DSV4_GEMM_AUTOTUNE=1, gemm.cu times it against
+// cuBLASLt's candidates per shape and keeps the faster: measured, it wins on some decode shapes at one row and
+// loses at eight (docs/PERF.md), so it is never the untimed default.
 #pragma once
 #include <cuda_runtime.h>
 
