@@ -2,6 +2,7 @@
 
 #include "ops/cuda/bf16.cuh"
 #include "ops/cuda/launch.cuh"
+#include "ops/cuda/rope_table.cuh"
 
 namespace dsv4::ops::cuda {
 namespace {
@@ -25,13 +26,7 @@ __global__ void head_norm_rope_kernel(float* x, const float* __restrict__ norm_w
   const int pairs = head_dim / 2, first_rope_pair = pairs - rope_pairs;
 
   const float position = static_cast<float>(positions[row]);
-  for (int i = threadIdx.x; i < rope_pairs; i += kThreads) {
-    const float angle = __fmul_rn(inv_freq[i], position);  // fp32 product, as torch's inv_freq @ position_ids
-    float s, c;
-    sincosf(angle, &s, &c);
-    table[i] = __fmul_rn(c, attention_scaling);
-    table[rope_pairs + i] = __fmul_rn(s, attention_scaling);
-  }
+  fill_rope_table(inv_freq, position, rope_pairs, attention_scaling, 1.0f, kThreads, table, table + rope_pairs);
   float scale = 1.0f;
   if (normalize) {
     float sum = 0.0f;

@@ -1,6 +1,7 @@
 #include "ops/cuda/rope.h"
 
 #include "ops/cuda/launch.cuh"
+#include "ops/cuda/rope_table.cuh"
 
 namespace dsv4::ops::cuda {
 namespace {
@@ -18,13 +19,7 @@ __global__ void rope_kernel(float* x, const int32_t* __restrict__ positions, con
   float* sin_table = table + pairs;
   const int64_t row = blockIdx.x;
   const float position = static_cast<float>(positions[row]);
-  for (int i = threadIdx.x; i < pairs; i += kThreads) {
-    const float angle = __fmul_rn(inv_freq[i], position);  // fp32 product, as torch's inv_freq @ position_ids
-    float s, c;
-    sincosf(angle, &s, &c);
-    cos_table[i] = __fmul_rn(c, attention_scaling);
-    sin_table[i] = __fmul_rn(__fmul_rn(s, attention_scaling), sin_sign);
-  }
+  fill_rope_table(inv_freq, position, pairs, attention_scaling, sin_sign, kThreads, cos_table, sin_table);
   __syncthreads();
   float* base = x + row * row_stride + (head_dim - 2 * pairs);
   for (int e = threadIdx.x; e < heads * pairs; e += kThreads) {
