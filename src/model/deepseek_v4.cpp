@@ -53,25 +53,57 @@ std::vector<float> project(const float* x, int64_t rows, int64_t in, const Tenso
 }
 
 // ---- DeepSeek numerics (docs/numerics.md): the reference's roundings, applied only in Numerics::kDeepSeek. ----
+// Every GEMM of this mode accumulates in double and rounds once to fp32 (ops::cpu::linear_f64; docs/numerics.md
+// "Canonical accumulation in kDeepSeek"), as the oracle does: an fp32 BLAS rounds its partial sums in an order that
+// depends on the row count, so one-shot prefill and chunked decode differed (0.031 on the tiny oracle set), and one
+// flipped bf16 rounding grows into percent-level logit differences.
 
 void bf16(std::vector<float>& x) { round_to_bf16(x.data(), static_cast<int64_t>(x.size())); }
 
+// The K blocks of the reference's quantized GEMM kernels: fp8_gemm_kernel keeps one fp32 partial per 128 input
+// channels (one 128×128 weight scale block), fp4_gemm_kernel one per 32 (one 1×32 weight scale); the partials are
+// scaled and added in fp32 in block order (kernel_standin.fp8_gemm / fp4_gemm). Our dequantized weights carry the
+// power-of-two scales, so each block's double sum rounded to fp32 equals the kernel's scaled partial.
+constexpr int64_t kFp8GemmBlock = 128;
+constexpr int64_t kFp4GemmBlock = 32;  // the routed experts (MXFP4 in the released checkpoints, §2.1)
+
+// y [rows, out] = x · Wᵀ, double-accumulated (linear_f64), fp32 output: model.py's fp32 F.linear (compressor wkv /
+// wgate, router gate, LM head).
+std::vector<float> project_f64(const float* x, int64_t rows, int64_t in, const Tensor& weight, int64_t k_block = 0) {
+  std::vector<float> y(static_cast<size_t>(rows * weight.dim(0)));
+  linear_f64(x, rows, in, weight.ptr(), weight.dim(0), y.data(), k_block);
+  return y;
+}
+
 // The reference's linear() for an FP8 / FP4 weight (model_spec.md §3.2): each row's activation quantized per 128
-// channels to e4m3 with UE8M0 scales, fp32 accumulation (the dequantized weights are exact), bf16 output.
-std::vector<float> project_fp8(const float* x, int64_t rows, int64_t in, const Tensor& weight) {
+// channels to e4m3 with UE8M0 scales, per-K-block double accumulation rounded to fp32 (k_block: kFp8GemmBlock or
+// kFp4GemmBlock), bf16 output.
+std::vector<float> project_fp8(const float* x, int64_t rows, int64_t in, const Tensor& weight,
+                               int64_t k_block = kFp8GemmBlock) {
   std::vector<float> quantized(x, x + rows * in);
   for (int64_t r = 0; r < rows; ++r) quantize_e4m3_blocks(&quantized[r * in], in, 128);
-  std::vector<float> y = project(quantized.data(), rows, in, weight);
+  std::vector<float> y = project_f64(quantized.data(), rows, in, weight, k_block);
   bf16(y);
   return y;
 }
 
-// A bf16 F.linear (wo_a, indexer weights_proj): bf16 operands, fp32 accumulation, bf16 output.
+// A bf16 F.linear (indexer weights_proj): bf16 operands, double accumulation rounded to fp32, bf16 output.
 std::vector<float> project_bf16(const float* x, int64_t rows, int64_t in, const Tensor& weight) {
-  std::vector<float> y = project(x, rows, in, weight);
+  std::vector<float> y = project_f64(x, rows, in, weight);
   bf16(y);
   return y;
 }
+
+// Σ a[i]·b[i] in double (exact products), rounded once to fp32: the oracle's einsum / sparse_attn dot products.
+float dot_f64(const float* a, const float* b, int64_t n) {
+  double sum = 0.0;
+  for (int64_t i = 0; i < n; ++i) sum += static_cast<double>(a[i]) * b[i];
+  return static_cast<float>(sum);
+}
+
+// A Python float constant `n ** -0.5` (model.py's softmax scales) as torch applies it to an fp32 / bf16 tensor:
+// evaluated in double, rounded to fp32.
+float inverse_sqrt_f64(double n) { return static_cast<float>(std::pow(n, -0.5)); }
 
 // `q *= rsqrt(q.square().mean(-1) + eps)` on a bf16 tensor (§6.1 step 3): every intermediate rounded to bf16,
 // the mean accumulated in fp32.
@@ -86,47 +118,49 @@ void head_rms_norm_bf16(float* q, int64_t rows, int64_t dim, float eps) {
   }
 }
 
-// The reference's indexer score on bf16 tensors (§8 step 6): q·k (fp32 accumulate) → bf16, relu, × w → bf16,
-// head sum (fp32 accumulate) → bf16. `head_weights` already carry index_head_dim^-0.5 · heads^-0.5.
+// The reference's indexer score on bf16 tensors (§8 step 6): q·k (the einsum: double accumulation → fp32) → bf16,
+// relu, × w → bf16, head sum (fp32 accumulate) → bf16. `head_weights` already carry index_head_dim^-0.5 · heads^-0.5.
 void indexer_scores_bf16(const IndexerParams& p, const float* q, const float* head_weights, const float* const* keys,
                          int64_t num_entries, float* scores) {
   for (int64_t s = 0; s < num_entries; ++s) {
     float score = 0;
     for (int64_t h = 0; h < p.heads; ++h) {
-      const float* qh = q + h * p.head_dim;
-      float dot = 0;
-      for (int64_t i = 0; i < p.head_dim; ++i) dot += qh[i] * keys[s][i];
+      const float dot = dot_f64(q + h * p.head_dim, keys[s], p.head_dim);
       score += bf16_to_f32(f32_to_bf16(std::max(bf16_to_f32(f32_to_bf16(dot)), 0.0f) * head_weights[h]));
     }
     scores[s] = bf16_to_f32(f32_to_bf16(score));
   }
 }
 
-// sparse_attn as the reference kernel computes it (§6.5): fp32 logits, the probabilities exp(s − m) rounded to bf16
-// before P·V (fp32 accumulation), the fp32 denominator with the sink, bf16 output.
+// sparse_attn as the reference kernel computes it (§6.5), in the oracle's exact accumulation
+// (kernel_standin.sparse_attn, EXACT): logits fp32(Σ_double q·k) · scale; p = fp32(exp(logit − m)) through double;
+// l = fp32(Σ_double p) + fp32(exp(sink − m)); o = fp32(Σ_double bf16(p)·v); out = bf16(o / l). This is the kernel's
+// first 64-index block; with more indices it rescales per block (docs/numerics.md "Next steps").
 void sink_attention_bf16(const SinkAttentionParams& p, const float* q, const float* const* keys, int64_t num_keys,
                          const float* sinks, float* out) {
   const int64_t d = p.head_dim;
   std::vector<float> logits(static_cast<size_t>(num_keys));
+  std::vector<double> acc(static_cast<size_t>(d));
   for (int64_t h = 0; h < p.heads; ++h) {
     const float* qh = q + h * d;
     float* oh = out + h * d;
     float max_logit = -INFINITY;
     for (int64_t j = 0; j < num_keys; ++j) {
-      float dot = 0;
-      for (int64_t i = 0; i < d; ++i) dot += qh[i] * keys[j][i];
-      logits[j] = dot * p.scale;
+      logits[j] = dot_f64(qh, keys[j], d) * p.scale;
       max_logit = std::max(max_logit, logits[j]);
     }
-    float denominator = std::exp(sinks[h] - max_logit);
-    std::fill(oh, oh + d, 0.0f);
+    double weight_sum = 0.0;
+    std::fill(acc.begin(), acc.end(), 0.0);
     for (int64_t j = 0; j < num_keys; ++j) {
-      const float weight = std::exp(logits[j] - max_logit);
-      denominator += weight;
-      const float rounded = bf16_to_f32(f32_to_bf16(weight));
-      for (int64_t i = 0; i < d; ++i) oh[i] += rounded * keys[j][i];
+      const float weight = static_cast<float>(std::exp(static_cast<double>(logits[j] - max_logit)));
+      weight_sum += weight;
+      const double rounded = bf16_to_f32(f32_to_bf16(weight));
+      for (int64_t i = 0; i < d; ++i) acc[i] += rounded * keys[j][i];
     }
-    for (int64_t i = 0; i < d; ++i) oh[i] = bf16_to_f32(f32_to_bf16(num_keys ? oh[i] / denominator : 0.0f));
+    const float sink = static_cast<float>(std::exp(static_cast<double>(sinks[h] - max_logit)));
+    const float denominator = static_cast<float>(weight_sum) + sink;
+    for (int64_t i = 0; i < d; ++i)
+      oh[i] = bf16_to_f32(f32_to_bf16(num_keys ? static_cast<float>(acc[i]) / denominator : 0.0f));
   }
 }
 
@@ -185,26 +219,35 @@ Tensor DeepseekV4Model::forward(std::span<const SequenceChunk> batch, LogitsMode
   const float eps = static_cast<float>(c.rms_norm_eps);
   std::vector<float> collapsed(static_cast<size_t>(N * D)), sublayer_out(static_cast<size_t>(N * D));
   std::vector<float> post(static_cast<size_t>(N * hc)), comb(static_cast<size_t>(N * hc * hc));
+  // kDeepSeek: model.py's mHC with the oracle's double accumulation (ops/cpu/hyper_connection.h).
+  auto mix_pre = [&](const float* fn, const float* base, const float* scale) {
+    if (deepseek)
+      hc_pre_deepseek(hp, c.hc_eps, streams.data(), N, fn, base, scale, collapsed.data(), post.data(), comb.data());
+    else
+      hc_pre(hp, streams.data(), N, fn, base, scale, collapsed.data(), post.data(), comb.data());
+  };
+  auto mix_post = [&] {
+    (deepseek ? hc_post_deepseek : hc_post)(hp, sublayer_out.data(), streams.data(), N, post.data(), comb.data(),
+                                            next_streams.data());
+  };
   for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer) {
     const LayerWeights& l = weights_.layers[static_cast<size_t>(layer)];
     // Attention site: collapse the streams, norm, attend, expand back (mHC).
-    hc_pre(hp, streams.data(), N, l.hc_attn_fn.ptr(), l.hc_attn_base.ptr(), l.hc_attn_scale.ptr(), collapsed.data(),
-           post.data(), comb.data());
+    mix_pre(l.hc_attn_fn.ptr(), l.hc_attn_base.ptr(), l.hc_attn_scale.ptr());
     to_bf16(collapsed);
     rms_norm(collapsed.data(), N, D, D, l.attn_norm.ptr(), eps, collapsed.data());
     to_bf16(collapsed);
     attention(layer, step, batch, collapsed.data(), sublayer_out.data());
-    hc_post(hp, sublayer_out.data(), streams.data(), N, post.data(), comb.data(), next_streams.data());
+    mix_post();
     to_bf16(next_streams);
     streams.swap(next_streams);
     // MoE site.
-    hc_pre(hp, streams.data(), N, l.hc_ffn_fn.ptr(), l.hc_ffn_base.ptr(), l.hc_ffn_scale.ptr(), collapsed.data(),
-           post.data(), comb.data());
+    mix_pre(l.hc_ffn_fn.ptr(), l.hc_ffn_base.ptr(), l.hc_ffn_scale.ptr());
     to_bf16(collapsed);
     rms_norm(collapsed.data(), N, D, D, l.ffn_norm.ptr(), eps, collapsed.data());
     to_bf16(collapsed);
     moe(layer, step, collapsed.data(), sublayer_out.data());
-    hc_post(hp, sublayer_out.data(), streams.data(), N, post.data(), comb.data(), next_streams.data());
+    mix_post();
     to_bf16(next_streams);
     streams.swap(next_streams);
   }
@@ -224,13 +267,16 @@ Tensor DeepseekV4Model::forward(std::span<const SequenceChunk> batch, LogitsMode
   for (int64_t i = 0; i < R; ++i)
     std::memcpy(&selected[i * hc * D], &streams[rows[i] * hc * D], hc * D * sizeof(float));
   std::vector<float> final_hidden(static_cast<size_t>(R * D));
-  hc_head(hp, selected.data(), R, weights_.hc_head_fn.ptr(), weights_.hc_head_base.ptr(), weights_.hc_head_scale.ptr(),
-          final_hidden.data());
+  (deepseek ? hc_head_deepseek : hc_head)(hp, selected.data(), R, weights_.hc_head_fn.ptr(),
+                                          weights_.hc_head_base.ptr(), weights_.hc_head_scale.ptr(), final_hidden.data());
   to_bf16(final_hidden);
   rms_norm(final_hidden.data(), R, D, D, weights_.norm.ptr(), eps, final_hidden.data());
   to_bf16(final_hidden);  // the fp32 LM head then reads bf16 values (§4 step 3)
   Tensor logits({R, c.vocab_size});
-  linear(final_hidden.data(), R, D, weights_.head.ptr(), c.vocab_size, logits.ptr());
+  if (deepseek)  // model.py's fp32 F.linear, double-accumulated as in the oracle
+    linear_f64(final_hidden.data(), R, D, weights_.head.ptr(), c.vocab_size, logits.ptr());
+  else
+    linear(final_hidden.data(), R, D, weights_.head.ptr(), c.vocab_size, logits.ptr());
   return logits;
 }
 
@@ -243,9 +289,13 @@ void DeepseekV4Model::compress(int64_t layer, EntryKind kind, const StepLayout& 
                            kind == EntryKind::kMain ? c.head_dim : c.index_head_dim,
                            c.layer_types[static_cast<size_t>(layer)] == AttentionType::kCompressedSparse};
   const int64_t N = step.tokens, D = c.hidden_size, width = p.width();
-  const std::vector<float> kv = project(x, N, D, w.wkv), gate = project(x, N, D, w.wgate);
-  const float eps = static_cast<float>(c.rms_norm_eps);
   const bool deepseek = c.numerics == Numerics::kDeepSeek;
+  // kDeepSeek: model.py's fp32 F.linear of x.float(), double-accumulated as in the oracle.
+  auto fp32_linear = [&](const Tensor& weight) {
+    return deepseek ? project_f64(x, N, D, weight) : project(x, N, D, weight);
+  };
+  const std::vector<float> kv = fp32_linear(w.wkv), gate = fp32_linear(w.wgate);
+  const float eps = static_cast<float>(c.rms_norm_eps);
   const int64_t rope_dim = rope_compress_.rope_dim();
   // Requests are independent; within one, tokens enter the compressor in order.
   ThreadPool::global().parallel_for(static_cast<int64_t>(batch.size()), [&](int64_t begin, int64_t end) {
@@ -272,7 +322,7 @@ void DeepseekV4Model::compress(int64_t layer, EntryKind kind, const StepLayout& 
             quantize_e4m3_blocks(entry.data(), p.head_dim - rope_dim, 64);
           } else {
             // Indexer keys: Hadamard rotation, then FP4 simulation per 32 (§3.5, §8).
-            hadamard_transform(entry.data(), p.head_dim, 1.0f / std::sqrt(static_cast<float>(p.head_dim)));
+            hadamard_transform(entry.data(), p.head_dim, inverse_sqrt_f64(static_cast<double>(p.head_dim)));
             round_to_bf16(entry.data(), p.head_dim);
             quantize_e2m1_blocks(entry.data(), p.head_dim, 32);
           }
@@ -330,22 +380,27 @@ void DeepseekV4Model::attention(int64_t layer, const StepLayout& step, std::span
     apply_rope(index_q.data(), N, ip.heads * ip.head_dim, ip.heads, ip.head_dim, step.positions.data(), rope_compress_);
     if (deepseek) {  // Hadamard rotation, then FP4 simulation per 32 (§3.5, §8 step 3)
       bf16(index_q);
-      const float scale = 1.0f / std::sqrt(static_cast<float>(ip.head_dim));
+      const float scale = inverse_sqrt_f64(static_cast<double>(ip.head_dim));  // rotate_activation's n ** -0.5
       for (int64_t row = 0; row < N * ip.heads; ++row) hadamard_transform(&index_q[row * ip.head_dim], ip.head_dim, scale);
       bf16(index_q);
       for (int64_t row = 0; row < N * ip.heads; ++row) quantize_e2m1_blocks(&index_q[row * ip.head_dim], ip.head_dim, 32);
       bf16(index_q);
     }
     index_weights = deepseek ? project_bf16(x, N, D, l.indexer_weights_proj) : project(x, N, D, l.indexer_weights_proj);
-    // kDeepSeek folds index_head_dim^-0.5 into the weights (a bf16 product, §8 step 5); kHf applies it per score.
-    const float head_scale = 1.0f / std::sqrt(static_cast<float>(ip.heads)) *
-                             (deepseek ? 1.0f / std::sqrt(static_cast<float>(ip.head_dim)) : 1.0f);
+    // kDeepSeek folds index_head_dim^-0.5 into the weights (a bf16 product, §8 step 5; model.py's
+    // `softmax_scale * n_heads ** -0.5`, a double product applied as fp32); kHf applies it per score.
+    const float head_scale =
+        deepseek ? static_cast<float>(std::pow(static_cast<double>(ip.head_dim), -0.5) *
+                                      std::pow(static_cast<double>(ip.heads), -0.5))
+                 : 1.0f / std::sqrt(static_cast<float>(ip.heads));
     for (float& weight : index_weights) weight *= head_scale;
     to_bf16(index_weights);
   }
 
   std::vector<float> attended(static_cast<size_t>(N * H * d));
-  const SinkAttentionParams ap{H, d, 1.0f / std::sqrt(static_cast<float>(d))};
+  const SinkAttentionParams ap{H, d,
+                               deepseek ? inverse_sqrt_f64(static_cast<double>(d))  // model.py head_dim ** -0.5
+                                        : 1.0f / std::sqrt(static_cast<float>(d))};
   ThreadPool::global().parallel_for(N, [&](int64_t begin, int64_t end) {
     std::vector<const float*> keys;
     std::vector<float> scores;
@@ -391,9 +446,14 @@ void DeepseekV4Model::attention(int64_t layer, const StepLayout& step, std::span
   // Grouped output projection: group g's heads → o_lora_rank through rows [g·o_lora, (g+1)·o_lora) of wo_a.
   const int64_t G = c.o_groups, group_width = H * d / G, o_lora = c.o_lora_rank;
   std::vector<float> grouped(static_cast<size_t>(N * G * o_lora));
-  for (int64_t g = 0; g < G; ++g)
-    linear_strided(&attended[g * group_width], N, group_width, H * d, l.wo_a.ptr() + g * o_lora * group_width, o_lora,
-                   &grouped[g * o_lora], G * o_lora);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* group_in = &attended[g * group_width];
+    const float* group_weight = l.wo_a.ptr() + g * o_lora * group_width;
+    if (deepseek)  // the einsum double-accumulated, as in the oracle
+      linear_f64_strided(group_in, N, group_width, H * d, group_weight, o_lora, &grouped[g * o_lora], G * o_lora);
+    else
+      linear_strided(group_in, N, group_width, H * d, group_weight, o_lora, &grouped[g * o_lora], G * o_lora);
+  }
   if (!deepseek) {
     linear(grouped.data(), N, G * o_lora, l.wo_b.ptr(), D, out);
     return;
@@ -410,8 +470,18 @@ void DeepseekV4Model::moe(int64_t layer, const StepLayout& step, const float* x,
   const int64_t N = step.tokens, D = c.hidden_size, E = c.n_routed_experts, K = c.num_experts_per_tok;
   const int64_t I = c.moe_intermediate_size;
   const bool hash = c.mlp_layer_types[static_cast<size_t>(layer)] == MlpType::kHashMoe;
-  std::vector<float> scores = project(x, N, D, l.gate);
-  router_scores(scores.data(), N, E, router_score(c.scoring_func));
+  const bool deepseek = c.numerics == Numerics::kDeepSeek;
+  std::vector<float> scores = deepseek ? project_f64(x, N, D, l.gate) : project(x, N, D, l.gate);
+  if (deepseek && c.scoring_func == ScoringFunc::kSqrtSoftplus) {
+    // Gate.forward: F.softplus (threshold 20) evaluated in double and rounded once (the oracle's one-rounding
+    // softplus, docs/numerics.md "The oracle"), then the fp32 sqrt.
+    for (float& score : scores) {
+      const double v = score;
+      score = std::sqrt(static_cast<float>(v > 20.0 ? v : std::log1p(std::exp(v))));
+    }
+  } else {
+    router_scores(scores.data(), N, E, router_score(c.scoring_func));
+  }
   std::vector<int32_t> chosen(static_cast<size_t>(N * K));
   std::vector<float> weights(static_cast<size_t>(N * K));
   for (int64_t t = 0; t < N; ++t)
@@ -424,7 +494,7 @@ void DeepseekV4Model::moe(int64_t layer, const StepLayout& step, const float* x,
     for (int64_t k = 0; k < K; ++k) assigned[chosen[t * K + k]].emplace_back(t, weights[t * K + k]);
   std::fill(out, out + N * D, 0.0f);
   const float limit = static_cast<float>(c.swiglu_limit);
-  if (c.numerics == Numerics::kDeepSeek) {
+  if (deepseek) {
     moe_deepseek(layer, N, x, assigned, out);
     return;
   }
@@ -461,15 +531,17 @@ void DeepseekV4Model::moe_deepseek(int64_t layer, int64_t tokens, const float* x
   const LayerWeights& l = weights_.layers[static_cast<size_t>(layer)];
   const int64_t D = c.hidden_size, I = c.moe_intermediate_size;
   const float limit = static_cast<float>(c.swiglu_limit);
-  auto expert = [&](const float* rows, int64_t n, const Tensor& w13, const Tensor& w2, const float* weights) {
-    std::vector<float> gate_up = project_fp8(rows, n, D, w13);
+  // Routed experts are FP4 (per-32 GEMM partials), the shared expert FP8 (per-128), as in the released checkpoints.
+  auto expert = [&](const float* rows, int64_t n, const Tensor& w13, const Tensor& w2, const float* weights,
+                    int64_t k_block) {
+    std::vector<float> gate_up = project_fp8(rows, n, D, w13, k_block);
     std::vector<float> activated(static_cast<size_t>(n * I));
     swiglu_clamped(gate_up.data(), n, I, limit, activated.data());
     if (weights)
       for (int64_t i = 0; i < n; ++i)
         for (int64_t j = 0; j < I; ++j) activated[i * I + j] *= weights[i];
     bf16(activated);
-    return project_fp8(activated.data(), n, I, w2);
+    return project_fp8(activated.data(), n, I, w2, k_block);
   };
   std::vector<float> rows, weights;
   for (size_t e = 0; e < assigned.size(); ++e) {
@@ -482,11 +554,12 @@ void DeepseekV4Model::moe_deepseek(int64_t layer, int64_t tokens, const float* x
       std::memcpy(&rows[i * D], x + tokens[i].first * D, D * sizeof(float));
       weights[i] = tokens[i].second;
     }
-    const std::vector<float> y = expert(rows.data(), n, l.experts_w13[e], l.experts_w2[e], weights.data());
+    const std::vector<float> y = expert(rows.data(), n, l.experts_w13[e], l.experts_w2[e], weights.data(),
+                                         kFp4GemmBlock);
     for (int64_t i = 0; i < n; ++i)
       for (int64_t j = 0; j < D; ++j) out[tokens[i].first * D + j] += y[i * D + j];
   }
-  const std::vector<float> shared = expert(x, tokens, l.shared_w13, l.shared_w2, nullptr);
+  const std::vector<float> shared = expert(x, tokens, l.shared_w13, l.shared_w2, nullptr, kFp8GemmBlock);
   for (int64_t i = 0; i < tokens * D; ++i) out[i] = bf16_to_f32(f32_to_bf16(out[i] + shared[i]));
 }
 

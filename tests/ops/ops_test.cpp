@@ -51,6 +51,43 @@ TEST(Ops, LinearMatchesNaiveGemm) {
   expect_close(y, expected, 1e-6);
 }
 
+// kDeepSeek's GEMM (docs/numerics.md "Canonical accumulation in kDeepSeek"): each dot product is the double sum in
+// channel order rounded once to fp32 (per k_block block, the block partials added in fp32), bit for bit, and a row's
+// result does not depend on how many rows the call holds (prefill vs decode).
+TEST(Ops, LinearF64RoundsTheDoubleSumOnceWhateverTheRowCount) {
+  const int64_t rows = 9, in = 320, out = 19;  // out not a multiple of the 4-output tile
+  const auto x = random_vector(rows * in, 21), w = random_vector(out * in, 22, 0.05f);
+  for (const int64_t k_block : {int64_t{0}, int64_t{32}, int64_t{128}}) {
+    std::vector<float> y(rows * out);
+    linear_f64(x.data(), rows, in, w.data(), out, y.data(), k_block);
+    const int64_t block = k_block == 0 ? in : k_block;
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t o = 0; o < out; ++o) {
+        float expected = 0;
+        for (int64_t begin = 0; begin < in; begin += block) {
+          double sum = 0;
+          for (int64_t i = begin; i < std::min(in, begin + block); ++i) sum += double(x[r * in + i]) * w[o * in + i];
+          expected += static_cast<float>(sum);
+        }
+        EXPECT_EQ(y[r * out + o], expected) << "k_block " << k_block << " row " << r << " out " << o;
+      }
+      std::vector<float> alone(out);  // the same row on its own
+      linear_f64(&x[r * in], 1, in, w.data(), out, alone.data(), k_block);
+      EXPECT_TRUE(std::equal(alone.begin(), alone.end(), &y[r * out])) << "k_block " << k_block << " row " << r;
+    }
+  }
+  // Strided: a column slice of a wider input and output.
+  std::vector<float> wide(rows * 2 * out, -1.0f), y(rows * out);
+  linear_f64(x.data(), rows, in / 2, w.data(), out, y.data());
+  linear_f64_strided(x.data(), rows, in / 2, in, w.data(), out, wide.data() + out, 2 * out);
+  for (int64_t r = 0; r < rows; ++r) {
+    std::vector<float> row(out);
+    linear_f64(&x[r * in], 1, in / 2, w.data(), out, row.data());
+    EXPECT_TRUE(std::equal(row.begin(), row.end(), &wide[r * 2 * out + out])) << r;
+    EXPECT_EQ(wide[r * 2 * out], -1.0f);  // the other columns untouched
+  }
+}
+
 TEST(Ops, RmsNormMatchesFormula) {
   const int64_t rows = 5, dim = 67;
   const auto x = random_vector(rows * dim, 3, 4.0f), w = random_vector(dim, 4);
@@ -155,6 +192,38 @@ TEST(Ops, HyperConnectionMatchesFormula) {
         expected_out[(t * p.hc + k) * p.hidden + d] = v;
       }
   expect_close(out, expected_out, 1e-6);
+}
+
+// The kDeepSeek mHC (model.py's order of operations, double-accumulated mixes, Sinkhorn in double) computes the same
+// function as the kHf ops up to fp32 rounding.
+TEST(Ops, HyperConnectionDeepseekMatchesHf) {
+  const HyperConnectionParams p{4, 16, 20, 1e-6f, 1e-6f};
+  const int64_t tokens = 3, mix = (2 + p.hc) * p.hc;
+  const auto streams = random_vector(tokens * p.hc * p.hidden, 16);
+  const auto fn = random_vector(mix * p.hc * p.hidden, 17, 0.2f), base = random_vector(mix, 18, 0.5f);
+  const std::vector<float> scale = {0.7f, 1.3f, 0.9f};
+  std::vector<float> collapsed(tokens * p.hidden), post(tokens * p.hc), comb(tokens * p.hc * p.hc);
+  std::vector<float> collapsed_ds(collapsed.size()), post_ds(post.size()), comb_ds(comb.size());
+  hc_pre(p, streams.data(), tokens, fn.data(), base.data(), scale.data(), collapsed.data(), post.data(), comb.data());
+  hc_pre_deepseek(p, 1e-6, streams.data(), tokens, fn.data(), base.data(), scale.data(), collapsed_ds.data(),
+                  post_ds.data(), comb_ds.data());
+  auto as_double = [](const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); };
+  expect_close(collapsed_ds, as_double(collapsed), 1e-6);
+  expect_close(post_ds, as_double(post), 1e-6);
+  expect_close(comb_ds, as_double(comb), 1e-6);
+
+  const auto y = random_vector(tokens * p.hidden, 19);
+  std::vector<float> out(streams.size()), out_ds(streams.size());
+  hc_post(p, y.data(), streams.data(), tokens, post.data(), comb.data(), out.data());
+  hc_post_deepseek(p, y.data(), streams.data(), tokens, post.data(), comb.data(), out_ds.data());
+  expect_close(out_ds, as_double(out), 1e-6);
+
+  const auto head_fn = random_vector(p.hc * p.hc * p.hidden, 20, 0.2f);
+  const std::vector<float> head_scale = {0.8f};
+  std::vector<float> head(tokens * p.hidden), head_ds(head.size());
+  hc_head(p, streams.data(), tokens, head_fn.data(), base.data(), head_scale.data(), head.data());
+  hc_head_deepseek(p, streams.data(), tokens, head_fn.data(), base.data(), head_scale.data(), head_ds.data());
+  expect_close(head_ds, as_double(head), 1e-6);
 }
 
 TEST(Ops, SinkAttentionMatchesSoftmaxWithVirtualKey) {

@@ -342,6 +342,7 @@ def main():
     with open(os.path.join(out, "golden.json"), "w") as f:
         json.dump({"ids": ids.flatten().tolist(), "decode_from": k, "device": args.device,
                    "reference": "official inference/model.py + tools/reference/kernel_standin.py",
+                   "torch_version": torch.__version__,
                    "accumulation": "native" if args.native_accumulation else "exact (float64, one rounding)",
                    "topk_ties": "torch" if args.torch_topk else "lower index first",
                    "elementwise": "native" if args.native_elementwise else "one rounding (bf16 rsqrt via fp32)",

@@ -27,4 +27,26 @@ void hc_post(const HyperConnectionParams& p, const float* y, const float* stream
 void hc_head(const HyperConnectionParams& p, const float* streams, int64_t tokens, const float* fn, const float* base,
              const float* scale, float* out);
 
+// ---- Numerics::kDeepSeek: the mHC of DeepSeek's inference/model.py (Block.hc_pre / hc_post, ParallelHead.hc_head)
+// with the oracle's canonical accumulation (docs/numerics.md "The oracle", "Canonical accumulation in kDeepSeek").
+// Same arguments and outputs as above; the streams hold bf16 values.
+
+// mixes = fp32(Σ_double h·fn) · rsqrt(mean(h²) + norm_eps): model.py:683 applies the mixing linear to the raw streams
+// and scales after (kHf normalises first; the two differ in the last fp32 bit). hc_split_sinkhorn evaluated in double
+// from the fp32 mixes and rounded once per output (kernel_standin.hc_split_sinkhorn, EXACT; eps in double, as the
+// Python float model.py passes). collapsed = Σ_s pre[s]·h[s] in fp32, in stream order.
+void hc_pre_deepseek(const HyperConnectionParams& p, double hc_eps, const float* streams, int64_t tokens,
+                     const float* fn, const float* base, const float* scale, float* collapsed, float* post,
+                     float* comb);
+
+// out[t, k] = post[t, k]·y[t] + (Σ_j comb[t, j, k]·streams[t, j]): model.py:690 sums the weighted streams first
+// (fp32, j in order) and adds the sublayer term last.
+void hc_post_deepseek(const HyperConnectionParams& p, const float* y, const float* streams, int64_t tokens,
+                      const float* post, const float* comb, float* out);
+
+// mixes as hc_pre_deepseek; pre = fp32(sigmoid_double(fp32(mixes·scale + base))) + eps in fp32 (model.py:738, with
+// the oracle's one-rounding sigmoid); out = Σ_s pre[s]·h[s] in fp32.
+void hc_head_deepseek(const HyperConnectionParams& p, const float* streams, int64_t tokens, const float* fn,
+                      const float* base, const float* scale, float* out);
+
 }  // namespace dsv4::ops::cpu

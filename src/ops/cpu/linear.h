@@ -12,4 +12,17 @@ void linear(const float* x, int64_t rows, int64_t in, const float* weight, int64
 void linear_strided(const float* x, int64_t rows, int64_t in, int64_t x_stride, const float* weight,
                     int64_t out, float* y, int64_t y_stride, float beta = 0.0f);
 
+// The GEMM of Numerics::kDeepSeek (docs/numerics.md "The oracle", "Canonical accumulation in kDeepSeek"): every dot
+// product summed in double and rounded once to fp32, the value any fp32-accumulating kernel approximates, so the
+// result does not depend on the row count (prefill vs decode), the BLAS or the device. fp32 × fp32 products are exact
+// in double; so is the sum of FP8 × FP8 / FP8 × FP4 products over a block, so those come out correctly rounded.
+// k_block > 0: the sum runs over consecutive k_block-wide blocks of the input channels, each block's double sum
+// rounded to fp32 and the partials added in fp32 in block order (the FP8 GEMM kernel's 128-wide and the FP4 kernel's
+// 32-wide partials, kernel_standin.fp8_gemm / fp4_gemm); 0 (or >= in): one block. Rows × outputs are spread over
+// ThreadPool::global(). y is overwritten (no beta).
+void linear_f64(const float* x, int64_t rows, int64_t in, const float* weight, int64_t out, float* y,
+                int64_t k_block = 0);
+void linear_f64_strided(const float* x, int64_t rows, int64_t in, int64_t x_stride, const float* weight, int64_t out,
+                        float* y, int64_t y_stride, int64_t k_block = 0);
+
 }  // namespace dsv4::ops::cpu

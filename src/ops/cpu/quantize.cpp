@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "core/dtype.h"
 
@@ -67,14 +68,17 @@ void quantize_e2m1_blocks(float* x, int64_t n, int64_t block) {
 }
 
 void hadamard_transform(float* x, int64_t n, float scale) {
+  // Butterflies in double, one rounding to fp32 (kernel_standin.hadamard_transform, EXACT): for bf16 inputs the
+  // double sums are exact unless a row spans more than ~2^38 in magnitude, so this is the correctly rounded H·x.
+  std::vector<double> v(x, x + n);
   for (int64_t half = 1; half < n; half *= 2)
     for (int64_t begin = 0; begin < n; begin += 2 * half)
       for (int64_t i = begin; i < begin + half; ++i) {
-        const float a = x[i], b = x[i + half];
-        x[i] = a + b;
-        x[i + half] = a - b;
+        const double a = v[i], b = v[i + half];
+        v[i] = a + b;
+        v[i + half] = a - b;
       }
-  for (int64_t i = 0; i < n; ++i) x[i] *= scale;
+  for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(v[i]) * scale;
 }
 
 void round_to_bf16(float* x, int64_t n) {

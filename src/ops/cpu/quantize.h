@@ -28,8 +28,9 @@ void quantize_e4m3_blocks(float* x, int64_t n, int64_t block);
 // x = e2m1_round(clamp(x / s, ±6)) · s. The indexer's FP4 simulation (§3.3, §8).
 void quantize_e2m1_blocks(float* x, int64_t n, int64_t block);
 
-// In place, x ← H_n · x · scale with H_n the Sylvester (natural-order) Walsh–Hadamard matrix, n a power of two
-// (fast_hadamard_transform's hadamard_transform; the reference uses scale n^-0.5, §3.5). fp32 butterflies.
+// In place, x ← fp32(H_n · x) · scale with H_n the Sylvester (natural-order) Walsh–Hadamard matrix, n a power of two
+// (fast_hadamard_transform's hadamard_transform; the reference uses scale n^-0.5, §3.5). Butterflies in double,
+// rounded once to fp32 before the fp32 scaling (the oracle's exact accumulation, docs/numerics.md).
 void hadamard_transform(float* x, int64_t n, float scale);
 
 // In place, every value rounded to the nearest bf16 (ties to even): where the reference holds a bf16 tensor.
