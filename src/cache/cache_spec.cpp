@@ -1,5 +1,6 @@
 #include "cache/cache_spec.h"
 
+#include "cache/kv_entry_format.h"
 #include "core/error.h"
 
 namespace dsv4 {
@@ -75,6 +76,13 @@ CacheLayout CacheLayout::for_model(const ModelConfig& config, KvStorage kv, Inde
   if (!hca.empty())
     layout.groups.push_back({CacheGroupKind::kC128Main, GroupGrowth::kHistory, hca, main_bytes, m128,
                              kLogicalBlockTokens / m128, 0});
+  // FP8 main entries of the V4 shape are laid out as the device kernels read them (data rows, then the scale
+  // groups, the region padded to 576 B): a block must hold every layer's padded region, not layers · 584 · epb.
+  if (kv == KvStorage::kFp8 && d == kKvHeadDim && rope == kKvRopeDim)
+    for (CacheGroupSpec& group : layout.groups)
+      if (group.kind == CacheGroupKind::kSwaKv || group.kind == CacheGroupKind::kC4Main ||
+          group.kind == CacheGroupKind::kC128Main)
+        group.layer_region_bytes = kv_region_bytes(KvEntryFormat::kFp8, group.entries_per_block);
   // Compressor state (ops/cpu/compressor.h): coff·ratio slots of coff·width fp32 values, for kv and gate.
   auto state_bytes = [](int64_t ratio, int64_t width, bool overlap) {
     const int64_t coff = overlap ? 2 : 1;

@@ -45,8 +45,12 @@ struct CacheGroupSpec {
   int64_t tokens_per_entry = 1;      // compress ratio (1 for raw K=V)
   int64_t entries_per_block = 0;     // entries of one layer in one physical block of this group
   int64_t window_tokens = 0;         // kWindow: tokens kept
-  // A physical block holds entries_per_block entries of every layer of the group.
-  int64_t block_bytes() const { return entry_bytes * entries_per_block * static_cast<int64_t>(layers.size()); }
+  // Bytes of one layer's entries in a block when the format pads them (the FP8 main entries: their layer region
+  // is rounded up to a multiple of 576 B, cache/kv_entry_format.h kv_region_bytes); 0 = entry_bytes · entries.
+  int64_t layer_region_bytes = 0;
+  // A physical block holds entries_per_block entries of every layer of the group, one region per layer.
+  int64_t region_bytes() const { return layer_region_bytes ? layer_region_bytes : entry_bytes * entries_per_block; }
+  int64_t block_bytes() const { return region_bytes() * static_cast<int64_t>(layers.size()); }
   int64_t tokens_per_block() const { return entries_per_block * tokens_per_entry; }
   // Bytes per token of sequence, over all layers of the group (history groups; 0 for the others).
   double bytes_per_token() const;

@@ -11,6 +11,10 @@
 namespace dsv4 {
 namespace {
 
+// One layer's FP8 region in a block (cache/kv_entry_format.h): entries · 584 B rounded up to a multiple of 576 B.
+constexpr int64_t kFp8Region64 = (64 * 584 + 575) / 576 * 576;  // 37,440: SWA and C4 blocks of 64 entries
+constexpr int64_t kFp8Region2 = (2 * 584 + 575) / 576 * 576;    // 1,728: C128 blocks of 2 entries
+
 constexpr int64_t kMiB = int64_t{1} << 20;
 constexpr int64_t kGiB = int64_t{1} << 30;
 constexpr int64_t kOneM = int64_t{1} << 20;  // 2^20 tokens
@@ -70,11 +74,16 @@ TEST(PlannerTest, FlashFp8Fp4AtOneMillion) {
   EXPECT_NEAR(mib(swa.data_bytes), 3.0, 0.1);
   EXPECT_EQ(plan.window.data, swa.data_bytes);
   EXPECT_EQ(swa.blocks, 2);  // 2^20 is on a 64-token boundary: the window is exactly two blocks
-  EXPECT_EQ(plan.window.reserved, plan.window.data);
+  // Blocks hold each layer's FP8 region as the kernels lay it out: 64 entries · 584 B rounded up to 576 B = 37,440 B
+  // (2 C128 entries: 1,168 → 1,728 B), so reserved exceeds the entries' bytes by the padding.
+  EXPECT_EQ(plan.window.reserved, 2 * 43 * kFp8Region64);
 
   const int64_t history_and_rings = int64_t{3214934016} + 374341632 + 95682560 + 3214336;
   EXPECT_EQ(plan.history_and_window().data, history_and_rings);
-  EXPECT_EQ(plan.history_and_window().reserved, history_and_rings);
+  const int64_t reserved = int64_t{4096} * 21 * kFp8Region64 + 374341632 + int64_t{4096} * 20 * kFp8Region2 +
+                           2 * 43 * kFp8Region64;
+  EXPECT_EQ(reserved, int64_t{3739558272});
+  EXPECT_EQ(plan.history_and_window().reserved, reserved);
   EXPECT_NEAR(gib(history_and_rings), 3.44, 0.01);
   EXPECT_NEAR((3072.0 + 357.0 + 91.0 + 3.0) / 1024.0, 3.44, 0.005);  // the source's sum of rounded parts
 
@@ -150,8 +159,8 @@ TEST(PlannerTest, BlocksCoverWhatIsHeld) {
   const GroupPlan& c4_main = group(plan, CacheGroupKind::kC4Main);
   EXPECT_EQ(c4_main.entries, 65);
   EXPECT_EQ(c4_main.data_bytes, 65 * 584 * 21);
-  EXPECT_EQ(c4_main.block_bytes, 64 * 584 * 21);
-  EXPECT_EQ(c4_main.reserved_bytes(), 2 * 64 * 584 * 21);
+  EXPECT_EQ(c4_main.block_bytes, kFp8Region64 * 21);
+  EXPECT_EQ(c4_main.reserved_bytes(), 2 * kFp8Region64 * 21);
 }
 
 TEST(PlannerTest, MonotoneInContext) {
@@ -179,27 +188,27 @@ TEST(PlannerTest, MonotoneInContext) {
   }
 }
 
-// 80 GiB for the cache, Flash FP8/FP4 at 2^20: 3,700,378,624 reserved bytes per request → 23 requests.
+// 80 GiB for the cache, Flash FP8/FP4 at 2^20: 3,751,764,352 reserved bytes per request → 22 requests.
 TEST(PlannerTest, RequestsThatFit) {
   const CapacityPlan plan =
       plan_capacity(ModelConfig::preset("v4-flash"), KvStorage::kFp8, IndexStorage::kFp4, kOneM, 80.0, 10);
-  const int64_t per_request = int64_t{3688172544} + 12206080;
+  const int64_t per_request = int64_t{3739558272} + 12206080;
   EXPECT_EQ(plan.total().reserved, per_request);
   ASSERT_TRUE(plan.memory_bytes && plan.requests_fit && plan.requests_bytes);
   EXPECT_EQ(*plan.memory_bytes, 80 * kGiB);
   EXPECT_EQ(*plan.requests_fit, 80 * kGiB / per_request);
-  EXPECT_EQ(*plan.requests_fit, 23);  // 85,899,345,920 / 3,700,378,624 = 23.2
+  EXPECT_EQ(*plan.requests_fit, 22);  // 85,899,345,920 / 3,751,764,352 = 22.9
   EXPECT_EQ(*plan.requests_bytes, 10 * per_request);
-  // A budget one byte short of 23 requests fits 22.
-  const double just_short = static_cast<double>(23 * per_request - 1) / static_cast<double>(kGiB);
+  // A budget one byte short of 22 requests fits 21.
+  const double just_short = static_cast<double>(22 * per_request - 1) / static_cast<double>(kGiB);
   EXPECT_EQ(
       *plan_capacity(ModelConfig::preset("v4-flash"), KvStorage::kFp8, IndexStorage::kFp4, kOneM, just_short)
            .requests_fit,
-      22);
+      21);
   const std::string text = format_capacity_plan(plan);
-  EXPECT_NE(text.find("23 requests of 1048576 tokens fit"), std::string::npos) << text;
+  EXPECT_NE(text.find("22 requests of 1048576 tokens fit"), std::string::npos) << text;
   const nlohmann::json json = capacity_plan_to_json(plan);
-  EXPECT_EQ(json["requests_fit"].get<int64_t>(), 23);
+  EXPECT_EQ(json["requests_fit"].get<int64_t>(), 22);
   EXPECT_EQ(json["total_per_request"]["reserved_bytes"].get<int64_t>(), per_request);
   EXPECT_EQ(json["groups"].size(), plan.groups.size());
 }
