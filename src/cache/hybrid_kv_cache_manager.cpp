@@ -4,8 +4,7 @@
 #include <cstring>
 #include <map>
 
-#include <xxhash.h>
-
+#include "cache/block_hash.h"
 #include "core/error.h"
 
 namespace dsv4 {
@@ -37,17 +36,13 @@ HybridKvCacheManager::HybridKvCacheManager(CacheLayout layout, int64_t pool_byte
     }
   }
   DSV4_CHECK(swa_group_ >= 0, "cache layout has no sliding-window group");
-  root_hash_ = XXH3_64bits(options_.salt.data(), options_.salt.size());
+  root_hash_ = prefix_root_hash(options_.salt);
 }
 
 int HybridKvCacheManager::group_index(CacheGroupKind kind) const {
   for (size_t g = 0; g < layout_.groups.size(); ++g)
     if (layout_.groups[g].kind == kind) return static_cast<int>(g);
   throw Error(std::string("this model has no cache group ") + cache_group_name(kind));
-}
-
-uint64_t HybridKvCacheManager::hash_block(uint64_t parent, std::span<const int32_t> tokens) const {
-  return XXH3_64bits_withSeed(tokens.data(), tokens.size_bytes(), parent);
 }
 
 int64_t HybridKvCacheManager::history_blocks_needed(const CacheGroupSpec& group, int64_t tokens) const {
@@ -105,7 +100,7 @@ std::optional<int64_t> HybridKvCacheManager::admit(RequestId id, std::span<const
     const int64_t max_blocks = (static_cast<int64_t>(prompt.size()) - 1) / kLogicalBlockTokens;
     uint64_t parent = root_hash_;
     for (int64_t b = 0; b < max_blocks; ++b) {
-      const uint64_t h = hash_block(parent, prompt.subspan(b * kLogicalBlockTokens, kLogicalBlockTokens));
+      const uint64_t h = chain_block_hash(parent, prompt.subspan(b * kLogicalBlockTokens, kLogicalBlockTokens));
       if (!prefix_blocks_.count(h)) break;
       hashes.push_back(h);
       parent = h;
@@ -239,7 +234,7 @@ void HybridKvCacheManager::commit(RequestId id, std::span<const int32_t> tokens,
   while (static_cast<int64_t>(request.block_hashes.size() + 1) * kLogicalBlockTokens <= num_computed) {
     const int64_t b = static_cast<int64_t>(request.block_hashes.size());
     const uint64_t parent = b == 0 ? root_hash_ : request.block_hashes.back();
-    const uint64_t h = hash_block(parent, tokens.subspan(b * kLogicalBlockTokens, kLogicalBlockTokens));
+    const uint64_t h = chain_block_hash(parent, tokens.subspan(b * kLogicalBlockTokens, kLogicalBlockTokens));
     request.block_hashes.push_back(h);
     if (prefix_blocks_.count(h)) continue;
     std::vector<BlockId> blocks;

@@ -110,7 +110,6 @@ class HybridKvCacheManager {
   };
 
   int group_index(CacheGroupKind kind) const;
-  uint64_t hash_block(uint64_t parent, std::span<const int32_t> tokens) const;
   std::optional<BlockId> new_block(int group);
   void on_evict(BlockId id);
   void release_block(BlockId id);  // drops a reference; cacheable iff a prefix entry or checkpoint holds it
