@@ -74,6 +74,63 @@ TEST(DeepSeekNumerics, MatchesTheReferenceGoldens) {
   }
 }
 
+// Every LinearWeight field as fp32 (what ModelWeights held before issue 7 kept them quantized).
+ModelWeights dequantized_copy(const ModelWeights& weights) {
+  ModelWeights dense = weights;
+  for (LayerWeights& l : dense.layers) {
+    for (LinearWeight* w :
+         {&l.wq_a, &l.wq_b, &l.wkv, &l.wo_a, &l.wo_b, &l.indexer_wq_b, &l.shared_w13, &l.shared_w2})
+      *w = LinearWeight(w->dequantized());
+    for (auto* experts : {&l.experts_w13, &l.experts_w2})
+      for (LinearWeight& w : *experts) w = LinearWeight(w.dequantized());
+  }
+  return dense;
+}
+
+// An FP8 / FP4 checkpoint stays quantized in host memory (issue 7 item 1) and computes exactly what its fp32
+// dequantization computes: bit for bit in kDeepSeek (double accumulation), to fp32 rounding in kHf.
+TEST(DeepSeekNumerics, QuantizedWeightsStayQuantizedAndComputeTheSame) {
+  const std::vector<fs::path> dirs = golden_dirs();
+  if (dirs.empty()) GTEST_SKIP() << "no goldens under tests/fixtures/deepseek_goldens";
+  for (const fs::path& dir : dirs) {
+    ModelConfig config = ModelConfig::from_file((dir / "config.json").string());
+    const ModelWeights quantized = ModelWeights::load(config, dir.string());
+    const LayerWeights& layer = quantized.layers.at(0);
+    EXPECT_EQ(layer.wq_a.encoding(), WeightEncoding::kF8E4M3) << dir;
+    EXPECT_EQ(layer.shared_w2.encoding(), WeightEncoding::kF8E4M3) << dir;
+    EXPECT_EQ(layer.experts_w13.at(0).encoding(), WeightEncoding::kFp4E2M1) << dir;
+    EXPECT_EQ(layer.wo_a.encoding(), WeightEncoding::kF32)
+        << dir;  // stored BF16, as in the released checkpoints
+    const ModelWeights dense = dequantized_copy(quantized);
+    size_t quantized_linear = 0, dense_linear = 0;
+    for (size_t i = 0; i < quantized.layers.size(); ++i) {
+      const LayerWeights &q = quantized.layers[i], &d = dense.layers[i];
+      for (size_t e = 0; e < q.experts_w13.size(); ++e) {
+        quantized_linear += q.experts_w13[e].storage_bytes() + q.experts_w2[e].storage_bytes();
+        dense_linear += d.experts_w13[e].storage_bytes() + d.experts_w2[e].storage_bytes();
+      }
+    }
+    std::printf("%s: host bytes %zu quantized, %zu fp32; routed experts %zu vs %zu (%.2f bits/param)\n",
+                dir.filename().c_str(), quantized.host_bytes(), dense.host_bytes(), quantized_linear,
+                dense_linear,
+                32.0 * static_cast<double>(quantized_linear) / static_cast<double>(dense_linear));
+    // MXFP4: 4 bits + one exponent byte per 32 = 4.25 bits per parameter.
+    EXPECT_EQ(quantized_linear * 128, dense_linear * 17) << dir;
+    EXPECT_LT(quantized.host_bytes(), dense.host_bytes()) << dir;
+
+    const ModelConfig hf_config = config;
+    config.numerics = Numerics::kDeepSeek;
+    const std::vector<int32_t> ids = testing::random_ids(21, config.vocab_size, 4);
+    DeepseekV4Model deepseek_quantized(config, quantized), deepseek_dense(config, dense);
+    EXPECT_EQ(last_logits(deepseek_quantized, ids, {21}), last_logits(deepseek_dense, ids, {21})) << dir;
+    DeepseekV4Model hf_quantized(hf_config, quantized), hf_dense(hf_config, dense);
+    const std::vector<float> a = last_logits(hf_quantized, ids, {21}), b = last_logits(hf_dense, ids, {21});
+    const double error = testing::relative_l2(a.data(), b.data(), a.size());
+    std::printf("%s, kHf: quantized vs fp32 weights relative L2 %.3g\n", dir.filename().c_str(), error);
+    EXPECT_LE(error, 1e-5) << dir;
+  }
+}
+
 TEST(DeepSeekNumerics, DiffersFromHfByQuantizationNoiseOnly) {
   ModelConfig config = ModelConfig::preset("tiny");
   const ModelWeights weights = random_weights(config, 0);

@@ -77,13 +77,19 @@ ModelWeights rounded_to_bf16(ModelWeights weights) {
   };
   round(weights.embed);
   round(weights.head);
+  // Quantized projections (FP8 / FP4 values) are bf16-exact already; dense ones are rounded.
+  auto round_linear = [&](LinearWeight& w) {
+    if (!w.quantized()) round(w.dense());
+  };
   for (LayerWeights& l : weights.layers) {
-    for (Tensor* t : {&l.wq_a, &l.wq_b, &l.wkv, &l.wo_a, &l.wo_b, &l.compressor.wkv, &l.compressor.wgate,
-                      &l.indexer_compressor.wkv, &l.indexer_compressor.wgate, &l.indexer_wq_b,
-                      &l.indexer_weights_proj, &l.gate, &l.shared_w13, &l.shared_w2})
+    for (Tensor* t : {&l.compressor.wkv, &l.compressor.wgate, &l.indexer_compressor.wkv,
+                      &l.indexer_compressor.wgate, &l.indexer_weights_proj, &l.gate})
       round(*t);
-    for (Tensor& t : l.experts_w13) round(t);
-    for (Tensor& t : l.experts_w2) round(t);
+    for (LinearWeight* w :
+         {&l.wq_a, &l.wq_b, &l.wkv, &l.wo_a, &l.wo_b, &l.indexer_wq_b, &l.shared_w13, &l.shared_w2})
+      round_linear(*w);
+    for (LinearWeight& w : l.experts_w13) round_linear(w);
+    for (LinearWeight& w : l.experts_w2) round_linear(w);
   }
   return weights;
 }

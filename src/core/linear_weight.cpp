@@ -1,0 +1,186 @@
+#include "core/linear_weight.h"
+
+#include <cmath>
+
+#include "core/dtype.h"
+#include "core/error.h"
+
+namespace dsv4 {
+namespace {
+
+// FP4 e2m1 code -> value (research/model_spec.md §2.1: 0..7 = {0, 0.5, 1, 1.5, 2, 3, 4, 6}, 8..15 their
+// negatives).
+constexpr float kFp4Values[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                  -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+// e4m3 code -> value for all 256 codes, built once (the decode loop is a table look-up).
+struct E4m3Table {
+  float values[256];
+  E4m3Table() {
+    for (int code = 0; code < 256; ++code) values[code] = f8e4m3_to_f32(static_cast<uint8_t>(code));
+  }
+};
+const E4m3Table& e4m3_table() {
+  static const E4m3Table table;
+  return table;
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+LinearWeight::LinearWeight(Tensor dense) {
+  DSV4_CHECK(dense.shape.size() == 2 || dense.empty(),
+             "a linear weight is a 2-D [out, in] matrix, got " + dense.shape_string());
+  if (dense.shape.size() == 2) {
+    rows_ = dense.shape[0];
+    cols_ = dense.shape[1];
+  }
+  dense_ = std::move(dense);
+}
+
+LinearWeight LinearWeight::fp8_block_scaled(int64_t out, int64_t in, std::vector<uint8_t> codes,
+                                            const std::vector<float>& block_scales) {
+  const int64_t block_rows = ceil_div(out, 128), block_cols = ceil_div(in, kFp8GroupColumns);
+  DSV4_CHECK(out >= 0 && in >= 0 && static_cast<int64_t>(codes.size()) == out * in,
+             "FP8 weight: " + std::to_string(codes.size()) + " codes for a [" + std::to_string(out) + ", " +
+                 std::to_string(in) + "] matrix");
+  DSV4_CHECK(static_cast<int64_t>(block_scales.size()) == block_rows * block_cols,
+             "FP8 weight: " + std::to_string(block_scales.size()) + " block scales, expected " +
+                 std::to_string(block_rows * block_cols));
+  LinearWeight w;
+  w.encoding_ = WeightEncoding::kF8E4M3;
+  w.rows_ = out;
+  w.cols_ = in;
+  w.codes_ = std::move(codes);
+  w.fp8_scales_.resize(static_cast<size_t>(out * block_cols));
+  for (int64_t r = 0; r < out; ++r)
+    for (int64_t b = 0; b < block_cols; ++b)
+      w.fp8_scales_[r * block_cols + b] = block_scales[(r / 128) * block_cols + b];
+  return w;
+}
+
+LinearWeight LinearWeight::fp4_group_scaled(int64_t out, int64_t in, std::vector<uint8_t> packed,
+                                            const std::vector<float>& group_scales, const std::string& name) {
+  const int64_t groups = ceil_div(in, kFp4GroupColumns);
+  DSV4_CHECK(in % 2 == 0 && out >= 0 && static_cast<int64_t>(packed.size()) == out * in / 2,
+             name + ": " + std::to_string(packed.size()) + " packed FP4 bytes for a [" + std::to_string(out) +
+                 ", " + std::to_string(in) + "] matrix (two elements per byte, an even column count)");
+  DSV4_CHECK(static_cast<int64_t>(group_scales.size()) == out * groups,
+             name + ": " + std::to_string(group_scales.size()) + " FP4 scales, expected " +
+                 std::to_string(out * groups));
+  LinearWeight w;
+  w.encoding_ = WeightEncoding::kFp4E2M1;
+  w.rows_ = out;
+  w.cols_ = in;
+  w.codes_ = std::move(packed);
+  w.fp4_exponents_.resize(group_scales.size());
+  for (size_t i = 0; i < group_scales.size(); ++i) {
+    int exponent = 0;
+    const float mantissa =
+        std::frexp(group_scales[i], &exponent);  // scale = 0.5 · 2^exponent for a power of two
+    const int biased = exponent - 1 + 127;
+    if (mantissa != 0.5f || biased < 0 || biased > 254)
+      throw Error(name + ": FP4 scale " + std::to_string(i) + " = " + std::to_string(group_scales[i]) +
+                  " is not a UE8M0 power of two (2^-127 ... 2^127)");
+    w.fp4_exponents_[i] = static_cast<uint8_t>(biased);
+  }
+  return w;
+}
+
+LinearWeight LinearWeight::concat_rows(const LinearWeight& top, const LinearWeight& bottom) {
+  DSV4_CHECK(top.encoding_ == bottom.encoding_ && top.cols_ == bottom.cols_,
+             "cannot stack a " + top.shape_string() + " and a " + bottom.shape_string() +
+                 " weight of different encodings or widths");
+  LinearWeight w;
+  w.encoding_ = top.encoding_;
+  w.rows_ = top.rows_ + bottom.rows_;
+  w.cols_ = top.cols_;
+  auto append = [](auto& out, const auto& a, const auto& b) {
+    out.reserve(a.size() + b.size());
+    out.insert(out.end(), a.begin(), a.end());
+    out.insert(out.end(), b.begin(), b.end());
+  };
+  if (w.encoding_ == WeightEncoding::kF32) {
+    w.dense_.shape = {w.rows_, w.cols_};
+    append(w.dense_.data, top.dense_.data, bottom.dense_.data);
+  }
+  append(w.codes_, top.codes_, bottom.codes_);
+  append(w.fp8_scales_, top.fp8_scales_, bottom.fp8_scales_);
+  append(w.fp4_exponents_, top.fp4_exponents_, bottom.fp4_exponents_);
+  return w;
+}
+
+int64_t LinearWeight::dim(size_t axis) const {
+  DSV4_CHECK(axis < 2, "a linear weight has 2 dimensions, asked for " + std::to_string(axis));
+  return axis == 0 ? rows_ : cols_;
+}
+
+std::string LinearWeight::shape_string() const {
+  return "[" + std::to_string(rows_) + ", " + std::to_string(cols_) + "]";
+}
+
+const Tensor& LinearWeight::dense() const {
+  DSV4_CHECK(encoding_ == WeightEncoding::kF32,
+             "an FP8/FP4 weight " + shape_string() + " has no fp32 matrix");
+  return dense_;
+}
+
+Tensor& LinearWeight::dense() {
+  DSV4_CHECK(encoding_ == WeightEncoding::kF32,
+             "an FP8/FP4 weight " + shape_string() + " has no fp32 matrix");
+  return dense_;
+}
+
+void LinearWeight::dequantize_rows(int64_t first_row, int64_t count, float* out) const {
+  DSV4_CHECK(first_row >= 0 && count >= 0 && first_row + count <= rows_,
+             "rows [" + std::to_string(first_row) + ", " + std::to_string(first_row + count) + ") of a " +
+                 shape_string() + " weight");
+  const int64_t cols = cols_;
+  switch (encoding_) {
+    case WeightEncoding::kF32:
+      std::copy(dense_.data.begin() + first_row * cols, dense_.data.begin() + (first_row + count) * cols,
+                out);
+      return;
+    case WeightEncoding::kF8E4M3: {
+      const float* table = e4m3_table().values;
+      const int64_t groups = ceil_div(cols, kFp8GroupColumns);
+      for (int64_t r = 0; r < count; ++r) {
+        const uint8_t* codes = &codes_[(first_row + r) * cols];
+        const float* scales = &fp8_scales_[(first_row + r) * groups];
+        float* row = out + r * cols;
+        for (int64_t c = 0; c < cols; ++c) row[c] = table[codes[c]] * scales[c / kFp8GroupColumns];
+      }
+      return;
+    }
+    case WeightEncoding::kFp4E2M1: {
+      const int64_t groups = ceil_div(cols, kFp4GroupColumns);
+      for (int64_t r = 0; r < count; ++r) {
+        const uint8_t* packed = &codes_[(first_row + r) * (cols / 2)];
+        const uint8_t* exponents = &fp4_exponents_[(first_row + r) * groups];
+        float* row = out + r * cols;
+        for (int64_t c = 0; c < cols; c += 2) {
+          const float scale = std::ldexp(1.0f, static_cast<int>(exponents[c / kFp4GroupColumns]) - 127);
+          const uint8_t byte = packed[c / 2];
+          row[c] = kFp4Values[byte & 0xf] * scale;
+          row[c + 1] = kFp4Values[byte >> 4] * scale;  // c is even and 32 | group width: same group as c
+        }
+      }
+      return;
+    }
+  }
+}
+
+Tensor LinearWeight::dequantized() const {
+  if (encoding_ == WeightEncoding::kF32) return dense_;
+  Tensor out({rows_, cols_});
+  dequantize_rows(0, rows_, out.ptr());
+  return out;
+}
+
+size_t LinearWeight::storage_bytes() const {
+  return dense_.data.size() * sizeof(float) + codes_.size() + fp8_scales_.size() * sizeof(float) +
+         fp4_exponents_.size();
+}
+
+}  // namespace dsv4
