@@ -1,9 +1,12 @@
 #include "core/linear_weight.h"
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/thread_pool.h"
 
 namespace dsv4 {
 namespace {
@@ -26,6 +29,73 @@ const E4m3Table& e4m3_table() {
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The grouped low-bit formats: bits per code, the level of code c is (c − offset)·s.
+struct GroupFormat {
+  int bits;
+  float offset;
+  int64_t group_bytes() const { return 32 * bits / 8; }
+  int codes() const { return 1 << bits; }
+  float max_level() const { return static_cast<float>(codes() - 1) - offset; }  // 3 for Q3, 1.5 for Q2
+};
+GroupFormat group_format(WeightEncoding encoding) {
+  return encoding == WeightEncoding::kQ3G32 ? GroupFormat{3, 4.0f} : GroupFormat{2, 1.5f};
+}
+bool grouped_low_bit(WeightEncoding encoding) {
+  return encoding == WeightEncoding::kQ3G32 || encoding == WeightEncoding::kQ2G32;
+}
+
+// Code i of a group's little-endian bit stream.
+int read_code(const uint8_t* group, int bits, int i) {
+  const int bit = i * bits;
+  const unsigned word = group[bit / 8] | (bit / 8 + 1 < 4 * bits ? unsigned{group[bit / 8 + 1]} << 8 : 0u);
+  return static_cast<int>((word >> (bit % 8)) & ((1u << bits) - 1));
+}
+void write_code(uint8_t* group, int bits, int i, int code) {
+  const int bit = i * bits;
+  const unsigned shifted = static_cast<unsigned>(code) << (bit % 8);
+  group[bit / 8] |= static_cast<uint8_t>(shifted & 0xff);
+  if (shifted >> 8) group[bit / 8 + 1] |= static_cast<uint8_t>(shifted >> 8);
+}
+
+// One group of 32 values: the bf16 scale and codes of least squared error (nearest level per value) among the
+// candidates s = amax / k, k from 1 to 1.5 times the largest level magnitude (the clipping trade-off: a
+// smaller scale resolves the bulk better and saturates the few largest values).
+void quantize_group(const float* x, GroupFormat format, uint16_t* scale_bits, uint8_t* group) {
+  float amax = 0.0f;
+  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
+  std::fill(group, group + format.group_bytes(), uint8_t{0});
+  const int top = format.codes() - 1;
+  if (amax == 0.0f) {
+    *scale_bits = 0;
+    return;
+  }
+  // Largest level magnitude: 4 for Q3 (−4 … 3), 1.5 for Q2.
+  const float reach = std::max(format.offset, format.max_level());
+  float best_error = std::numeric_limits<float>::infinity(), best_scale = 0.0f;
+  constexpr int kCandidates = 16;
+  for (int candidate = 0; candidate < kCandidates; ++candidate) {
+    const float k = reach * (1.0f + 0.5f * static_cast<float>(candidate) / (kCandidates - 1));
+    const float scale = bf16_to_f32(f32_to_bf16(amax / k));
+    if (scale == 0.0f) continue;
+    float error = 0.0f;
+    for (int i = 0; i < 32; ++i) {
+      const int code = std::clamp(static_cast<int>(std::floor(x[i] / scale + format.offset + 0.5f)), 0, top);
+      const float d = x[i] - (static_cast<float>(code) - format.offset) * scale;
+      error += d * d;
+    }
+    if (error < best_error) {
+      best_error = error;
+      best_scale = scale;
+    }
+  }
+  *scale_bits = f32_to_bf16(best_scale);
+  for (int i = 0; i < 32; ++i) {
+    const int code =
+        std::clamp(static_cast<int>(std::floor(x[i] / best_scale + format.offset + 0.5f)), 0, top);
+    write_code(group, format.bits, i, code);
+  }
+}
 
 }  // namespace
 
@@ -108,6 +178,7 @@ LinearWeight LinearWeight::concat_rows(const LinearWeight& top, const LinearWeig
   append(w.codes_, top.codes_, bottom.codes_);
   append(w.fp8_scales_, top.fp8_scales_, bottom.fp8_scales_);
   append(w.fp4_exponents_, top.fp4_exponents_, bottom.fp4_exponents_);
+  append(w.group_scales_, top.group_scales_, bottom.group_scales_);
   return w;
 }
 
@@ -168,7 +239,64 @@ void LinearWeight::dequantize_rows(int64_t first_row, int64_t count, float* out)
       }
       return;
     }
+    case WeightEncoding::kQ3G32:
+    case WeightEncoding::kQ2G32: {
+      const GroupFormat format = group_format(encoding_);
+      const int64_t groups = cols / 32;
+      for (int64_t r = 0; r < count; ++r)
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t index = (first_row + r) * groups + g;
+          const float scale = bf16_to_f32(group_scales_[index]);
+          const uint8_t* group = &codes_[index * format.group_bytes()];
+          float* values = out + r * cols + g * 32;
+          for (int i = 0; i < 32; ++i)
+            values[i] = (static_cast<float>(read_code(group, format.bits, i)) - format.offset) * scale;
+        }
+      return;
+    }
   }
+}
+
+LinearWeight LinearWeight::requantized(WeightEncoding target) const {
+  DSV4_CHECK(grouped_low_bit(target), "requantized(): the target must be kQ3G32 or kQ2G32");
+  DSV4_CHECK(cols_ % 32 == 0, "cannot requantize a " + shape_string() + " weight in groups of 32 columns");
+  const GroupFormat format = group_format(target);
+  const int64_t groups = cols_ / 32;
+  LinearWeight w;
+  w.encoding_ = target;
+  w.rows_ = rows_;
+  w.cols_ = cols_;
+  w.codes_.resize(static_cast<size_t>(rows_ * groups * format.group_bytes()));
+  w.group_scales_.resize(static_cast<size_t>(rows_ * groups));
+  ThreadPool::global().parallel_for(
+      rows_,
+      [&](int64_t begin, int64_t end) {
+        std::vector<float> row(static_cast<size_t>(cols_));
+        for (int64_t r = begin; r < end; ++r) {
+          dequantize_rows(r, 1, row.data());
+          for (int64_t g = 0; g < groups; ++g)
+            quantize_group(&row[g * 32], format, &w.group_scales_[r * groups + g],
+                           &w.codes_[(r * groups + g) * format.group_bytes()]);
+        }
+      },
+      std::max<int64_t>(1, 4096 / std::max<int64_t>(cols_ / 32, 1)));
+  return w;
+}
+
+double LinearWeight::bits_per_parameter(WeightEncoding encoding) {
+  switch (encoding) {
+    case WeightEncoding::kF32:
+      return 32.0;
+    case WeightEncoding::kF8E4M3:
+      return 8.0;  // + one fp32 scale per 128×128 block as stored
+    case WeightEncoding::kFp4E2M1:
+      return 4.25;
+    case WeightEncoding::kQ3G32:
+      return 3.5;
+    case WeightEncoding::kQ2G32:
+      return 2.5;
+  }
+  return 0.0;
 }
 
 Tensor LinearWeight::dequantized() const {
@@ -180,7 +308,7 @@ Tensor LinearWeight::dequantized() const {
 
 size_t LinearWeight::storage_bytes() const {
   return dense_.data.size() * sizeof(float) + codes_.size() + fp8_scales_.size() * sizeof(float) +
-         fp4_exponents_.size();
+         fp4_exponents_.size() + group_scales_.size() * sizeof(uint16_t);
 }
 
 }  // namespace dsv4

@@ -16,10 +16,15 @@
 namespace dsv4 {
 
 enum class WeightEncoding {
-  kF32,     // a dense fp32 Tensor
-  kF8E4M3,  // one e4m3 byte per element, one fp32 scale per row and 128 columns
-  kFp4E2M1  // two e2m1 nibbles per byte (the even column in the low nibble), one UE8M0 scale per row and 32
-            // columns
+  kF32,      // a dense fp32 Tensor
+  kF8E4M3,   // one e4m3 byte per element, one fp32 scale per row and 128 columns
+  kFp4E2M1,  // two e2m1 nibbles per byte (the even column in the low nibble), one UE8M0 scale per row and 32
+             // columns
+  // Requantized routed experts (issue 7 item 5, research/perf_anchors.md §6.2: V4-Flash fits one H200 only
+  // below ~4 bits/param). Per 32 columns one bf16 scale s and 32 codes packed little-endian into a bit
+  // stream:
+  kQ3G32,  // 3-bit codes c, value (c − 4)·s: levels −4 … 3, 12 bytes + 2 per group = 3.5 bits/param
+  kQ2G32   // 2-bit codes c, value (c − 1.5)·s: levels ±0.5, ±1.5 (no zero), 8 + 2 bytes = 2.5 bits/param
 };
 
 class LinearWeight {
@@ -40,6 +45,12 @@ class LinearWeight {
   static LinearWeight fp4_group_scaled(int64_t out, int64_t in, std::vector<uint8_t> packed,
                                        const std::vector<float>& group_scales,
                                        const std::string& name = "weight");
+  // This matrix in kQ3G32 or kQ2G32 (cols a multiple of 32, dsv4::Error otherwise): per group the bf16 scale
+  // of least squared error among 16 candidates amax / k (k spanning the level range), each code the nearest
+  // level. Rows are spread over ThreadPool::global().
+  LinearWeight requantized(WeightEncoding target) const;
+  // Bits per parameter of an encoding, scales included (kF32: 32).
+  static double bits_per_parameter(WeightEncoding encoding);
   // [top; bottom]: the same encoding and column count (dsv4::Error otherwise).
   static LinearWeight concat_rows(const LinearWeight& top, const LinearWeight& bottom);
 
@@ -70,6 +81,8 @@ class LinearWeight {
   std::vector<uint8_t> codes_;          // kF8E4M3 [rows, cols]; kFp4E2M1 [rows, cols / 2]
   std::vector<float> fp8_scales_;       // kF8E4M3 [rows, ceil(cols / 128)]
   std::vector<uint8_t> fp4_exponents_;  // kFp4E2M1 [rows, ceil(cols / 32)], UE8M0 bytes: 2^(e − 127)
+  std::vector<uint16_t> group_scales_;  // kQ3G32 / kQ2G32 [rows, cols / 32], bf16 bits
+  // (codes_ holds kQ3G32 [rows, cols / 32, 12] and kQ2G32 [rows, cols / 32, 8] bytes)
 };
 
 }  // namespace dsv4

@@ -417,4 +417,25 @@ LayerWeights assemble_layer_weights(const ModelConfig& config, int64_t layer, co
   return l;
 }
 
+RequantizedExpertsSource::RequantizedExpertsSource(std::unique_ptr<ModelWeightSource> source,
+                                                   WeightEncoding expert_encoding)
+    : source_(std::move(source)), expert_encoding_(expert_encoding) {
+  DSV4_CHECK(expert_encoding == WeightEncoding::kQ3G32 || expert_encoding == WeightEncoding::kQ2G32,
+             "routed experts requantize to kQ3G32 or kQ2G32 only");
+}
+
+LayerWeights RequantizedExpertsSource::layer(int64_t index) {
+  LayerWeights layer = source_->layer(index);
+  for (auto* experts : {&layer.experts_w13, &layer.experts_w2})
+    for (LinearWeight& w : *experts) w = w.requantized(expert_encoding_);
+  return layer;
+}
+
+std::optional<WeightEncoding> parse_expert_requantization(const std::string& text, const std::string& what) {
+  if (text == "auto") return std::nullopt;
+  if (text == "3.5" || text == "q3") return WeightEncoding::kQ3G32;
+  if (text == "2.5" || text == "q2") return WeightEncoding::kQ2G32;
+  throw Error(what + " '" + text + "': expected auto (as stored), 3.5 (q3) or 2.5 (q2) bits per parameter");
+}
+
 }  // namespace dsv4

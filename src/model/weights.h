@@ -7,6 +7,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -108,6 +109,25 @@ class ModelWeightSource {
   // Layer `index`, in [0, config().num_hidden_layers).
   virtual LayerWeights layer(int64_t index) = 0;
 };
+
+// Routed experts requantized to fewer bits as each layer is handed out (issue 7 item 5: V4-Flash's MXFP4
+// experts are 137 GiB, research/perf_anchors.md §6.2; at 3.5 / 2.5 bits/param they are 113 / 81 GiB).
+// Everything else passes through unchanged. `expert_encoding`: WeightEncoding::kQ3G32 or kQ2G32.
+class RequantizedExpertsSource final : public ModelWeightSource {
+ public:
+  RequantizedExpertsSource(std::unique_ptr<ModelWeightSource> source, WeightEncoding expert_encoding);
+  const ModelConfig& config() const override { return source_->config(); }
+  ModelWeights globals() override { return source_->globals(); }
+  LayerWeights layer(int64_t index) override;
+
+ private:
+  std::unique_ptr<ModelWeightSource> source_;
+  WeightEncoding expert_encoding_;
+};
+
+// --expert-bits of the loading commands: "auto" (as the checkpoint stores them: nullopt), "3.5" or "q3"
+// (kQ3G32), "2.5" or "q2" (kQ2G32); anything else throws dsv4::Error naming `what`.
+std::optional<WeightEncoding> parse_expert_requantization(const std::string& text, const std::string& what);
 
 class SafetensorsArchive;
 

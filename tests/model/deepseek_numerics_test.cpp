@@ -3,11 +3,16 @@
 // against the kHf path (a small, non-zero difference), and its own prefill / decode consistency.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 
+#include "cache/weight_plan.h"
+#include "core/error.h"
 #include "core/npy.h"
 #include "test_models.h"
 
@@ -129,6 +134,56 @@ TEST(DeepSeekNumerics, QuantizedWeightsStayQuantizedAndComputeTheSame) {
     std::printf("%s, kHf: quantized vs fp32 weights relative L2 %.3g\n", dir.filename().c_str(), error);
     EXPECT_LE(error, 1e-5) << dir;
   }
+}
+
+// --expert-bits 3.5 / 2.5 on a real FP8/FP4 checkpoint: the routed experts requantized as each layer is read,
+// everything else as stored; the planner's routed-expert bytes are the bytes held; the logits move by the
+// requantization only (measured, printed).
+TEST(DeepSeekNumerics, RequantizedExpertsSourceHoldsWhatThePlannerCounts) {
+  const std::vector<fs::path> dirs = golden_dirs();
+  if (dirs.empty()) GTEST_SKIP() << "no goldens under tests/fixtures/deepseek_goldens";
+  const fs::path dir = dirs.front();
+  ModelConfig config = ModelConfig::from_file((dir / "config.json").string());
+  config.numerics = Numerics::kDeepSeek;
+  const ModelWeights as_stored = ModelWeights::load(config, dir.string());
+  const std::vector<int32_t> ids = testing::random_ids(33, config.vocab_size, 6);
+  DeepseekV4Model reference(config, as_stored);
+  const std::vector<float> expected = last_logits(reference, ids, {33});
+  for (const char* bits : {"3.5", "2.5"}) {
+    const std::optional<WeightEncoding> encoding = parse_expert_requantization(bits, "--expert-bits");
+    ASSERT_TRUE(encoding.has_value());
+    RequantizedExpertsSource source(std::make_unique<CheckpointWeightSource>(config, dir.string()),
+                                    *encoding);
+    const ModelWeights requantized = ModelWeights::from_source(source);
+    size_t expert_bytes = 0;
+    for (size_t i = 0; i < requantized.layers.size(); ++i) {
+      const LayerWeights &l = requantized.layers[i], &s = as_stored.layers[i];
+      EXPECT_EQ(l.wq_a.encoding(), WeightEncoding::kF8E4M3);  // the dense FP8 linears untouched
+      EXPECT_EQ(l.shared_w13.storage_bytes(), s.shared_w13.storage_bytes());
+      for (size_t e = 0; e < l.experts_w13.size(); ++e) {
+        EXPECT_EQ(l.experts_w13[e].encoding(), *encoding);
+        expert_bytes += l.experts_w13[e].storage_bytes() + l.experts_w2[e].storage_bytes();
+      }
+    }
+    const WeightPlan plan = plan_weights(config, {std::stod(bits), true});
+    ASSERT_EQ(plan.classes.front().name, "routed experts");
+    EXPECT_EQ(static_cast<int64_t>(expert_bytes), plan.classes.front().bytes) << bits;
+    DeepseekV4Model model(config, requantized);
+    const std::vector<float> actual = last_logits(model, ids, {33});
+    const double error = testing::relative_l2(actual.data(), expected.data(), expected.size());
+    const auto argmax = [](const std::vector<float>& v) {
+      return std::max_element(v.begin(), v.end()) - v.begin();
+    };
+    std::printf(
+        "%s: experts requantized to %s bits/param: %zu bytes (planner %lld); logits relative L2 %.3g vs "
+        "MXFP4, top-1 %s\n",
+        dir.filename().c_str(), bits, expert_bytes, static_cast<long long>(plan.classes.front().bytes), error,
+        argmax(actual) == argmax(expected) ? "same" : "differs");
+    EXPECT_GT(error, 0.0);
+    EXPECT_LT(error, 0.5);
+  }
+  EXPECT_THROW(parse_expert_requantization("3", "--expert-bits"), Error);
+  EXPECT_FALSE(parse_expert_requantization("auto", "--expert-bits").has_value());
 }
 
 TEST(DeepSeekNumerics, DiffersFromHfByQuantizationNoiseOnly) {
