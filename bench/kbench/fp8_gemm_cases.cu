@@ -17,6 +17,7 @@
 #include "../../tests/ops/cuda/device_problem.h"
 #include "core/error.h"
 #include "kbench.h"
+#include "ops/cuda/fp8_gemm.h"
 #include "ops/cuda/fp8_quantize.h"
 #include "ops/cuda/gemm.h"
 
@@ -84,7 +85,7 @@ std::vector<CaseResult> run(const Ceilings& ceilings, const Options& options) {
   const std::vector<Shape> shapes = {
       {"wq_a", 4096, 1024}, {"wq_b", 1024, 32768}, {"wkv", 4096, 512}, {"wo_b", 8192, 4096}};
   const std::vector<int64_t> row_counts =
-      options.quick ? std::vector<int64_t>{1, 64} : std::vector<int64_t>{1, 8, 64, 512, 4096};
+      options.quick ? std::vector<int64_t>{1, 64} : std::vector<int64_t>{1, 4, 8, 16, 64, 512, 4096};
   const int iterations = options.quick ? 5 : 20;
   uint8_t *w8 = nullptr, *codes = nullptr;
   __nv_bfloat16 *w16 = nullptr, *x16 = nullptr;
@@ -137,6 +138,7 @@ std::vector<CaseResult> run(const Ceilings& ceilings, const Options& options) {
 
       for (const Fp8Backend backend : {Fp8Backend::kAuto, Fp8Backend::kCublasLt, Fp8Backend::kSkinny}) {
         if (backend == Fp8Backend::kSkinny && rows > 64) continue;
+        if (backend == Fp8Backend::kCublasLt && rows < 8) continue;  // refused below 8 rows (tests/ops/cuda)
         const char* name = backend == Fp8Backend::kAuto       ? "fp8 "
                            : backend == Fp8Backend::kCublasLt ? "fp8 lt "
                                                               : "fp8 sk ";
@@ -154,13 +156,31 @@ std::vector<CaseResult> run(const Ceilings& ceilings, const Options& options) {
         const double us = time_kernel_us(call, iterations);
         char note[200];
         std::snprintf(note, sizeof note, "%s; bf16/fp8 %.2fx; roofline %.2f us",
-                      gemm.fp8_uses_cublaslt(w8_desc, rows) ? "cuBLASLt blk128" : "fp8_gemm (CUDA cores)",
-                      bf16_us / us, fp8_floor_us);
+                      gemm.fp8_uses_cublaslt(w8_desc, rows) ? "cuBLASLt blk128" : "fp8_gemm", bf16_us / us,
+                      fp8_floor_us);
         CaseResult r{name + tag, us, flops, fp8_bytes, note};
         r.math_flops_per_second = kH200Fp8FlopsPerSecond;
         results.push_back(r);
       }
       gemm.set_fp8_backend(Fp8Backend::kAuto);
+      if (rows <= 16) {  // the CUDA-core (FFMA) variant of fp8_gemm beside the tensor-core one
+        ops::cuda::Fp8GemmParams fp;
+        fp.rows = rows;
+        fp.out = s.out;
+        fp.in = s.in;
+        fp.cuda_cores = true;
+        auto call = [&] {
+          DSV4_CUDA_OK(ops::cuda::fp8_skinny_gemm(fp, w8, w_scales, codes, x_scales, y, nullptr));
+        };
+        keep_busy(call);
+        const double us = time_kernel_us(call, iterations);
+        char note[200];
+        std::snprintf(note, sizeof note, "fp8_gemm FFMA variant; bf16/fp8 %.2fx; roofline %.2f us",
+                      bf16_us / us, fp8_floor_us);
+        CaseResult r{"fp8 ffma " + tag, us, flops, fp8_bytes, note};
+        r.math_flops_per_second = kH200Fp8FlopsPerSecond;
+        results.push_back(r);
+      }
 
       keep_busy(quant_call);
       const double quant_us = time_kernel_us(quant_call, iterations);

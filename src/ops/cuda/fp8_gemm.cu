@@ -134,6 +134,114 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// ---- tensor-core variant (rows ≤ 8 per chunk, in a multiple of 128, 16-byte aligned) ----
+//
+// The same sum on the fp16 tensor cores: e4m3 → f16 is exact (cvt.rn.f16x2.e4m3x2, one instruction per two
+// codes) and f16 products are exact in the mma's fp32 accumulation, so this keeps the CUDA-core kernel's
+// precision (not the FP8 mma's, whose truncated accumulation costs ~2e-4, docs/kernels/fp8_gemm.md) while the
+// per-code work drops from a decode plus one FMA per token to half a cvt: mma.sync m16n8k16 takes 16 weight
+// rows × 8 tokens. A warp owns a 16-row tile and a share of its 128-blocks; lane (g = lane / 4, t = lane % 4)
+// loads bytes [32t, 32t + 32) of the block from weight rows g and g + 8 and from token g's codes, and uses
+// byte 4s + j as k-slot j of mma step s (A and B share the permutation, so the sum is the same). Each block's
+// mma sum starts from zero and is scaled by sw · sx[token] into the fp32 accumulators, as the CUDA-core
+// kernel does per 16 codes.
+
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t pair) {
+  uint32_t out;
+  asm("{\n .reg .b16 lo;\n cvt.u16.u32 lo, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}" : "=r"(out) : "r"(pair));
+  return out;
+}
+
+__device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+struct MmaBlock {
+  uint4 w0[2], w1[2], x[2];  // 32 bytes of rows g and g + 8, and of token g
+};
+
+// grid (ceil(out / (16 · groups)), ceil(rows / 8)); groups = 8 / wpg tiles per CTA, wpg warps per tile.
+__global__ void __launch_bounds__(kThreads)
+    fp8_mma_gemm_kernel(const Fp8GemmParams p, int wpg, const uint8_t* __restrict__ w,
+                        const float* __restrict__ w_scales, const uint8_t* __restrict__ x,
+                        const float* __restrict__ x_scales, void* y) {
+  wait_for_prior_grid();
+  allow_dependents();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int groups = kWarps / wpg, group = warp / wpg, group_warp = warp % wpg;
+  const int64_t tile0 = (static_cast<int64_t>(blockIdx.x) * groups + group) * 16;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.y) * 8;
+  const int rows = static_cast<int>(p.rows - t0 < 8 ? p.rows - t0 : 8);
+  const int64_t kblocks = tile0 < p.out ? p.in / kFp8Block : 0;
+  const int64_t r0 = tile0 + g < p.out ? tile0 + g : p.out - 1,
+                r1 = tile0 + g + 8 < p.out ? tile0 + g + 8 : p.out - 1;
+  const uint8_t* w0 = w + r0 * p.w_stride + 32 * t;
+  const uint8_t* w1 = w + r1 * p.w_stride + 32 * t;
+  const bool has_token = g < rows;
+  const uint8_t* xr = x + (t0 + (has_token ? g : 0)) * p.x_stride + 32 * t;
+  const float* sw_row = w_scales + (tile0 / kFp8Block) * p.w_scale_stride;
+  auto load = [&](int64_t kb, MmaBlock& b) {
+    const int64_t k = kb * kFp8Block;
+    b.w0[0] = __ldg(reinterpret_cast<const uint4*>(w0 + k));
+    b.w0[1] = __ldg(reinterpret_cast<const uint4*>(w0 + k + 16));
+    b.w1[0] = __ldg(reinterpret_cast<const uint4*>(w1 + k));
+    b.w1[1] = __ldg(reinterpret_cast<const uint4*>(w1 + k + 16));
+    if (has_token) {
+      b.x[0] = *reinterpret_cast<const uint4*>(xr + k);
+      b.x[1] = *reinterpret_cast<const uint4*>(xr + k + 16);
+    } else {
+      b.x[0] = b.x[1] = make_uint4(0, 0, 0, 0);
+    }
+  };
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // (row g, tokens 2t, 2t + 1), (row g + 8, tokens 2t, 2t + 1)
+  MmaBlock cur, next;
+  int64_t kb = group_warp;
+  if (kb < kblocks) load(kb, cur);
+  for (; kb < kblocks; kb += wpg) {
+    if (kb + wpg < kblocks) load(kb + wpg, next);  // the next block's bytes in flight during this one's math
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const uint32_t* wa = reinterpret_cast<const uint32_t*>(cur.w0);
+    const uint32_t* wb = reinterpret_cast<const uint32_t*>(cur.w1);
+    const uint32_t* xv = reinterpret_cast<const uint32_t*>(cur.x);
+#pragma unroll
+    for (int step = 0; step < 8; ++step) {
+      const uint32_t a[4] = {e4m3x2_to_f16x2(wa[step]), e4m3x2_to_f16x2(wb[step]),
+                             e4m3x2_to_f16x2(wa[step] >> 16), e4m3x2_to_f16x2(wb[step] >> 16)};
+      mma_f16(c, a, e4m3x2_to_f16x2(xv[step]), e4m3x2_to_f16x2(xv[step] >> 16));
+    }
+    const float sw = __ldg(sw_row + kb);
+    const int n0 = 2 * t, n1 = 2 * t + 1;
+    const float s0 = n0 < rows ? sw * x_scales[kb * p.x_scale_stride + t0 + n0] : 0.0f;
+    const float s1 = n1 < rows ? sw * x_scales[kb * p.x_scale_stride + t0 + n1] : 0.0f;
+    acc[0] = fmaf(c[0], s0, acc[0]);
+    acc[1] = fmaf(c[1], s1, acc[1]);
+    acc[2] = fmaf(c[2], s0, acc[2]);
+    acc[3] = fmaf(c[3], s1, acc[3]);
+    cur = next;
+  }
+  __shared__ float partials[kWarps][32][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) partials[warp][lane][i] = acc[i];
+  __syncthreads();
+  for (int i = threadIdx.x; i < groups * 32 * 4; i += kThreads) {
+    const int tile = i / 128, l = (i / 4) % 32, e = i % 4;
+    const int64_t o = (static_cast<int64_t>(blockIdx.x) * groups + tile) * 16 + l / 4 + (e >= 2 ? 8 : 0);
+    const int n = 2 * (l % 4) + (e & 1);
+    if (n >= rows || o >= p.out) continue;
+    float s = 0.0f;
+    for (int k = 0; k < wpg; ++k) s += partials[tile * wpg + k][l][e];  // warp order: deterministic
+    const int64_t at = (t0 + n) * p.y_stride + o;
+    if (p.bf16_output)
+      static_cast<uint16_t*>(y)[at] = f32_to_bf16_bits(s);
+    else
+      static_cast<float*>(y)[at] = s;
+  }
+}
+
 template <int kVec>
 cudaError_t launch(const Fp8GemmParams& p, int wpg, const uint8_t* w, const float* ws, const uint8_t* x,
                    const float* xs, void* y, cudaStream_t stream) {
@@ -171,6 +279,19 @@ cudaError_t fp8_skinny_gemm(const Fp8GemmParams& params, const uint8_t* w, const
   auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   const bool vector =
       p.in % 16 == 0 && p.w_stride % 16 == 0 && p.x_stride % 16 == 0 && aligned(w) && aligned(x);
+  if (vector && p.in % kFp8Block == 0 && !p.cuda_cores) {
+    // Warps per 16-row tile: up to 8, no more than the row has 128-blocks (a power of two).
+    const int64_t kblocks = p.in / kFp8Block;
+    int wpg = 1;
+    while (wpg < kWarps && 2 * wpg <= kblocks) wpg *= 2;
+    const int64_t rows_per_cta = 16 * (kWarps / wpg);
+    const int64_t ctas = (p.out + rows_per_cta - 1) / rows_per_cta;
+    const int64_t chunks = (p.rows + 7) / 8;
+    if (ctas > 0x7fffffff || chunks > 65535) return cudaErrorInvalidValue;
+    return launch_dependent(fp8_mma_gemm_kernel,
+                            dim3(static_cast<unsigned>(ctas), static_cast<unsigned>(chunks)), kThreads, 0,
+                            stream, p, wpg, w, w_scales, x, x_scales, y);
+  }
   // Warps per 4-row group: enough for one vector per lane of each warp (a power of two up to 8).
   const int64_t vectors = vector ? p.in / 16 : p.in;
   int wpg = 1;

@@ -5,6 +5,12 @@
 // codes [rows, in] with scales [ceil(in/128), x_scale_stride] (ops/cuda/fp8_quantize.h's layout), fp32
 // accumulation, fp32 or bf16 y.
 //
+// Two kernels: where in is a multiple of 128 (every V4 FP8 linear) the f16 tensor-core one (fp8_gemm.cu: e4m3
+// → f16 exactly, mma.sync m16n8k16 with fp32 accumulation, 16 weight rows × 8 tokens per warp tile; flat in
+// time from 1 to 8 rows), else — or with cuda_cores — the CUDA-core one described next (its FFMA cost grows
+// with the rows). cuBLASLt refuses fewer than 8 rows (and row counts not a multiple of 4) for block-scaled
+// FP8.
+//
 // Why hand-written: at one to eight rows the product is a pure weight stream, and FP8 weights are half the
 // bytes of bf16 (out · in bytes), so it runs at the copy bandwidth or not at all. A group of warps owns 4
 // output rows (one weight-scale row, as 4 divides 128) and splits `in` in 16-byte vectors (16 codes of one
@@ -35,6 +41,7 @@ struct Fp8GemmParams {
   int64_t w_scale_stride = 0;  // floats between rows of W's scales; 0 = ceil(in / 128)
   int64_t x_scale_stride = 0;  // floats between the scale rows of x's 128-blocks; 0 = rows
   bool bf16_output = false;    // y rounded to bf16 (round to nearest even) instead of fp32
+  bool cuda_cores = false;  // keep to the FFMA kernel where the tensor-core one would run (to measure both)
 };
 
 // Any shape (rows, out, in ≥ 1, grid limits aside); 16-byte vectors when in, the strides and W / x are

@@ -299,9 +299,13 @@ Gemm::Plan& Gemm::fp8_plan(const Key& key, const GemmWeight& w, const Fp8Activat
   // 128-blocks (every FP8 linear of V4) and to more rows than the decode kernel serves best.
   const bool lt_shape = in % 16 == 0 && w_stride % 16 == 0 && x_stride % 16 == 0 && aligned(w.data) &&
                         aligned(x.codes) && aligned(w.scales) && aligned(x.scales);
-  const bool try_lt = backend == Fp8Backend::kCublasLt ||
-                      (backend == Fp8Backend::kAuto && lt_shape && rows > kFp8SkinnyMaxRows &&
-                       out % kFp8Block == 0 && in % kFp8Block == 0);
+  // kAuto's split (measured, docs/kernels/fp8_gemm.md): cuBLASLt's block-scaled kernels take ~16 us at any
+  // row count on a small weight, where fp8_gemm's tensor-core kernel streams it in ~8 us up to 64 rows; on
+  // the 32 MB weights cuBLASLt wins from 16 rows.
+  const bool decode_rows = rows <= kFp8SkinnyMaxRows || (rows <= 64 && out * in <= (int64_t{8} << 20));
+  const bool try_lt =
+      backend == Fp8Backend::kCublasLt || (backend == Fp8Backend::kAuto && lt_shape && !decode_rows &&
+                                           out % kFp8Block == 0 && in % kFp8Block == 0);
   plan->fp8_skinny = true;
   if (try_lt) {
     const cudaDataType_t output = fp.bf16_output ? CUDA_R_16BF : CUDA_R_32F;

@@ -166,9 +166,14 @@ std::string backend_name(Fp8Backend b) {
 
 // One product through linear_fp8_quantize (fp32 input) with the given backend; false when a forced cuBLASLt
 // refused the shape (printed, not a failure: kAuto never asks it for such shapes).
+// Bounds: ops/cuda/fp8_gemm.h sums in true fp32 (measured ~1e-7); cuBLASLt's block-scaled kernels run the
+// Hopper FP8 mma, whose accumulation keeps fewer bits than fp32 (measured 1.6e-4 .. 2.6e-4 on these data; the
+// tilelang kernel of the reference runs the same instructions), so they get kCublasLtBound.
+constexpr double kFp8GemmBound = 1e-5, kCublasLtBound = 5e-4;
+
 bool run_case(Gemm& gemm, Fp8Backend backend, const Fp8Weight& w, const DeviceArray<uint8_t>& dw,
               const DeviceArray<float>& dws, const Reference& ref, const DeviceArray<float>& dx, int64_t rows,
-              double bound) {
+              double fp8_gemm_bound) {
   DeviceArray<float> dy(static_cast<size_t>(rows * w.out));
   gemm.set_fp8_backend(backend);
   const GemmWeight gw{dw.get(), GemmDtype::kF8E4M3, w.out, w.in, 0, dws.get()};
@@ -188,6 +193,7 @@ bool run_case(Gemm& gemm, Fp8Backend backend, const Fp8Weight& w, const DeviceAr
       static_cast<long>(w.in), static_cast<long>(w.out), static_cast<long>(rows),
       backend_name(backend).c_str(), lt ? "cuBLASLt" : "fp8_gemm", e.vs_recipe, e.vs_double,
       e.max_rel_recipe);
+  const double bound = lt ? kCublasLtBound : fp8_gemm_bound;
   EXPECT_LE(e.vs_recipe, bound) << backend_name(backend) << " rows " << rows;
   EXPECT_LE(e.vs_double, bound) << backend_name(backend) << " rows " << rows;
   gemm.set_fp8_backend(Fp8Backend::kAuto);
@@ -343,7 +349,6 @@ TEST_F(CudaFp8, CublasLtScaleLayouts) {
     GTEST_SKIP() << "cuBLASLt refused: " << e.what();
   }
   const std::vector<float> y = dy.download();
-  double best = 1e30;
   for (int reading = 0; reading < 4; ++reading) {
     const bool w_transposed = reading & 1, x_row_major = reading & 2;
     double num = 0, den = 0;
@@ -366,11 +371,11 @@ TEST_F(CudaFp8, CublasLtScaleLayouts) {
                 w_transposed ? "[in/128][out/128]" : "[out/128][in/128]",
                 x_row_major ? "[rows][in/128]" : "[in/128][rows]", rel);
     if (reading == 0) {
-      EXPECT_LE(rel, 1e-5) << "our layouts";
+      EXPECT_LE(rel, kCublasLtBound) << "our layouts";
+    } else {
+      EXPECT_GT(rel, 1e-2) << "another reading also fits: the probe cannot tell";
     }
-    best = std::min(best, rel);
   }
-  EXPECT_LE(best, 1e-5);
 }
 
 TEST_F(CudaFp8, OddShapesMatchTheCpuRecipe) {
@@ -467,8 +472,49 @@ TEST_F(CudaFp8, PaddedStridesAndBf16Output) {
         std::printf("[fp8] padded rows %ld %s %s: rel_l2 vs recipe %.3e\n", static_cast<long>(rows),
                     backend_name(backend).c_str(), bf16 ? "bf16" : "fp32", e.vs_recipe);
         // bf16 y: the recipe's fp32 value rounded to bf16; a last-bit fp32 difference can flip a rounding.
-        EXPECT_LE(e.vs_recipe, bf16 ? 1e-3 : 1e-5);
+        const bool lt = backend == Fp8Backend::kCublasLt;
+        EXPECT_LE(e.vs_recipe, bf16 ? (lt ? 2e-3 : 1e-3) : (lt ? kCublasLtBound : kFp8GemmBound));
       }
+  }
+}
+
+TEST_F(CudaFp8, TensorCoreAndCudaCoreKernelsMatchTheRecipe) {
+  // ops/cuda/fp8_gemm.h's two kernels (the f16 mma one where in is a multiple of 128, the FFMA one otherwise
+  // or when asked) on the same operands, 1..13 rows (13: two chunks of 8), fp32 and bf16 y.
+  for (const Shape& shape :
+       {Shape{"wq_a", 4096, 1024}, Shape{"wq_b", 1024, 32768}, Shape{"small", 128, 48}}) {
+    const Fp8Weight w(shape.out, shape.in, static_cast<uint32_t>(shape.out));
+    DeviceArray<uint8_t> dw(w.codes);
+    DeviceArray<float> dws(w.scales);
+    for (const int64_t rows : {1, 2, 5, 8, 13}) {
+      const auto x = random_activations(rows, shape.in, static_cast<uint32_t>(rows * 3));
+      DeviceArray<float> dx(x);
+      const Reference ref = make_reference(w, x, rows);
+      DeviceArray<uint8_t> codes(static_cast<size_t>(rows * shape.in));
+      DeviceArray<float> scales(static_cast<size_t>(blocks(shape.in) * rows));
+      Fp8QuantizeParams q;
+      q.rows = rows;
+      q.cols = shape.in;
+      ASSERT_EQ(quantize_e4m3_rows(q, dx.get(), codes.get(), scales.get(), nullptr), cudaSuccess);
+      for (const bool cuda_cores : {false, true}) {
+        DeviceArray<float> dy(static_cast<size_t>(rows * shape.out));
+        Fp8GemmParams p;
+        p.rows = rows;
+        p.out = shape.out;
+        p.in = shape.in;
+        p.cuda_cores = cuda_cores;
+        ASSERT_EQ(fp8_skinny_gemm(p, dw.get(), dws.get(), codes.get(), scales.get(), dy.get(), nullptr),
+                  cudaSuccess);
+        const Errors e = compare(ref, shape.out, dy.download(), shape.out, false);
+        std::printf("[fp8] kernel %s %s rows %ld: rel_l2 vs recipe %.3e vs double %.3e\n",
+                    cuda_cores ? "ffma" : "mma ", shape.name, static_cast<long>(rows), e.vs_recipe,
+                    e.vs_double);
+        EXPECT_LE(e.vs_recipe, kFp8GemmBound)
+            << shape.name << " rows " << rows << (cuda_cores ? " ffma" : " mma");
+        EXPECT_LE(e.vs_double, kFp8GemmBound)
+            << shape.name << " rows " << rows << (cuda_cores ? " ffma" : " mma");
+      }
+    }
   }
 }
 
