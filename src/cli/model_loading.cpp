@@ -96,8 +96,9 @@ LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& o
   }
   cuda_options.precision =
       options.dtype == "f32" || options.dtype == "float32" ? CudaPrecision::kF32 : CudaPrecision::kBf16;
-  // Switches for measuring what each mechanism gains (docs/gpu.md): DSV4_CUDA_GRAPHS=0, DSV4_INDEXER_STREAM=0,
-  // DSV4_DEVICE_SAMPLING=0.
+  // Switches for measuring what each mechanism gains (docs/gpu.md): DSV4_CUDA_GRAPHS=0,
+  // DSV4_INDEXER_STREAM=0, DSV4_DEVICE_SAMPLING=0, and DSV4_FP8_WEIGHTS=1 (FP8 projections kept FP8 on the
+  // device, FP8 GEMMs; opt-in).
   auto switched_off = [](const char* name) {
     const char* value = std::getenv(name);
     return value != nullptr && std::string(value) == "0";
@@ -105,6 +106,8 @@ LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& o
   cuda_options.cuda_graphs = !switched_off("DSV4_CUDA_GRAPHS");
   cuda_options.indexer_stream = !switched_off("DSV4_INDEXER_STREAM");
   cuda_options.device_sampling = !switched_off("DSV4_DEVICE_SAMPLING");
+  const char* fp8_weights = std::getenv("DSV4_FP8_WEIGHTS");
+  cuda_options.fp8_weights = fp8_weights != nullptr && std::string(fp8_weights) == "1";
   loaded.backend = std::make_unique<DeepseekV4CudaModel>(std::move(config), *source, cuda_options);
   loaded.on_cuda = true;
 #endif

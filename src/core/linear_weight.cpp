@@ -283,6 +283,18 @@ LinearWeight LinearWeight::requantized(WeightEncoding target) const {
   return w;
 }
 
+bool LinearWeight::fp8_block_scales(std::vector<float>& out) const {
+  if (encoding_ != WeightEncoding::kF8E4M3) return false;
+  const int64_t groups = ceil_div(cols_, kFp8GroupColumns), block_rows = ceil_div(rows_, 128);
+  for (int64_t r = 0; r < rows_; ++r)
+    for (int64_t g = 0; g < groups; ++g)
+      if (fp8_scales_[r * groups + g] != fp8_scales_[(r / 128 * 128) * groups + g]) return false;
+  out.resize(static_cast<size_t>(block_rows * groups));
+  for (int64_t b = 0; b < block_rows; ++b)
+    for (int64_t g = 0; g < groups; ++g) out[b * groups + g] = fp8_scales_[(b * 128) * groups + g];
+  return true;
+}
+
 double LinearWeight::bits_per_parameter(WeightEncoding encoding) {
   switch (encoding) {
     case WeightEncoding::kF32:

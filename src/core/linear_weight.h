@@ -71,6 +71,11 @@ class LinearWeight {
   void dequantize_rows(int64_t first_row, int64_t count, float* out) const;
   // The whole matrix in fp32 (a copy for kF32).
   Tensor dequantized() const;
+  // The stored codes (kF8E4M3: [rows, cols] e4m3 bytes, what an FP8 GEMM reads).
+  const std::vector<uint8_t>& codes() const { return codes_; }
+  // kF8E4M3: the checkpoint's block scales [ceil(rows/128), ceil(cols/128)] into `out`; false (out untouched)
+  // when some 128-row block's rows do not share their scales (a w1 ‖ w3 stack at a row count off the blocks).
+  bool fp8_block_scales(std::vector<float>& out) const;
   // Host bytes held: values plus scales.
   size_t storage_bytes() const;
 

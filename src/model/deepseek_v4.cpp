@@ -90,6 +90,15 @@ std::vector<float> project_f64(const float* x, int64_t rows, int64_t in, const L
   return y;
 }
 
+// x [rows, width] with each row quantized per 128 columns to e4m3 (UE8M0 scales), as values: the input side
+// of DeepSeek's FP8 linear. from_bf16: x rounded to bf16 first (the GPU quantizes its bf16 GEMM operand).
+std::vector<float> quantized_e4m3_rows(const float* x, int64_t rows, int64_t width, bool from_bf16 = false) {
+  std::vector<float> quantized(x, x + rows * width);
+  if (from_bf16) round_to_bf16(quantized.data(), rows * width);
+  for (int64_t r = 0; r < rows; ++r) quantize_e4m3_blocks(&quantized[r * width], width, 128);
+  return quantized;
+}
+
 // The reference's linear() for an FP8 / FP4 weight (model_spec.md §3.2): each row's activation quantized per 128
 // channels to e4m3 with UE8M0 scales, per-K-block double accumulation rounded to fp32 (k_block: kFp8GemmBlock or
 // kFp4GemmBlock), bf16 output.
@@ -364,7 +373,11 @@ void DeepseekV4Model::attention(int64_t layer, const StepLayout& step, std::span
   auto to_bf16 = [deepseek](std::vector<float>& v) {
     if (deepseek) bf16(v);
   };
-  auto fp8_linear = [deepseek](const float* in, int64_t rows, int64_t width, const LinearWeight& weight) {
+  const bool fp8_activations = !deepseek && c.fp8_activations;
+  auto fp8_linear = [deepseek, fp8_activations](const float* in, int64_t rows, int64_t width,
+                                                const LinearWeight& weight) {
+    if (fp8_activations && weight.encoding() == WeightEncoding::kF8E4M3)
+      return project(quantized_e4m3_rows(in, rows, width, /*from_bf16=*/true).data(), rows, width, weight);
     return deepseek ? project_fp8(in, rows, width, weight) : project(in, rows, width, weight);
   };
   // Query: low-rank, weighted norm, up-projection, per-head unweighted norm, RoPE at the token position.
@@ -469,6 +482,8 @@ void DeepseekV4Model::attention(int64_t layer, const StepLayout& step, std::span
       linear_strided(group_in, N, H * d, l.wo_a, g * o_lora, o_lora, &grouped[g * o_lora], G * o_lora);
   }
   if (!deepseek) {
+    if (fp8_activations && l.wo_b.encoding() == WeightEncoding::kF8E4M3)
+      grouped = quantized_e4m3_rows(grouped.data(), N, G * o_lora, /*from_bf16=*/true);
     linear(grouped.data(), N, l.wo_b, out);
     return;
   }

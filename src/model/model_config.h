@@ -81,6 +81,11 @@ struct ModelConfig {
   RopeParameters rope_main, rope_compress;
   std::string torch_dtype = "bfloat16";  // "dtype"/"torch_dtype" of config.json (storage hint only)
   Numerics numerics = Numerics::kHf;      // a run option, not part of config.json
+  // kHf only, a run option: the inputs of the projections a checkpoint stores FP8 are quantized per row and
+  // 128 columns (e4m3, UE8M0 scales) as DeepSeek's FP8 linear does, from their bf16 rounding — what the GPU
+  // backend computes with its FP8 weights (CudaModelOptions::fp8_weights), so the CPU is its twin. The rest
+  // stays fp32.
+  bool fp8_activations = false;
 
   // Parses an HF config.json object. Throws dsv4::Error naming the field and value on any problem.
   static ModelConfig from_json(const nlohmann::json& json);

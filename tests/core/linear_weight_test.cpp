@@ -126,6 +126,12 @@ TEST(LinearWeight, Fp8DecodesToTheFormula) {
   EXPECT_EQ(w.storage_bytes(), size_t{300 * 200 + 300 * 2 * 4});
   EXPECT_THROW(w.dense(), Error);
   EXPECT_THROW(w.dequantize_rows(290, 11, rows.data()), Error);
+  // The checkpoint's block scales come back as given, and the codes as stored (the device FP8 GEMM's
+  // operands).
+  std::vector<float> block_scales;
+  ASSERT_TRUE(w.fp8_block_scales(block_scales));
+  EXPECT_EQ(block_scales, m.block_scales);
+  EXPECT_EQ(w.codes(), m.codes);
 }
 
 TEST(LinearWeight, Fp4DecodesToTheFormula) {
@@ -161,6 +167,13 @@ TEST(LinearWeight, ConcatRowsStacksAnyRowCount) {
   const Tensor decoded = stacked.dequantized();
   expect_bitwise(decoded.ptr(), top.expected.data(), 130 * 160, "top");
   expect_bitwise(decoded.ptr() + 130 * 160, bottom.expected.data(), 70 * 160, "bottom");
+  // Rows 128..129 carry top's second block scales, 130..199 bottom's first: no longer one scale per 128 rows.
+  std::vector<float> unused;
+  EXPECT_FALSE(stacked.fp8_block_scales(unused));
+  std::vector<float> aligned;
+  EXPECT_TRUE(
+      LinearWeight::concat_rows(Fp8Matrix(128, 160, 17).weight(), bottom.weight()).fp8_block_scales(aligned));
+  EXPECT_EQ(aligned.size(), size_t{2 * 2});
 
   const Fp4Matrix a(5, 64, 6), b(3, 64, 7);
   const Tensor fp4 = LinearWeight::concat_rows(a.weight(), b.weight()).dequantized();

@@ -1,12 +1,12 @@
 #include "model/cuda/deepseek_v4_cuda.h"
 
+#include <cuda_runtime.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <map>
-
-#include <cuda_runtime.h>
 
 #include "core/dtype.h"
 #include "core/error.h"
@@ -14,6 +14,7 @@
 #include "ops/cuda/compressor.h"
 #include "ops/cuda/elementwise.h"
 #include "ops/cuda/embedding.h"
+#include "ops/cuda/fp8_quantize.h"
 #include "ops/cuda/gemm.h"
 #include "ops/cuda/head_norm_rope.h"
 #include "ops/cuda/hyper_connection.h"
@@ -261,6 +262,47 @@ struct DeepseekV4CudaModel::Impl {
     if (w.empty()) return {};
     return {upload_weight(w), weight_dtype(), w.rows(), w.cols(), 0};
   }
+  // An FP8 projection kept FP8 on the device (CudaModelOptions::fp8_weights, bf16 mode): the codes and the
+  // checkpoint's 128×128 block scales as they are. Anything else (or rows whose scales are not one per
+  // 128-row block, e.g. a w1 ‖ w3 stack of I % 128 ≠ 0) goes through linear() above.
+  cu::GemmWeight fp8_linear(const LinearWeight& w) {
+    std::vector<float> block_scales;
+    if (!bf16 || !options.fp8_weights || w.encoding() != WeightEncoding::kF8E4M3 ||
+        !w.fp8_block_scales(block_scales))
+      return linear(w);
+    const std::vector<uint8_t>& codes = w.codes();
+    void* device_codes = weights_memory.allocate(codes.size());
+    DSV4_CU(cudaMemcpy(device_codes, codes.data(), codes.size(), cudaMemcpyHostToDevice));
+    auto* device_scales = static_cast<float*>(weights_memory.allocate(block_scales.size() * sizeof(float)));
+    DSV4_CU(cudaMemcpy(device_scales, block_scales.data(), block_scales.size() * sizeof(float),
+                       cudaMemcpyHostToDevice));
+    cu::GemmWeight g{device_codes, cu::GemmDtype::kF8E4M3, w.rows(), w.cols(), 0};
+    g.scales = device_scales;
+    return g;
+  }
+  // y [rows, w.out] = operand · Wᵀ: the weight dtype's GEMM, or for an FP8 weight DeepSeek's FP8 linear — the
+  // bf16 operand quantized per row and 128 columns into `scratch` (a model buffer, so CUDA graphs see its
+  // moves), then the block-scaled product.
+  void project(cu::Gemm& with, const cu::GemmWeight& w, const void* operand, int64_t rows, float* y,
+               cudaStream_t on, const char* scratch = "fp8_activation") {
+    if (w.dtype != cu::GemmDtype::kF8E4M3) {
+      with.linear(w, operand, rows, y, on);
+      return;
+    }
+    const int64_t code_stride = (w.in + 15) / 16 * 16;  // 16-byte rows, the FP8 kernels' alignment
+    const std::string codes_name = std::string(scratch) + "_codes",
+                      scales_name = std::string(scratch) + "_scales";
+    auto* codes = buffer<uint8_t>(codes_name.c_str(), static_cast<size_t>(rows * code_stride));
+    float* scales =
+        buffer<float>(scales_name.c_str(), static_cast<size_t>(cu::fp8_activation_scale_count(rows, w.in)));
+    cu::Fp8QuantizeParams q;
+    q.rows = rows;
+    q.cols = w.in;
+    q.code_stride = code_stride;
+    q.bf16_input = true;
+    DSV4_CU(cu::quantize_e4m3_rows(q, operand, codes, scales, on));
+    with.linear_fp8(w, cu::Fp8Activation{codes, scales, code_stride}, rows, y, on);
+  }
   // Stacks same-shaped tensors [count, ...] in the weight dtype.
   void* upload_stacked(const std::vector<Tensor>& tensors) {
     if (tensors.empty()) return nullptr;
@@ -417,11 +459,11 @@ void DeepseekV4CudaModel::upload_layer(const LayerWeights& l) {
   d.q_norm = m.upload_f32(l.q_norm);
   d.kv_norm = m.upload_f32(l.kv_norm);
   d.attn_sink = m.upload_f32(l.attn_sink);
-  d.wq_a = m.linear(l.wq_a);
-  d.wq_b = m.linear(l.wq_b);
-  d.wkv = m.linear(l.wkv);
-  d.wo_a = m.linear(l.wo_a);
-  d.wo_b = m.linear(l.wo_b);
+  d.wq_a = m.fp8_linear(l.wq_a);
+  d.wq_b = m.fp8_linear(l.wq_b);
+  d.wkv = m.fp8_linear(l.wkv);
+  d.wo_a = m.linear(l.wo_a);  // a bf16 einsum in the reference (numerics.md), batched over groups here
+  d.wo_b = m.fp8_linear(l.wo_b);
   auto compressor = [&](const CompressorWeights& w) {
     CompressorDevice out;
     if (w.wkv.empty()) return out;
@@ -432,7 +474,7 @@ void DeepseekV4CudaModel::upload_layer(const LayerWeights& l) {
   };
   d.compressor = compressor(l.compressor);
   d.indexer_compressor = compressor(l.indexer_compressor);
-  d.indexer_wq_b = m.linear(l.indexer_wq_b);
+  d.indexer_wq_b = m.fp8_linear(l.indexer_wq_b);
   // The head weights' H_I^-1/2 (transformers: weights_proj(x) · n_heads^-0.5) folded into the matrix: exact
   // when H_I is a power of 4 (V4: 64), otherwise one fp32 rounding of each weight.
   if (!l.indexer_weights_proj.empty()) {
@@ -950,10 +992,10 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
   // stream's K=V path and compressor, and joins before attention.
   // Query: low-rank, weighted norm, up-projection, per-head unweighted norm, RoPE.
   float* q_residual = buffer<float>("q_residual", N * c.q_lora_rank);
-  gemm->linear(l.wq_a, x_operand, N, q_residual, stream);
+  project(*gemm, l.wq_a, x_operand, N, q_residual, stream);
   const void* q_residual_operand = norm_operand(q_residual, N, c.q_lora_rank, l.q_norm, "q_residual_in", stream);
   float* q = buffer<float>("q", N * H * d);
-  gemm->linear(l.wq_b, q_residual_operand, N, q, stream);
+  project(*gemm, l.wq_b, q_residual_operand, N, q, stream);
   // The tuned attention kernel reads bf16 q and this step's K=V rows; the norm + RoPE pass writes them.
   const bool tuned = bf16 && H % 64 == 0 && d == kKvHeadDim && rope_dim == kKvRopeDim;
   uint16_t* q_bf16 = tuned ? buffer<uint16_t>("q_bf16", N * H * d) : nullptr;
@@ -976,7 +1018,7 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
     compress(layer, EntryKind::kIndex, step, x_operand, is, ig);
     const int64_t IH = c.index_n_heads, ID = c.index_head_dim;
     float* index_q = buffer<float>("index_q", N * IH * ID);
-    ig.linear(l.indexer_wq_b, q_residual_operand, N, index_q, is);
+    project(ig, l.indexer_wq_b, q_residual_operand, N, index_q, is, "fp8_index_activation");
     const PagedGroupView keys = view(step, CacheGroupKind::kC4Index, layer);
     const bool tuned_scores = bf16 && IH == 64 && ID == 128 && keys.entries_per_block % 32 == 0;
     uint16_t* index_q_bf16 = tuned_scores ? buffer<uint16_t>("index_q_bf16", N * IH * ID) : nullptr;
@@ -1050,7 +1092,7 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
 
   // The shared K=V vector of each token.
   float* kv = buffer<float>("kv", N * d);
-  gemm->linear(l.wkv, x_operand, N, kv, stream);
+  project(*gemm, l.wkv, x_operand, N, kv, stream);
   uint16_t* kv_bf16 = tuned ? buffer<uint16_t>("kv_bf16", N * d) : nullptr;
   DSV4_CU(cu::head_norm_rope({N, 1, d, rope_dim, true, eps, rope_scaling}, kv, l.kv_norm, step.positions, inv_freq,
                              kv_bf16, stream));
@@ -1161,7 +1203,7 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
                        : static_cast<void*>(buffer<float>("grouped", N * G * o_lora));
   gemm->linear_batched(wg, G, o_lora * group_width, attended_operand, H * d, group_width, N, grouped, G * o_lora, o_lora,
                        stream, weight_dtype());
-  gemm->linear(l.wo_b, grouped, N, out, stream);
+  project(*gemm, l.wo_b, grouped, N, out, stream);
 }
 
 void DeepseekV4CudaModel::Impl::moe_host_grouped(int64_t layer, const Step& step, const void* x_operand,
