@@ -373,7 +373,8 @@ PrefixCacheEvents HybridKvCacheManager::drain_prefix_cache_events() {
   for (const auto& [hash, state] : pending_events_) ordered.push_back({state.second, {hash, state.first}});
   std::sort(ordered.begin(), ordered.end());
   PrefixCacheEvents events;
-  for (const auto& [order, change] : ordered) (change.second ? events.cached : events.evicted).push_back(change.first);
+  for (const auto& [order, change] : ordered)
+    (change.second ? events.cached : events.evicted).push_back(change.first);
   pending_events_.clear();
   event_clock_ = 0;
   return events;

@@ -116,7 +116,8 @@ int generate_parallel(ServingEngine& engine, const std::vector<int32_t>& prompt,
                       const GenerateOptions& options, const Tokenizer* tokenizer) {
   // Child i gets seed + i, as Engine::add_parallel_requests (and vLLM's child requests) do; with
   // --data-parallel-size the children spread over the ranks.
-  DSV4_CHECK(options.n >= 1 && options.n <= 128, "n = " + std::to_string(options.n) + ": must be in [1, 128]");
+  DSV4_CHECK(options.n >= 1 && options.n <= 128,
+             "n = " + std::to_string(options.n) + ": must be in [1, 128]");
   validate(params);
   std::vector<RequestId> ids;
   for (int64_t i = 0; i < options.n; ++i) {
@@ -190,7 +191,8 @@ int generate(const GenerateOptions& options) {
                                                     options.kv_cache_gib_given, options.max_num_batched_tokens);
   engine_config.enable_prefix_caching = !options.no_prefix_caching;
   engine_config.checkpoint_interval = options.prefix_checkpoint_interval;
-  const std::unique_ptr<ServingEngine> serving = make_serving_engine(loaded, engine_config, options.data_parallel_size);
+  const std::unique_ptr<ServingEngine> serving =
+      make_serving_engine(loaded, engine_config, options.data_parallel_size);
   ServingEngine& engine = *serving;
 
   SamplingParams params;

@@ -125,11 +125,13 @@ int64_t LoadedBackend::cache_bytes(int64_t requested_bytes, bool explicitly_requ
 
 std::unique_ptr<ServingEngine> make_serving_engine(LoadedBackend& loaded, const EngineConfig& config,
                                                    int data_parallel_size) {
-  DSV4_CHECK(data_parallel_size >= 1, "--data-parallel-size " + std::to_string(data_parallel_size) + ": must be >= 1");
+  DSV4_CHECK(data_parallel_size >= 1,
+             "--data-parallel-size " + std::to_string(data_parallel_size) + ": must be >= 1");
   if (data_parallel_size == 1) return std::make_unique<Engine>(*loaded.backend, config);
-  DSV4_CHECK(!loaded.on_cuda && loaded.cpu_model, "--data-parallel-size " + std::to_string(data_parallel_size) +
-                                                      " on CUDA needs one GPU per rank, which one process does not "
-                                                      "drive yet: use --device cpu, or --data-parallel-size 1");
+  DSV4_CHECK(!loaded.on_cuda && loaded.cpu_model,
+             "--data-parallel-size " + std::to_string(data_parallel_size) +
+                 " on CUDA needs one GPU per rank, which one process does not "
+                 "drive yet: use --device cpu, or --data-parallel-size 1");
   std::vector<ModelBackend*> ranks{loaded.backend.get()};
   loaded.extra_rank_backends.clear();
   for (int r = 1; r < data_parallel_size; ++r) {

@@ -16,7 +16,8 @@ RequestOutput aborted_output(RequestId id, const std::string& error) {
   return output;
 }
 
-DataParallelRouterConfig router_config(DataParallelRouterConfig router, size_t num_ranks, const EngineConfig& config) {
+DataParallelRouterConfig router_config(DataParallelRouterConfig router, size_t num_ranks,
+                                       const EngineConfig& config) {
   router.num_ranks = static_cast<int>(num_ranks);
   // The router's queue-delay unit is one rank step's token budget.
   router.prefill_tokens_per_step = config.max_num_batched_tokens;
@@ -83,7 +84,8 @@ RequestId DataParallelEngine::add_request(std::vector<int32_t> prompt, SamplingP
       rank.inbox.push_back({true, id, std::move(prompt), std::move(params)});
     }
     rank.wake.notify_one();
-    router_.on_admitted(choice.rank, id, prompt_tokens, std::min(choice.matched_prefix_tokens, prompt_tokens - 1));
+    router_.on_admitted(choice.rank, id, prompt_tokens,
+                        std::min(choice.matched_prefix_tokens, prompt_tokens - 1));
     live_.emplace(id, choice.rank);
     ++next_id_;
     return id;
@@ -118,7 +120,8 @@ std::vector<RequestOutput> DataParallelEngine::step() {
       router_.on_blocks_evicted(report.rank, report.events.evicted);
       router_.on_blocks_cached(report.rank, report.events.cached);
       for (const Progress& progress : report.progress)
-        if (live_.count(progress.id)) router_.on_progress(progress.id, progress.num_computed_tokens, progress.num_tokens);
+        if (live_.count(progress.id))
+          router_.on_progress(progress.id, progress.num_computed_tokens, progress.num_tokens);
     }
     if (report.failed) router_.mark_rank_failed(report.rank);
     for (RequestOutput& output : report.outputs) {
@@ -183,8 +186,9 @@ void DataParallelEngine::fail_rank(Rank& rank, const std::string& cause, Report&
     rank.failure = error;
     unapplied.swap(rank.inbox);
   }
-  // Abort what the engine holds so its blocks return to the pool. A step that threw left the scheduler between
-  // schedule() and update(), where abort is defined; should cleanup throw too, the requests still finish.
+  // Abort what the engine holds so its blocks return to the pool. A step that threw left the scheduler
+  // between schedule() and update(), where abort is defined; should cleanup throw too, the requests still
+  // finish.
   for (const auto& [local, front] : rank.to_front) {
     try {
       rank.engine->abort(local);

@@ -77,7 +77,8 @@ double DataParallelRouter::cost(int rank, int64_t prompt_tokens, int64_t matched
 RankChoice DataParallelRouter::route(std::span<const int32_t> prompt_tokens) const {
   const std::vector<uint64_t> hashes = prompt_block_hashes(prompt_tokens);
   const int64_t prompt = static_cast<int64_t>(prompt_tokens.size());
-  DSV4_CHECK(num_live_ranks() > 0, "every one of the " + n(config_.num_ranks) + " data-parallel ranks has failed");
+  DSV4_CHECK(num_live_ranks() > 0,
+             "every one of the " + n(config_.num_ranks) + " data-parallel ranks has failed");
   RankChoice holder, cheapest;  // the least-loaded holder of the longest prefix; the cheapest rank overall
   bool first = true;
   for (int rank = 0; rank < config_.num_ranks; ++rank) {
@@ -85,7 +86,8 @@ RankChoice DataParallelRouter::route(std::span<const int32_t> prompt_tokens) con
     const int64_t matched = matched_prefix_tokens(rank, hashes);
     const double c = cost(rank, prompt, matched);
     // Strict comparisons: among equals the lowest rank, seen first, stays.
-    if (first || matched > holder.matched_prefix_tokens || (matched == holder.matched_prefix_tokens && c < holder.cost))
+    if (first || matched > holder.matched_prefix_tokens ||
+        (matched == holder.matched_prefix_tokens && c < holder.cost))
       holder = {rank, matched, c, false};
     if (first || c < cheapest.cost) cheapest = {rank, matched, c, false};
     first = false;

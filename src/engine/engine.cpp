@@ -46,7 +46,8 @@ Engine::Engine(std::unique_ptr<ModelBackend> owned, ModelBackend* backend, Engin
   backend_.bind_cache(manager_);
 }
 
-void Engine::check_request(RequestId id, std::span<const int32_t> prompt, const SamplingParams& params) const {
+void Engine::check_request(RequestId id, std::span<const int32_t> prompt,
+                           const SamplingParams& params) const {
   const int64_t vocab = backend_.config().vocab_size;
   for (size_t i = 0; i < prompt.size(); ++i)
     if (prompt[i] < 0 || prompt[i] >= vocab)
@@ -91,7 +92,8 @@ EngineStats Engine::stats() const {
     group.kind = groups[g].kind;
     group.used_blocks = g < usage.used_blocks_per_group.size() ? usage.used_blocks_per_group[g] : 0;
     group.cached_blocks = g < usage.cached_blocks_per_group.size() ? usage.cached_blocks_per_group[g] : 0;
-    group.capacity_blocks = manager_.pool().num_pages() * manager_.pool().blocks_per_page(static_cast<int>(g));
+    group.capacity_blocks =
+        manager_.pool().num_pages() * manager_.pool().blocks_per_page(static_cast<int>(g));
   }
   const HybridKvCacheManager::Stats& prefix = manager_.stats();
   stats.prefix_queries = prefix.prefix_queries;
@@ -107,7 +109,8 @@ void EngineStats::accumulate(const EngineStats& other) {
   pool_bytes += other.pool_bytes;
   used_bytes += other.used_bytes;
   cached_bytes += other.cached_bytes;
-  if (groups.empty()) groups = other.groups;
+  if (groups.empty())
+    groups = other.groups;
   else
     for (size_t g = 0; g < groups.size() && g < other.groups.size(); ++g) {
       groups[g].used_blocks += other.groups[g].used_blocks;

@@ -41,7 +41,8 @@ Scheduler::Scheduler(SchedulerConfig config, HybridKvCacheManager& manager)
   config_.validate();
 }
 
-void Scheduler::check_request(RequestId id, std::span<const int32_t> prompt, const SamplingParams& params) const {
+void Scheduler::check_request(RequestId id, std::span<const int32_t> prompt,
+                              const SamplingParams& params) const {
   const std::string what = "request " + std::to_string(id);
   DSV4_CHECK(!prompt.empty(), what + ": the prompt is empty");
   DSV4_CHECK(params.max_tokens >= 1, what + ": max_tokens = " + n(params.max_tokens) + ": must be at least 1");

@@ -13,6 +13,7 @@
 
 #include "../model/test_models.h"
 #include "../tokenizer/deepseek_tokenizer.h"
+#include "engine/data_parallel_engine.h"
 
 namespace dsv4::server {
 namespace {
@@ -110,6 +111,77 @@ TEST(EngineService, StreamsWhatTheEngineComputes) {
   }
   EXPECT_EQ(service.active_jobs(), 0);
   EXPECT_EQ(metrics.time_to_first_token.count(), prompts.size());
+}
+
+// The service over a DataParallelEngine (dsv4 serve --data-parallel-size 3): the same jobs stream the same
+// tokens and text as a single Engine computes, an impossible request is still a 400, and the gauges sum the
+// ranks.
+TEST(EngineService, DataParallelEngineStreamsWhatASingleEngineComputes) {
+  REQUIRE_DEEPSEEK();
+  const ModelConfig config = small_config();
+  DeepseekV4Model model = random_model(config, 8);
+  std::mt19937 rng(13);
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<int64_t> lengths;
+  const std::vector<int32_t> shared = random_ids(300, config.vocab_size, 77);
+  for (int i = 0; i < 9; ++i) {
+    std::vector<int32_t> prompt = i % 3 == 0 ? shared : std::vector<int32_t>{};
+    const auto tail = random_ids(3 + rng() % 40, config.vocab_size, 200 + i);
+    prompt.insert(prompt.end(), tail.begin(), tail.end());
+    prompts.push_back(prompt);
+    lengths.push_back(2 + rng() % 16);
+  }
+  std::vector<std::vector<int32_t>> expected;
+  {
+    Engine engine(model, small_engine());
+    std::map<RequestId, std::vector<int32_t>> out;
+    std::vector<RequestId> ids;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      SamplingParams params;
+      params.max_tokens = lengths[i];
+      ids.push_back(engine.add_request(prompts[i], params));
+    }
+    while (engine.has_unfinished())
+      for (const auto& output : engine.step())
+        out[output.id].insert(out[output.id].end(), output.new_token_ids.begin(), output.new_token_ids.end());
+    for (const RequestId id : ids) expected.push_back(out[id]);
+  }
+  std::vector<std::unique_ptr<ModelBackend>> backends;
+  std::vector<ModelBackend*> ranks;
+  for (int r = 0; r < 3; ++r) {
+    backends.push_back(std::make_unique<CpuModelBackend>(model));
+    ranks.push_back(backends.back().get());
+  }
+  ServerMetrics metrics;
+  EngineService service(std::make_unique<DataParallelEngine>(ranks, small_engine()), *tok, {}, metrics);
+  EXPECT_EQ(service.max_model_len(), config.max_position_embeddings);
+  std::vector<std::unique_ptr<Collector>> collectors;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    JobSpec spec;
+    spec.choices.push_back({prompts[i], SamplingParams{}, 0});
+    spec.choices[0].params.max_tokens = lengths[i];
+    collectors.push_back(std::make_unique<Collector>());
+    service.submit(std::move(spec), collectors.back()->listener());
+  }
+  JobSpec impossible;
+  impossible.choices.push_back({random_ids(10, config.vocab_size, 5), SamplingParams{}, 0});
+  impossible.choices[0].params.max_tokens = config.max_position_embeddings;
+  Collector rejected;
+  service.submit(impossible, rejected.listener());
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    ASSERT_TRUE(collectors[i]->wait()) << "job " << i << " never finished";
+    Collector& c = *collectors[i];
+    EXPECT_TRUE(c.updates.front().accepted);
+    EXPECT_EQ(c.tokens[0], expected[i]) << "request " << i;
+    EXPECT_EQ(c.text[0], tok->decode(expected[i], /*skip_special_tokens=*/true));
+    EXPECT_EQ(c.updates.back().usage.completion_tokens, static_cast<int64_t>(expected[i].size()));
+  }
+  ASSERT_TRUE(rejected.wait());
+  EXPECT_EQ(rejected.updates.front().error_status, 400);
+  EXPECT_EQ(service.active_jobs(), 0);
+  EXPECT_EQ(metrics.time_to_first_token.count(), prompts.size());
+  const int64_t one_pool = Engine(model, small_engine()).stats().pool_bytes;
+  EXPECT_EQ(metrics.engine().pool_bytes, 3 * one_pool);
 }
 
 TEST(EngineService, StopStringEndsTheChoiceAndNSharesThePrompt) {
