@@ -1,22 +1,23 @@
-// HybridKvCacheManager: per-request block tables for every cache group of DeepSeek-V4, drawn from one BlockPool,
-// with prefix caching that restores exactly the state a cold run has at the hit boundary (docs/cache.md).
+// HybridKvCacheManager: per-request block tables for every cache group of DeepSeek-V4, drawn from one
+// BlockPool, with prefix caching that restores exactly the state a cold run has at the hit boundary
+// (docs/cache.md).
 //
 // Groups (cache/cache_spec.h): history groups (C4 main, C4 index, C128 main) grow one block per 256-token
-// logical block; the window group (SWA raw K=V) holds blocks of 64 tokens and frees those that slide out of the
-// window while the request runs — and allocates only the blocks a step's *last* `window` tokens land in, so a
-// long prefill chunk never reserves window blocks for tokens that are gone by the end of the chunk; the
+// logical block; the window group (SWA raw K=V) holds blocks of 64 tokens and frees those that slide out of
+// the window while the request runs — and allocates only the blocks a step's *last* `window` tokens land in,
+// so a long prefill chunk never reserves window blocks for tokens that are gone by the end of the chunk; the
 // compressor-state groups hold one block per request.
 //
 // Prefix caching: every full logical block is hashed (xxHash3 of the parent hash, its 256 token ids and the
 // model/salt key). A hit at boundary H needs (a) the history blocks of every logical block below H and (b) a
 // *checkpoint* at H: the SWA blocks covering [H − window, H) and a snapshot of the CSA compressor states
-// (C128 state is empty at multiples of 128, so it is never stored). Checkpoints are taken when a step ends on a
-// 256-token boundary that is a multiple of `checkpoint_interval`, and on every boundary reached while decoding
-// (only the latest such one is kept per request, so a finished request always leaves one at its last full
-// block). The scheduler aligns prefill chunk ends to those boundaries.
+// (C128 state is empty at multiples of 128, so it is never stored). Checkpoints are taken when a step ends on
+// a 256-token boundary that is a multiple of `checkpoint_interval`, and on every boundary reached while
+// decoding (only the latest such one is kept per request, so a finished request always leaves one at its last
+// full block). The scheduler aligns prefill chunk ends to those boundaries.
 //
-// The manager never touches bytes: snapshots and restores are returned as BlockCopy lists for the model runner
-// to execute (memcpy on the CPU backend, a device copy on CUDA).
+// The manager never touches bytes: snapshots and restores are returned as BlockCopy lists for the model
+// runner to execute (memcpy on the CPU backend, a device copy on CUDA).
 //
 // Prefix-cache events (PrefixCacheOptions::record_events): the chain hashes of the logical blocks the manager
 // registers in its prefix cache and evicts from it, for DataParallelRouter, which mirrors every rank's cached
@@ -47,9 +48,10 @@ struct PrefixCacheOptions {
 };
 
 // The net change of a manager's prefix cache since the previous drain: logical blocks (by chain hash,
-// cache/block_hash.h) now cached that were not, and blocks gone that were there. A hash is in at most one list
-// (its final state: registered then evicted within one drain is reported as evicted, the reverse as cached), so
-// a reader may apply the two lists in either order; each list keeps the order the changes happened in.
+// cache/block_hash.h) now cached that were not, and blocks gone that were there. A hash is in at most one
+// list (its final state: registered then evicted within one drain is reported as evicted, the reverse as
+// cached), so a reader may apply the two lists in either order; each list keeps the order the changes
+// happened in.
 struct PrefixCacheEvents {
   std::vector<uint64_t> cached;
   std::vector<uint64_t> evicted;

@@ -50,10 +50,10 @@ struct LoadedBackend {
 LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& options);
 
 // The engine generate and serve drive: an Engine over loaded.backend, or for data_parallel_size > 1 a
-// DataParallelEngine (engine/data_parallel_engine.h) whose rank 0 runs loaded.backend and ranks 1.. CPU backends
-// over the same read-only weights, each rank with its own KV cache of config.kv_cache_bytes. `loaded` must
-// outlive the engine. Throws dsv4::Error for data_parallel_size > 1 on CUDA (one GPU per rank is not driven from
-// one process yet).
+// DataParallelEngine (engine/data_parallel_engine.h) whose rank 0 runs loaded.backend and ranks 1.. CPU
+// backends over the same read-only weights, each rank with its own KV cache of config.kv_cache_bytes.
+// `loaded` must outlive the engine. Throws dsv4::Error for data_parallel_size > 1 on CUDA (one GPU per rank
+// is not driven from one process yet).
 std::unique_ptr<ServingEngine> make_serving_engine(LoadedBackend& loaded, const EngineConfig& config,
                                                    int data_parallel_size);
 

@@ -1,8 +1,8 @@
-// DataParallelEngine: data-parallel attention serving in one process (issue 9). N ranks, each a whole Engine —
-// its own scheduler, its own HybridKvCacheManager (so its own prefix cache) and its own backend arena — stepping
-// on its own thread; a front end, driven by one thread through the ServingEngine interface exactly as a single
-// Engine is (server/engine_service.h, `dsv4 generate`), routes every new request with DataParallelRouter and
-// gathers the ranks' outputs.
+// DataParallelEngine: data-parallel attention serving in one process (issue 9). N ranks, each a whole Engine
+// — its own scheduler, its own HybridKvCacheManager (so its own prefix cache) and its own backend arena —
+// stepping on its own thread; a front end, driven by one thread through the ServingEngine interface exactly
+// as a single Engine is (server/engine_service.h, `dsv4 generate`), routes every new request with
+// DataParallelRouter and gathers the ranks' outputs.
 //
 // Routing data: after every step a rank reports its outputs, the progress of the requests it scheduled or
 // preempted (router on_progress) and the net change of its prefix cache (HybridKvCacheManager::
@@ -10,13 +10,13 @@
 // step(); it reports on_admitted itself when it hands a request to a rank (with the router's prefix estimate,
 // corrected by the first progress report), so a burst of requests routed between two steps sees its own load.
 //
-// Failure: a rank whose step throws (a model failure, a device error) is marked failed. Its unfinished requests
-// — those it runs and those still in its inbox — finish with status kFinishedAborted and an error naming the rank
-// and the cause; the engine aborts them so their blocks go back to its pool; the router never picks the rank
-// again; the other ranks keep serving. When every rank has failed, add_request throws.
+// Failure: a rank whose step throws (a model failure, a device error) is marked failed. Its unfinished
+// requests — those it runs and those still in its inbox — finish with status kFinishedAborted and an error
+// naming the rank and the cause; the engine aborts them so their blocks go back to its pool; the router never
+// picks the rank again; the other ranks keep serving. When every rank has failed, add_request throws.
 //
-// Weights: the ranks' backends may share read-only weights (CpuModelBackends over one DeepseekV4Model: the CPU
-// forward only reads the model) — each backend still owns its rank's KV arena.
+// Weights: the ranks' backends may share read-only weights (CpuModelBackends over one DeepseekV4Model: the
+// CPU forward only reads the model) — each backend still owns its rank's KV arena.
 #pragma once
 #include <chrono>
 #include <condition_variable>
@@ -39,8 +39,8 @@ class DataParallelEngine final : public ServingEngine {
  public:
   // One backend per rank; they must outlive the engine. Every rank runs Engine(backend, config) (with
   // record_prefix_cache_events on). `router`'s num_ranks and prefill_tokens_per_step are set here from the
-  // backends and config.max_num_batched_tokens; its prefix_cache_salt must stay "" (EngineConfig has no salt).
-  // Throws dsv4::Error for no backend, or backends of different models.
+  // backends and config.max_num_batched_tokens; its prefix_cache_salt must stay "" (EngineConfig has no
+  // salt). Throws dsv4::Error for no backend, or backends of different models.
   DataParallelEngine(std::vector<ModelBackend*> rank_backends, EngineConfig config,
                      DataParallelRouterConfig router = {});
   // Stops and joins the rank threads; unfinished requests are dropped without an output.
@@ -70,7 +70,7 @@ class DataParallelEngine final : public ServingEngine {
 
  private:
   struct Command {
-    bool add = true;  // else abort
+    bool add = true;   // else abort
     RequestId id = 0;  // the front's id
     std::vector<int32_t> prompt;
     SamplingParams params;
@@ -89,7 +89,8 @@ class DataParallelEngine final : public ServingEngine {
   };
   struct Rank {
     int index = 0;
-    std::unique_ptr<Engine> engine;  // after construction, touched by the rank's thread only (check_request aside)
+    std::unique_ptr<Engine>
+        engine;  // after construction, touched by the rank's thread only (check_request aside)
     std::thread thread;
     // Guards the fields below.
     mutable std::mutex mutex;

@@ -30,8 +30,8 @@ struct EngineConfig {
   int64_t kv_cache_bytes = int64_t{512} << 20;  // the block pool (CPU backend default)
   bool enable_prefix_caching = true;
   int64_t checkpoint_interval = 1024;  // tokens, a multiple of 256 (PrefixCacheOptions)
-  // Record the prefix cache's registered / evicted block hashes for drain_prefix_cache_events() (a data-parallel
-  // rank reports them to the router; PrefixCacheOptions::record_events).
+  // Record the prefix cache's registered / evicted block hashes for drain_prefix_cache_events() (a
+  // data-parallel rank reports them to the router; PrefixCacheOptions::record_events).
   bool record_prefix_cache_events = false;
 };
 
@@ -46,8 +46,8 @@ class Engine final : public ServingEngine {
   // prompt, an id outside the vocabulary, prompt + max_tokens > max_model_len, more than the pool holds).
   RequestId add_request(std::vector<int32_t> prompt, SamplingParams params = {}) override;
   // What add_request checks, without queueing anything (the message names request `id`). It reads only the
-  // engine's fixed configuration (model config, limits, pool geometry), so any thread may call it while another
-  // steps the engine: DataParallelEngine rejects a request before handing it to a rank's thread.
+  // engine's fixed configuration (model config, limits, pool geometry), so any thread may call it while
+  // another steps the engine: DataParallelEngine rejects a request before handing it to a rank's thread.
   void check_request(RequestId id, std::span<const int32_t> prompt, const SamplingParams& params) const;
   // Parallel sampling (OpenAI / vLLM `n`): `n` requests for one prompt, child i with seed + i when a seed is
   // given (as vLLM's child requests), so each sample is reproducible on its own. Returns the ids in order.

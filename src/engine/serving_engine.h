@@ -1,7 +1,8 @@
 // ServingEngine: what a front end (server/engine_service.h, the generate command) drives — requests in, each
-// step's tokens out. Two implementations: Engine (one scheduler, one cache, one backend, stepped by the caller)
-// and DataParallelEngine (N such engines, one per data-parallel attention rank, each on its own thread, behind a
-// router; engine/data_parallel_engine.h). A front end written against this interface serves either unchanged.
+// step's tokens out. Two implementations: Engine (one scheduler, one cache, one backend, stepped by the
+// caller) and DataParallelEngine (N such engines, one per data-parallel attention rank, each on its own
+// thread, behind a router; engine/data_parallel_engine.h). A front end written against this interface serves
+// either unchanged.
 //
 // One thread drives a ServingEngine: add_request, abort, step and has_unfinished are not thread-safe against
 // each other (DataParallelEngine's ranks run on their own threads behind this one).
@@ -45,9 +46,9 @@ class ServingEngine {
   // already finished.
   virtual bool abort(RequestId id) = 0;
   // Advances the engine: the tokens requests got and the requests that finished (a request the engine had to
-  // abort, e.g. on a failed data-parallel rank, finishes with status kFinishedAborted and `error` set). Engine
-  // runs one step; DataParallelEngine returns what its ranks produced since the last call, waiting for at least
-  // one rank step when there is none.
+  // abort, e.g. on a failed data-parallel rank, finishes with status kFinishedAborted and `error` set).
+  // Engine runs one step; DataParallelEngine returns what its ranks produced since the last call, waiting for
+  // at least one rank step when there is none.
   virtual std::vector<RequestOutput> step() = 0;
   virtual bool has_unfinished() const = 0;
 

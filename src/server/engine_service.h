@@ -1,9 +1,9 @@
-// EngineService: the engine (any ServingEngine: one Engine, or a DataParallelEngine of several ranks) on its own
-// thread, fed by the HTTP threads (vLLM's AsyncLLM over EngineCore, in one
-// process). A job is one API request: one engine request per choice (prompts x n). The engine thread adds
-// submitted jobs, runs steps while anything is unfinished, turns each step's tokens into text (incremental
-// detokenizer, stop strings) and hands every job its update through the job's listener. Cancelling a job (a
-// client that went away) aborts its engine requests, which frees their blocks at once.
+// EngineService: the engine (any ServingEngine: one Engine, or a DataParallelEngine of several ranks) on its
+// own thread, fed by the HTTP threads (vLLM's AsyncLLM over EngineCore, in one process). A job is one API
+// request: one engine request per choice (prompts x n). The engine thread adds submitted jobs, runs steps
+// while anything is unfinished, turns each step's tokens into text (incremental detokenizer, stop strings)
+// and hands every job its update through the job's listener. Cancelling a job (a client that went away)
+// aborts its engine requests, which frees their blocks at once.
 #pragma once
 #include <condition_variable>
 #include <cstdint>

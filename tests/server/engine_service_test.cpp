@@ -184,6 +184,86 @@ TEST(EngineService, DataParallelEngineStreamsWhatASingleEngineComputes) {
   EXPECT_EQ(metrics.engine().pool_bytes, 3 * one_pool);
 }
 
+// A fault injector for one rank (the model is real): the `fail_at`-th forward throws, as a device error would.
+class FaultInjectingBackend final : public ModelBackend {
+ public:
+  FaultInjectingBackend(DeepseekV4Model& model, int64_t fail_at) : inner_(model), fail_at_(fail_at) {}
+  const ModelConfig& config() const override { return inner_.config(); }
+  const char* device_name() const override { return inner_.device_name(); }
+  KvStorage kv_storage() const override { return inner_.kv_storage(); }
+  IndexStorage index_storage() const override { return inner_.index_storage(); }
+  void bind_cache(const HybridKvCacheManager& manager) override { inner_.bind_cache(manager); }
+  std::unique_ptr<SequenceState> make_state(RequestId id) override { return inner_.make_state(id); }
+  void copy_blocks(std::span<const BlockCopy> copies) override { inner_.copy_blocks(copies); }
+  Tensor forward(std::span<const SequenceChunk> batch, LogitsMode mode) override {
+    if (++forwards_ == fail_at_) throw Error("injected device fault");
+    return inner_.forward(batch, mode);
+  }
+
+ private:
+  CpuModelBackend inner_;
+  int64_t fail_at_ = 0, forwards_ = 0;
+};
+
+// A rank failing under the server: every job still finishes (none hangs); the failed rank's choices end with
+// finish_reason "abort" and are counted as errors, every other job streams what a single Engine computes, and
+// the service goes on taking jobs.
+TEST(EngineService, AFailedDataParallelRankAbortsItsJobsAndTheOthersComplete) {
+  REQUIRE_DEEPSEEK();
+  const ModelConfig config = small_config();
+  DeepseekV4Model model = random_model(config, 9);
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 9; ++i) prompts.push_back(random_ids(100 + 13 * i, config.vocab_size, 300 + i));
+  SamplingParams params;
+  params.max_tokens = 6;
+  params.ignore_eos = true;
+  std::vector<std::vector<int32_t>> expected;
+  for (const auto& prompt : prompts) {
+    Engine engine(model, small_engine());
+    engine.add_request(prompt, params);
+    std::vector<int32_t> out;
+    while (engine.has_unfinished())
+      for (const auto& output : engine.step())
+        out.insert(out.end(), output.new_token_ids.begin(), output.new_token_ids.end());
+    expected.push_back(out);
+  }
+  CpuModelBackend rank0(model), rank2(model);
+  FaultInjectingBackend rank1(model, /*fail_at=*/2);
+  ServerMetrics metrics;
+  EngineService service(std::make_unique<DataParallelEngine>(std::vector<ModelBackend*>{&rank0, &rank1, &rank2},
+                                                             small_engine()),
+                        *tok, {}, metrics);
+  auto run_jobs = [&](size_t first, size_t count) {
+    std::vector<std::unique_ptr<Collector>> collectors;
+    for (size_t i = first; i < first + count; ++i) {
+      JobSpec spec;
+      spec.choices.push_back({prompts[i], params, 0});
+      collectors.push_back(std::make_unique<Collector>());
+      service.submit(std::move(spec), collectors.back()->listener());
+    }
+    int64_t aborted = 0;
+    for (size_t j = 0; j < count; ++j) {
+      Collector& c = *collectors[j];
+      EXPECT_TRUE(c.wait(std::chrono::seconds(120))) << "job " << first + j << " hung";
+      if (c.finish[0] == "abort") {
+        ++aborted;
+        EXPECT_LT(c.tokens[0].size(), expected[first + j].size());
+      } else {
+        EXPECT_EQ(c.tokens[0], expected[first + j]) << "job " << first + j;
+      }
+    }
+    return aborted;
+  };
+  EXPECT_GT(run_jobs(0, 6), 0) << "the failing rank took no job";
+  EXPECT_EQ(run_jobs(6, 3), 0) << "a job went to the failed rank";
+  EXPECT_EQ(service.active_jobs(), 0);
+  const std::string rendered = metrics.render();
+  const std::string error_counter = "dsv4:request_success_total{finished_reason=\"error\"} ";
+  const size_t at = rendered.find(error_counter);
+  ASSERT_NE(at, std::string::npos) << rendered;
+  EXPECT_GT(std::stoll(rendered.substr(at + error_counter.size())), 0) << "the failed choices were not counted";
+}
+
 TEST(EngineService, StopStringEndsTheChoiceAndNSharesThePrompt) {
   REQUIRE_DEEPSEEK();
   const ModelConfig config = small_config();
