@@ -103,6 +103,7 @@ bool DataParallelEngine::abort(RequestId id) {
     if (rank.failed) return true;  // its requests are gone already
     rank.inbox.push_back({false, id, {}, {}});
   }
+  ++unapplied_aborts_;
   rank.wake.notify_one();
   return true;
 }
@@ -111,11 +112,12 @@ std::vector<RequestOutput> DataParallelEngine::step() {
   std::vector<Report> reports;
   {
     std::unique_lock lock(reports_mutex_);
-    if (!live_.empty()) reports_ready_.wait_for(lock, report_wait, [this] { return !reports_.empty(); });
+    if (has_unfinished()) reports_ready_.wait_for(lock, report_wait, [this] { return !reports_.empty(); });
     reports.swap(reports_);
   }
   std::vector<RequestOutput> outputs;
   for (Report& report : reports) {
+    unapplied_aborts_ -= report.aborts_applied;
     if (!router_.rank_failed(report.rank)) {
       router_.on_blocks_evicted(report.rank, report.events.evicted);
       router_.on_blocks_cached(report.rank, report.events.cached);
@@ -198,8 +200,11 @@ void DataParallelEngine::fail_rank(Rank& rank, const std::string& cause, Report&
   }
   rank.to_front.clear();
   rank.to_local.clear();
-  for (const Command& command : unapplied)
+  for (const Command& command : unapplied) {
     if (command.add) report.outputs.push_back(aborted_output(command.id, error));
+    else
+      ++report.aborts_applied;  // nothing left to free: the failure aborted everything
+  }
   report.failed = true;
   EngineStats stats;
   try {
@@ -224,6 +229,7 @@ void DataParallelEngine::run_rank(Rank& rank) {
     report.rank = rank.index;
     for (Command& command : commands) {
       if (!command.add) {
+        ++report.aborts_applied;
         const auto it = rank.to_local.find(command.id);
         if (it == rank.to_local.end()) continue;  // finished before the abort arrived
         engine.abort(it->second);
@@ -275,7 +281,8 @@ void DataParallelEngine::run_rank(Rank& rank) {
       std::lock_guard lock(rank.mutex);
       rank.stats = engine.stats();
     }
-    if (stepped || !report.outputs.empty() || !report.events.empty()) post_report(std::move(report));
+    if (stepped || !report.outputs.empty() || !report.events.empty() || report.aborts_applied > 0)
+      post_report(std::move(report));
   }
 }
 

@@ -54,7 +54,9 @@ class DataParallelEngine final : public ServingEngine {
   // is none and requests are unfinished (a rank mid-prefill reports steps with no output: the wait ends then
   // too). Returns nothing at once when nothing is unfinished.
   std::vector<RequestOutput> step() override;
-  bool has_unfinished() const override { return !live_.empty(); }
+  // Requests unfinished, or aborts a rank has not applied yet: until it has, the aborted request's blocks are
+  // still held there and the stats say so, so a front end keeps stepping (and publishing them) until then.
+  bool has_unfinished() const override { return !live_.empty() || unapplied_aborts_ > 0; }
   int64_t max_model_len() const override { return max_model_len_; }
   EngineStats stats() const override;  // the live ranks' sum
 
@@ -85,6 +87,7 @@ class DataParallelEngine final : public ServingEngine {
     std::vector<RequestOutput> outputs;
     std::vector<Progress> progress;
     PrefixCacheEvents events;
+    int64_t aborts_applied = 0;  // abort commands taken from the inbox (a failed rank's unapplied ones count)
     bool failed = false;
   };
   struct Rank {
@@ -119,6 +122,7 @@ class DataParallelEngine final : public ServingEngine {
   // Front thread only.
   RequestId next_id_ = 0;
   std::unordered_map<RequestId, int> live_;  // unfinished requests -> rank
+  int64_t unapplied_aborts_ = 0;             // abort commands posted whose report has not come back
 };
 
 }  // namespace dsv4

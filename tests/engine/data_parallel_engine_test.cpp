@@ -365,10 +365,8 @@ TEST(DataParallelEngine, RejectsAndAbortsAsASingleEngine) {
   EXPECT_EQ(outcomes[aborted].tokens.size(), tokens_at_abort) << "output after abort";
   EXPECT_FALSE(outcomes[aborted].finished);
   EXPECT_EQ(outcomes[kept].tokens.size(), 50u);
-  // The rank frees the aborted request's blocks on its own thread: wait for its next report.
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  while (engine.stats().used_bytes != 0 && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  // The rank frees the aborted request's blocks on its own thread; the engine counts as unfinished until it
+  // has reported doing so, so after the drain the stats show them free.
   EXPECT_EQ(engine.stats().used_bytes, 0);
 }
 
