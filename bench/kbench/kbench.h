@@ -23,7 +23,12 @@ struct CaseResult {
   double flops = 0;
   double bytes = 0;
   std::string note;  // e.g. the published FlashMLA / DeepGEMM figure it is compared to
+  // The math ceiling of this case in FLOP/s; 0: the bf16 GEMM rate measured at start-up. FP8 cases pass the
+  // H200's dense FP8 tensor rate (kH200Fp8FlopsPerSecond: the datasheet's, not measured).
+  double math_flops_per_second = 0;
 };
+
+inline constexpr double kH200Fp8FlopsPerSecond = 1979e12;
 
 struct Options {
   bool quick = false;  // fewer iterations and the smaller contexts only (a smoke run)

@@ -162,7 +162,8 @@ int main(int argc, char** argv) {
   for (const auto& [suite, r] : rows) {
     const double seconds = r.microseconds * 1e-6;
     const double memory_floor = r.bytes / ceilings.copy_bytes_per_second;
-    const double math_floor = r.flops / ceilings.bf16_flops_per_second;
+    const double math_floor =
+        r.flops / (r.math_flops_per_second > 0 ? r.math_flops_per_second : ceilings.bf16_flops_per_second);
     const bool memory_bound = memory_floor >= math_floor;
     const double percent = 100.0 * std::max(memory_floor, math_floor) / seconds;
     std::printf("%-46s %10.2f %9.1f %9.0f %6.1f%% %s  %s\n", r.name.c_str(), r.microseconds, r.flops / seconds / 1e12,

@@ -29,6 +29,9 @@ void add_common(CLI::App* cmd, BenchOfflineOptions& o) {
   cmd->add_option("--load-format", o.load_format,
                   "auto (read the checkpoint) or dummy (random weights of the config, seeded by --seed)")
       ->capture_default_str();
+  cmd->add_option("--expert-bits", o.expert_bits,
+                  "routed experts: auto (as stored) or requantized at load to 3.5 / 2.5 bits per parameter")
+      ->capture_default_str();
   cmd->add_option("--device", o.device, "auto, cpu, cuda or cuda:N")->capture_default_str();
   cmd->add_option("--dtype", o.dtype, "CUDA precision: auto/bf16 or f32")->capture_default_str();
   cmd->add_option("--gpu-memory-utilization", o.gpu_memory_utilization, "CUDA: share of device memory")
@@ -57,6 +60,7 @@ Setup make_setup(const BenchOfflineOptions& o) {
   backend.dtype = o.dtype;
   backend.gpu_memory_utilization = o.gpu_memory_utilization;
   backend.load_format = o.load_format;
+  backend.expert_bits = o.expert_bits;
   backend.dummy_seed = o.seed;
   Setup setup{load_backend(o.model_dir, backend), {}};
   setup.engine.max_num_seqs = o.max_num_seqs;

@@ -13,6 +13,7 @@ struct BenchOfflineOptions {
   std::string device = "auto", dtype = "auto";
   double gpu_memory_utilization = 0.9;
   std::string load_format = "auto";  // auto or dummy (random weights of the config, seeded by --seed)
+  std::string expert_bits = "auto";  // cli/model_loading.h BackendOptions::expert_bits
   double kv_cache_gib = 0;  // 0: the backend's default (CPU 4 GiB; CUDA from --gpu-memory-utilization)
   int64_t input_len = 1024, output_len = 128;
   std::string batch_sizes = "8";  // latency: requests per iteration; a comma list runs each in turn (one load)

@@ -164,6 +164,7 @@ int generate(const GenerateOptions& options) {
   backend_options.numerics = options.numerics;
   backend_options.gpu_memory_utilization = options.gpu_memory_utilization;
   backend_options.load_format = options.load_format;
+  backend_options.expert_bits = options.expert_bits;
   backend_options.dummy_seed = options.seed.value_or(0);
   LoadedBackend loaded = load_backend(options.model_dir, backend_options);
   ModelBackend& model = *loaded.backend;

@@ -25,6 +25,7 @@ struct GenerateOptions {
   std::string device = "auto", dtype = "auto";  // cli/model_loading.h BackendOptions
   double gpu_memory_utilization = 0.9;
   std::string load_format = "auto";  // auto or dummy (random weights of the config; --seed seeds them, else 0)
+  std::string expert_bits = "auto";  // cli/model_loading.h BackendOptions::expert_bits
   bool kv_cache_gib_given = false;  // --kv-cache-gib given: it sizes the cache on CUDA too
   // Text in, text out: --prompt (a raw prompt, or the user message with --chat), --tokenizer (default: the
   // model directory's tokenizer.json, else the DeepSeek one that scripts/setup.sh installs).

@@ -37,6 +37,9 @@ int main(int argc, char** argv) {
                            "tiny model)");
   generate_cmd->add_option("--load-format", gen.load_format,
                            "auto (read the checkpoint) or dummy (random weights of the config, seeded by --seed)");
+  generate_cmd->add_option(
+      "--expert-bits", gen.expert_bits,
+      "routed experts: auto (as stored) or requantized at load to 3.5 / 2.5 bits per parameter");
   auto* ids_option = generate_cmd->add_option("--ids", gen.ids, "comma-separated prompt token ids");
   generate_cmd->add_option("--prompt", gen.prompt, "prompt text (the user message with --chat)")->excludes(ids_option);
   generate_cmd->add_option("--tokenizer", gen.tokenizer_path, "tokenizer.json or its directory");

@@ -73,8 +73,13 @@ LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& o
 #else
   DSV4_CHECK(!cuda, "--device " + device + ": this build has no CUDA backend (nvcc was not found at configure time)");
 #endif
+  const std::optional<WeightEncoding> expert_encoding =
+      parse_expert_requantization(options.expert_bits, "--expert-bits");
   ModelConfig config = model_config(model_dir, parse_numerics(options.numerics), options.load_format == "dummy");
-  const auto source = weight_source(config, model_dir, options.load_format, options.dummy_seed);
+  std::unique_ptr<ModelWeightSource> source =
+      weight_source(config, model_dir, options.load_format, options.dummy_seed);
+  if (expert_encoding)
+    source = std::make_unique<RequantizedExpertsSource>(std::move(source), *expert_encoding);
   LoadedBackend loaded;
   loaded.gpu_memory_utilization = options.gpu_memory_utilization;
   if (!cuda) {

@@ -31,6 +31,10 @@ struct BackendOptions {
   // safetensors: benchmark any shape without writing a checkpoint.
   std::string load_format = "auto";
   uint64_t dummy_seed = 0;
+  // --expert-bits: "auto" keeps the routed experts as stored; "3.5" / "2.5" requantizes them at load
+  // (model/weights.h RequantizedExpertsSource). The CPU backend holds them so; the GPU backend still decodes
+  // every weight to its bf16 / fp32 dtype at upload (a low-bit expert GEMM is issue 7's next step).
+  std::string expert_bits = "auto";
 };
 
 // A model ready for the engine. `cpu_model` is set (and `backend` wraps it) on the CPU.

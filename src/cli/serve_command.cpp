@@ -17,6 +17,8 @@ CLI::App* add_serve_command(CLI::App& app, ServeOptions& o) {
                   "HF model directory, or a config .json with --load-format dummy (default: the embedded tiny model)");
   cmd->add_option("--load-format", o.load_format,
                   "auto (read the checkpoint) or dummy (random weights of the config, seed 0; no safetensors read)");
+  cmd->add_option("--expert-bits", o.expert_bits,
+                  "routed experts: auto (as stored) or requantized at load to 3.5 / 2.5 bits per parameter");
   cmd->add_option("--tokenizer", o.tokenizer_path, "tokenizer.json or its directory");
   cmd->add_option("--host", o.host, "address to bind (loopback unless told otherwise)");
   cmd->add_option("--port", o.port, "TCP port (0: any free port, printed at start)")->check(CLI::Range(0, 65535));
@@ -55,6 +57,7 @@ int serve(const ServeOptions& options) {
   backend_options.dtype = options.dtype;
   backend_options.gpu_memory_utilization = options.gpu_memory_utilization;
   backend_options.load_format = options.load_format;
+  backend_options.expert_bits = options.expert_bits;
   LoadedBackend loaded = load_backend(options.model_dir, backend_options);
   ModelBackend& model = *loaded.backend;
   const Tokenizer tokenizer = load_tokenizer(options.tokenizer_path, options.model_dir);

@@ -23,6 +23,7 @@ struct ServeOptions {
   std::string device = "auto", dtype = "auto";  // cli/model_loading.h BackendOptions
   double gpu_memory_utilization = 0.9;
   std::string load_format = "auto";  // auto or dummy (random weights of the config, seed 0)
+  std::string expert_bits = "auto";  // cli/model_loading.h BackendOptions::expert_bits
   double kv_cache_gib = 1.0;
   bool kv_cache_gib_given = false;  // sizes the cache on CUDA too when given
   bool enable_prefix_caching = true;

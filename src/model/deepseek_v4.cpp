@@ -51,6 +51,13 @@ std::vector<float> project(const float* x, int64_t rows, int64_t in, const Tenso
   linear(x, rows, in, weight.ptr(), weight.dim(0), y.data());
   return y;
 }
+std::vector<float> project(const float* x, int64_t rows, int64_t in, const LinearWeight& weight) {
+  DSV4_CHECK(weight.cols() == in,
+             "a " + weight.shape_string() + " projection of " + std::to_string(in) + " inputs");
+  std::vector<float> y(static_cast<size_t>(rows * weight.rows()));
+  linear(x, rows, weight, y.data());
+  return y;
+}
 
 // ---- DeepSeek numerics (docs/numerics.md): the reference's roundings, applied only in Numerics::kDeepSeek. ----
 // Every GEMM of this mode accumulates in double and rounds once to fp32 (ops::cpu::linear_f64; docs/numerics.md
@@ -74,11 +81,19 @@ std::vector<float> project_f64(const float* x, int64_t rows, int64_t in, const T
   linear_f64(x, rows, in, weight.ptr(), weight.dim(0), y.data(), k_block);
   return y;
 }
+std::vector<float> project_f64(const float* x, int64_t rows, int64_t in, const LinearWeight& weight,
+                               int64_t k_block = 0) {
+  DSV4_CHECK(weight.cols() == in,
+             "a " + weight.shape_string() + " projection of " + std::to_string(in) + " inputs");
+  std::vector<float> y(static_cast<size_t>(rows * weight.rows()));
+  linear_f64(x, rows, weight, y.data(), k_block);
+  return y;
+}
 
 // The reference's linear() for an FP8 / FP4 weight (model_spec.md §3.2): each row's activation quantized per 128
 // channels to e4m3 with UE8M0 scales, per-K-block double accumulation rounded to fp32 (k_block: kFp8GemmBlock or
 // kFp4GemmBlock), bf16 output.
-std::vector<float> project_fp8(const float* x, int64_t rows, int64_t in, const Tensor& weight,
+std::vector<float> project_fp8(const float* x, int64_t rows, int64_t in, const LinearWeight& weight,
                                int64_t k_block = kFp8GemmBlock) {
   std::vector<float> quantized(x, x + rows * in);
   for (int64_t r = 0; r < rows; ++r) quantize_e4m3_blocks(&quantized[r * in], in, 128);
@@ -349,7 +364,7 @@ void DeepseekV4Model::attention(int64_t layer, const StepLayout& step, std::span
   auto to_bf16 = [deepseek](std::vector<float>& v) {
     if (deepseek) bf16(v);
   };
-  auto fp8_linear = [deepseek](const float* in, int64_t rows, int64_t width, const Tensor& weight) {
+  auto fp8_linear = [deepseek](const float* in, int64_t rows, int64_t width, const LinearWeight& weight) {
     return deepseek ? project_fp8(in, rows, width, weight) : project(in, rows, width, weight);
   };
   // Query: low-rank, weighted norm, up-projection, per-head unweighted norm, RoPE at the token position.
@@ -448,14 +463,13 @@ void DeepseekV4Model::attention(int64_t layer, const StepLayout& step, std::span
   std::vector<float> grouped(static_cast<size_t>(N * G * o_lora));
   for (int64_t g = 0; g < G; ++g) {
     const float* group_in = &attended[g * group_width];
-    const float* group_weight = l.wo_a.ptr() + g * o_lora * group_width;
     if (deepseek)  // the einsum double-accumulated, as in the oracle
-      linear_f64_strided(group_in, N, group_width, H * d, group_weight, o_lora, &grouped[g * o_lora], G * o_lora);
+      linear_f64_strided(group_in, N, H * d, l.wo_a, g * o_lora, o_lora, &grouped[g * o_lora], G * o_lora);
     else
-      linear_strided(group_in, N, group_width, H * d, group_weight, o_lora, &grouped[g * o_lora], G * o_lora);
+      linear_strided(group_in, N, H * d, l.wo_a, g * o_lora, o_lora, &grouped[g * o_lora], G * o_lora);
   }
   if (!deepseek) {
-    linear(grouped.data(), N, G * o_lora, l.wo_b.ptr(), D, out);
+    linear(grouped.data(), N, l.wo_b, out);
     return;
   }
   // kDeepSeek: wo_a is a bf16 einsum without activation quantization (§2.1, §6.6); wo_b an FP8 linear.
@@ -506,20 +520,20 @@ void DeepseekV4Model::moe(int64_t layer, const StepLayout& step, const float* x,
     rows.resize(static_cast<size_t>(n * D));
     for (int64_t i = 0; i < n; ++i) std::memcpy(&rows[i * D], x + tokens[i].first * D, D * sizeof(float));
     gate_up.resize(static_cast<size_t>(n * 2 * I));
-    linear(rows.data(), n, D, l.experts_w13[e].ptr(), 2 * I, gate_up.data());
+    linear(rows.data(), n, l.experts_w13[e], gate_up.data());
     activated.resize(static_cast<size_t>(n * I));
     swiglu_clamped(gate_up.data(), n, I, limit, activated.data());
     expert_out.resize(static_cast<size_t>(n * D));
-    linear(activated.data(), n, I, l.experts_w2[e].ptr(), D, expert_out.data());
+    linear(activated.data(), n, l.experts_w2[e], expert_out.data());
     for (int64_t i = 0; i < n; ++i)
       for (int64_t j = 0; j < D; ++j) out[tokens[i].first * D + j] += tokens[i].second * expert_out[i * D + j];
   }
   // The shared expert sees every token, with the same clamp.
   gate_up.resize(static_cast<size_t>(N * 2 * I));
-  linear(x, N, D, l.shared_w13.ptr(), 2 * I, gate_up.data());
+  linear(x, N, l.shared_w13, gate_up.data());
   activated.resize(static_cast<size_t>(N * I));
   swiglu_clamped(gate_up.data(), N, I, limit, activated.data());
-  linear(activated.data(), N, I, l.shared_w2.ptr(), D, out, /*beta=*/1.0f);
+  linear(activated.data(), N, l.shared_w2, out, /*beta=*/1.0f);
 }
 
 // MoE.forward of the reference (§9 step 5–7): the expert input quantized per 128 (one quantization serves w1 and
@@ -532,8 +546,8 @@ void DeepseekV4Model::moe_deepseek(int64_t layer, int64_t tokens, const float* x
   const int64_t D = c.hidden_size, I = c.moe_intermediate_size;
   const float limit = static_cast<float>(c.swiglu_limit);
   // Routed experts are FP4 (per-32 GEMM partials), the shared expert FP8 (per-128), as in the released checkpoints.
-  auto expert = [&](const float* rows, int64_t n, const Tensor& w13, const Tensor& w2, const float* weights,
-                    int64_t k_block) {
+  auto expert = [&](const float* rows, int64_t n, const LinearWeight& w13, const LinearWeight& w2,
+                    const float* weights, int64_t k_block) {
     std::vector<float> gate_up = project_fp8(rows, n, D, w13, k_block);
     std::vector<float> activated(static_cast<size_t>(n * I));
     swiglu_clamped(gate_up.data(), n, I, limit, activated.data());

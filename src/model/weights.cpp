@@ -115,7 +115,48 @@ Tensor read_tensor(const SafetensorsArchive& archive, const std::string& stored_
   return tensor;
 }
 
+// Reads a LinearWeight field check_stored_tensor accepted: FP8 codes with their 128×128 block scales and
+// packed FP4 with its per-32 scales are copied as stored (issue 7: no fp32 blow-up of the checkpoint); plain
+// dtypes become fp32.
+LinearWeight read_linear_weight(const SafetensorsArchive& archive, const std::string& stored_name,
+                                const std::string& scale_name, const TensorSpec& spec) {
+  if (scale_name.empty()) return LinearWeight(read_tensor(archive, stored_name, scale_name, spec));
+  const SafetensorsArchive::Entry& entry = *archive.find(stored_name);
+  const uint8_t* raw = entry.file->data(*entry.info);
+  const int64_t rows = spec.shape[0], cols = spec.shape[1];
+  std::vector<float> scales = archive.read_f32(scale_name);
+  if (entry.info->dtype == DType::kI8 || entry.info->dtype == DType::kU8)
+    return LinearWeight::fp4_group_scaled(rows, cols, std::vector<uint8_t>(raw, raw + rows * cols / 2),
+                                          scales, stored_name);
+  return LinearWeight::fp8_block_scaled(rows, cols, std::vector<uint8_t>(raw, raw + rows * cols), scales);
+}
+
+size_t tensor_bytes(const Tensor& t) { return t.data.size() * sizeof(float); }
+
 }  // namespace
+
+size_t LayerWeights::host_bytes() const {
+  size_t bytes = 0;
+  for (const Tensor* t :
+       {&hc_attn_fn, &hc_attn_base, &hc_attn_scale, &hc_ffn_fn, &hc_ffn_base, &hc_ffn_scale, &attn_norm,
+        &ffn_norm, &q_norm, &kv_norm, &attn_sink, &indexer_weights_proj, &gate, &gate_bias})
+    bytes += tensor_bytes(*t);
+  for (const CompressorWeights* c : {&compressor, &indexer_compressor})
+    for (const Tensor* t : {&c->wkv, &c->wgate, &c->ape, &c->norm}) bytes += tensor_bytes(*t);
+  for (const LinearWeight* w : {&wq_a, &wq_b, &wkv, &wo_a, &wo_b, &indexer_wq_b, &shared_w13, &shared_w2})
+    bytes += w->storage_bytes();
+  for (const auto* experts : {&experts_w13, &experts_w2})
+    for (const LinearWeight& w : *experts) bytes += w.storage_bytes();
+  return bytes + tid2eid.size() * sizeof(int32_t);
+}
+
+size_t ModelWeights::host_bytes() const {
+  size_t bytes = 0;
+  for (const Tensor* t : {&embed, &head, &norm, &hc_head_fn, &hc_head_base, &hc_head_scale})
+    bytes += tensor_bytes(*t);
+  for (const LayerWeights& layer : layers) bytes += layer.host_bytes();
+  return bytes;
+}
 
 std::string canonical_tensor_name(const std::string& name) {
   std::string out = name;
@@ -252,6 +293,11 @@ Tensor CheckpointWeightSource::read(const std::string& name) const {
   return read_tensor(*archive_, tensor.stored_name, tensor.scale_name, tensor.spec);
 }
 
+LinearWeight CheckpointWeightSource::read_linear(const std::string& name) const {
+  const StoredTensor& tensor = stored_.at(name);
+  return read_linear_weight(*archive_, tensor.stored_name, tensor.scale_name, tensor.spec);
+}
+
 ModelWeights CheckpointWeightSource::globals() {
   return assemble_global_weights([this](const std::string& name) { return read(name); });
 }
@@ -260,7 +306,9 @@ LayerWeights CheckpointWeightSource::layer(int64_t index) {
   DSV4_CHECK(index >= 0 && index < config_.num_hidden_layers,
              "layer " + std::to_string(index) + " outside the checkpoint's " +
                  std::to_string(config_.num_hidden_layers) + " layers");
-  return assemble_layer_weights(config_, index, [this](const std::string& name) { return read(name); });
+  return assemble_layer_weights(
+      config_, index, [this](const std::string& name) { return read(name); },
+      [this](const std::string& name) { return read_linear(name); });
 }
 
 ModelWeights ModelWeights::load(const ModelConfig& config, const std::string& path) {
@@ -304,14 +352,18 @@ ModelWeights assemble_global_weights(const TakeTensor& take) {
   return w;
 }
 
-LayerWeights assemble_layer_weights(const ModelConfig& config, int64_t layer, const TakeTensor& take) {
-  const int64_t I = config.moe_intermediate_size, D = config.hidden_size;
+LayerWeights assemble_layer_weights(const ModelConfig& config, int64_t layer, const TakeTensor& take,
+                                    const TakeLinear& take_linear_weight) {
+  const TakeLinear take_linear = take_linear_weight ? take_linear_weight : [&take](const std::string& name) {
+    return LinearWeight(take(name));
+  };
   auto fuse_gate_up = [&](const std::string& prefix) {
-    Tensor w1 = take(prefix + "w1.weight"), w3 = take(prefix + "w3.weight");
-    Tensor fused({2 * I, D});
-    std::copy(w1.data.begin(), w1.data.end(), fused.data.begin());
-    std::copy(w3.data.begin(), w3.data.end(), fused.data.begin() + I * D);
-    return fused;
+    LinearWeight w1 = take_linear(prefix + "w1.weight"), w3 = take_linear(prefix + "w3.weight");
+    if (w1.encoding() != w3.encoding()) {  // a mixed-precision checkpoint: fuse in fp32
+      w1 = LinearWeight(w1.dequantized());
+      w3 = LinearWeight(w3.dequantized());
+    }
+    return LinearWeight::concat_rows(w1, w3);
   };
   const std::string p = "model.layers." + std::to_string(layer) + ".";
   LayerWeights l;
@@ -323,13 +375,13 @@ LayerWeights assemble_layer_weights(const ModelConfig& config, int64_t layer, co
   l.hc_ffn_scale = take(p + "hc_ffn_scale");
   l.attn_norm = take(p + "attn_norm.weight");
   l.ffn_norm = take(p + "ffn_norm.weight");
-  l.wq_a = take(p + "attn.wq_a.weight");
+  l.wq_a = take_linear(p + "attn.wq_a.weight");
   l.q_norm = take(p + "attn.q_norm.weight");
-  l.wq_b = take(p + "attn.wq_b.weight");
-  l.wkv = take(p + "attn.wkv.weight");
+  l.wq_b = take_linear(p + "attn.wq_b.weight");
+  l.wkv = take_linear(p + "attn.wkv.weight");
   l.kv_norm = take(p + "attn.norm.weight");
-  l.wo_a = take(p + "attn.wo_a.weight");
-  l.wo_b = take(p + "attn.wo_b.weight");
+  l.wo_a = take_linear(p + "attn.wo_a.weight");
+  l.wo_b = take_linear(p + "attn.wo_b.weight");
   l.attn_sink = take(p + "attn.attn_sink");
   const AttentionType type = config.layer_types[static_cast<size_t>(layer)];
   auto take_compressor = [&](const std::string& q) {
@@ -338,7 +390,7 @@ LayerWeights assemble_layer_weights(const ModelConfig& config, int64_t layer, co
   if (type != AttentionType::kSlidingWindow) l.compressor = take_compressor(p + "attn.compressor.");
   if (type == AttentionType::kCompressedSparse) {
     l.indexer_compressor = take_compressor(p + "attn.indexer.compressor.");
-    l.indexer_wq_b = take(p + "attn.indexer.wq_b.weight");
+    l.indexer_wq_b = take_linear(p + "attn.indexer.wq_b.weight");
     l.indexer_weights_proj = take(p + "attn.indexer.weights_proj.weight");
   }
   l.gate = take(p + "ffn.gate.weight");
@@ -358,11 +410,32 @@ LayerWeights assemble_layer_weights(const ModelConfig& config, int64_t layer, co
   for (int64_t e = 0; e < config.n_routed_experts; ++e) {
     const std::string expert = p + "ffn.experts." + std::to_string(e) + ".";
     l.experts_w13.push_back(fuse_gate_up(expert));
-    l.experts_w2.push_back(take(expert + "w2.weight"));
+    l.experts_w2.push_back(take_linear(expert + "w2.weight"));
   }
   l.shared_w13 = fuse_gate_up(p + "ffn.shared_experts.");
-  l.shared_w2 = take(p + "ffn.shared_experts.w2.weight");
+  l.shared_w2 = take_linear(p + "ffn.shared_experts.w2.weight");
   return l;
+}
+
+RequantizedExpertsSource::RequantizedExpertsSource(std::unique_ptr<ModelWeightSource> source,
+                                                   WeightEncoding expert_encoding)
+    : source_(std::move(source)), expert_encoding_(expert_encoding) {
+  DSV4_CHECK(expert_encoding == WeightEncoding::kQ3G32 || expert_encoding == WeightEncoding::kQ2G32,
+             "routed experts requantize to kQ3G32 or kQ2G32 only");
+}
+
+LayerWeights RequantizedExpertsSource::layer(int64_t index) {
+  LayerWeights layer = source_->layer(index);
+  for (auto* experts : {&layer.experts_w13, &layer.experts_w2})
+    for (LinearWeight& w : *experts) w = w.requantized(expert_encoding_);
+  return layer;
+}
+
+std::optional<WeightEncoding> parse_expert_requantization(const std::string& text, const std::string& what) {
+  if (text == "auto") return std::nullopt;
+  if (text == "3.5" || text == "q3") return WeightEncoding::kQ3G32;
+  if (text == "2.5" || text == "q2") return WeightEncoding::kQ2G32;
+  throw Error(what + " '" + text + "': expected auto (as stored), 3.5 (q3) or 2.5 (q2) bits per parameter");
 }
 
 }  // namespace dsv4

@@ -51,6 +51,9 @@ done
 expect_success "bench latency --load-format dummy" "$dsv4" bench latency --model "$work/config.json" --load-format dummy \
   --input-len 8 --output-len 4 --batch-size 2 --num-iters 1 --device cpu
 expect_failure "unknown load format" "--load-format 'pt'" "$dsv4" generate --model "$work/model" --load-format pt --ids 1
+expect_failure "unknown expert bits" "--expert-bits '3'" "$dsv4" generate --ids 1 --expert-bits 3 --device cpu
+# Routed experts requantized at load: the embedded model still generates.
+expect_success "generate --expert-bits 2.5" "$dsv4" generate --ids 1,2,3 --max-tokens 4 --expert-bits 2.5 --device cpu
 
 model=$work/model/model.safetensors
 size=$(stat -c %s "$model")

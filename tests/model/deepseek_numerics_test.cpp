@@ -3,11 +3,16 @@
 // against the kHf path (a small, non-zero difference), and its own prefill / decode consistency.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 
+#include "cache/weight_plan.h"
+#include "core/error.h"
 #include "core/npy.h"
 #include "test_models.h"
 
@@ -72,6 +77,113 @@ TEST(DeepSeekNumerics, MatchesTheReferenceGoldens) {
       EXPECT_LE(decode_error, 1e-3) << dir;
     }
   }
+}
+
+// Every LinearWeight field as fp32 (what ModelWeights held before issue 7 kept them quantized).
+ModelWeights dequantized_copy(const ModelWeights& weights) {
+  ModelWeights dense = weights;
+  for (LayerWeights& l : dense.layers) {
+    for (LinearWeight* w :
+         {&l.wq_a, &l.wq_b, &l.wkv, &l.wo_a, &l.wo_b, &l.indexer_wq_b, &l.shared_w13, &l.shared_w2})
+      *w = LinearWeight(w->dequantized());
+    for (auto* experts : {&l.experts_w13, &l.experts_w2})
+      for (LinearWeight& w : *experts) w = LinearWeight(w.dequantized());
+  }
+  return dense;
+}
+
+// An FP8 / FP4 checkpoint stays quantized in host memory (issue 7 item 1) and computes exactly what its fp32
+// dequantization computes: bit for bit in kDeepSeek (double accumulation), to fp32 rounding in kHf.
+TEST(DeepSeekNumerics, QuantizedWeightsStayQuantizedAndComputeTheSame) {
+  const std::vector<fs::path> dirs = golden_dirs();
+  if (dirs.empty()) GTEST_SKIP() << "no goldens under tests/fixtures/deepseek_goldens";
+  for (const fs::path& dir : dirs) {
+    ModelConfig config = ModelConfig::from_file((dir / "config.json").string());
+    const ModelWeights quantized = ModelWeights::load(config, dir.string());
+    const LayerWeights& layer = quantized.layers.at(0);
+    EXPECT_EQ(layer.wq_a.encoding(), WeightEncoding::kF8E4M3) << dir;
+    EXPECT_EQ(layer.shared_w2.encoding(), WeightEncoding::kF8E4M3) << dir;
+    EXPECT_EQ(layer.experts_w13.at(0).encoding(), WeightEncoding::kFp4E2M1) << dir;
+    EXPECT_EQ(layer.wo_a.encoding(), WeightEncoding::kF32)
+        << dir;  // stored BF16, as in the released checkpoints
+    const ModelWeights dense = dequantized_copy(quantized);
+    size_t quantized_linear = 0, dense_linear = 0;
+    for (size_t i = 0; i < quantized.layers.size(); ++i) {
+      const LayerWeights &q = quantized.layers[i], &d = dense.layers[i];
+      for (size_t e = 0; e < q.experts_w13.size(); ++e) {
+        quantized_linear += q.experts_w13[e].storage_bytes() + q.experts_w2[e].storage_bytes();
+        dense_linear += d.experts_w13[e].storage_bytes() + d.experts_w2[e].storage_bytes();
+      }
+    }
+    std::printf("%s: host bytes %zu quantized, %zu fp32; routed experts %zu vs %zu (%.2f bits/param)\n",
+                dir.filename().c_str(), quantized.host_bytes(), dense.host_bytes(), quantized_linear,
+                dense_linear,
+                32.0 * static_cast<double>(quantized_linear) / static_cast<double>(dense_linear));
+    // MXFP4: 4 bits + one exponent byte per 32 = 4.25 bits per parameter.
+    EXPECT_EQ(quantized_linear * 128, dense_linear * 17) << dir;
+    EXPECT_LT(quantized.host_bytes(), dense.host_bytes()) << dir;
+
+    const ModelConfig hf_config = config;
+    config.numerics = Numerics::kDeepSeek;
+    const std::vector<int32_t> ids = testing::random_ids(21, config.vocab_size, 4);
+    DeepseekV4Model deepseek_quantized(config, quantized), deepseek_dense(config, dense);
+    EXPECT_EQ(last_logits(deepseek_quantized, ids, {21}), last_logits(deepseek_dense, ids, {21})) << dir;
+    DeepseekV4Model hf_quantized(hf_config, quantized), hf_dense(hf_config, dense);
+    const std::vector<float> a = last_logits(hf_quantized, ids, {21}), b = last_logits(hf_dense, ids, {21});
+    const double error = testing::relative_l2(a.data(), b.data(), a.size());
+    std::printf("%s, kHf: quantized vs fp32 weights relative L2 %.3g\n", dir.filename().c_str(), error);
+    EXPECT_LE(error, 1e-5) << dir;
+  }
+}
+
+// --expert-bits 3.5 / 2.5 on a real FP8/FP4 checkpoint: the routed experts requantized as each layer is read,
+// everything else as stored; the planner's routed-expert bytes are the bytes held; the logits move by the
+// requantization only (measured, printed).
+TEST(DeepSeekNumerics, RequantizedExpertsSourceHoldsWhatThePlannerCounts) {
+  const std::vector<fs::path> dirs = golden_dirs();
+  if (dirs.empty()) GTEST_SKIP() << "no goldens under tests/fixtures/deepseek_goldens";
+  const fs::path dir = dirs.front();
+  ModelConfig config = ModelConfig::from_file((dir / "config.json").string());
+  config.numerics = Numerics::kDeepSeek;
+  const ModelWeights as_stored = ModelWeights::load(config, dir.string());
+  const std::vector<int32_t> ids = testing::random_ids(33, config.vocab_size, 6);
+  DeepseekV4Model reference(config, as_stored);
+  const std::vector<float> expected = last_logits(reference, ids, {33});
+  for (const char* bits : {"3.5", "2.5"}) {
+    const std::optional<WeightEncoding> encoding = parse_expert_requantization(bits, "--expert-bits");
+    ASSERT_TRUE(encoding.has_value());
+    RequantizedExpertsSource source(std::make_unique<CheckpointWeightSource>(config, dir.string()),
+                                    *encoding);
+    const ModelWeights requantized = ModelWeights::from_source(source);
+    size_t expert_bytes = 0;
+    for (size_t i = 0; i < requantized.layers.size(); ++i) {
+      const LayerWeights &l = requantized.layers[i], &s = as_stored.layers[i];
+      EXPECT_EQ(l.wq_a.encoding(), WeightEncoding::kF8E4M3);  // the dense FP8 linears untouched
+      EXPECT_EQ(l.shared_w13.storage_bytes(), s.shared_w13.storage_bytes());
+      for (size_t e = 0; e < l.experts_w13.size(); ++e) {
+        EXPECT_EQ(l.experts_w13[e].encoding(), *encoding);
+        expert_bytes += l.experts_w13[e].storage_bytes() + l.experts_w2[e].storage_bytes();
+      }
+    }
+    const WeightPlan plan = plan_weights(config, {std::stod(bits), true});
+    ASSERT_EQ(plan.classes.front().name, "routed experts");
+    EXPECT_EQ(static_cast<int64_t>(expert_bytes), plan.classes.front().bytes) << bits;
+    DeepseekV4Model model(config, requantized);
+    const std::vector<float> actual = last_logits(model, ids, {33});
+    const double error = testing::relative_l2(actual.data(), expected.data(), expected.size());
+    const auto argmax = [](const std::vector<float>& v) {
+      return std::max_element(v.begin(), v.end()) - v.begin();
+    };
+    std::printf(
+        "%s: experts requantized to %s bits/param: %zu bytes (planner %lld); logits relative L2 %.3g vs "
+        "MXFP4, top-1 %s\n",
+        dir.filename().c_str(), bits, expert_bytes, static_cast<long long>(plan.classes.front().bytes), error,
+        argmax(actual) == argmax(expected) ? "same" : "differs");
+    EXPECT_GT(error, 0.0);
+    EXPECT_LT(error, 0.5);
+  }
+  EXPECT_THROW(parse_expert_requantization("3", "--expert-bits"), Error);
+  EXPECT_FALSE(parse_expert_requantization("auto", "--expert-bits").has_value());
 }
 
 TEST(DeepSeekNumerics, DiffersFromHfByQuantizationNoiseOnly) {

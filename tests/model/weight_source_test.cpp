@@ -48,6 +48,12 @@ void expect_identical(const Tensor& actual, const Tensor& expected, const std::s
   EXPECT_EQ(std::memcmp(actual.data.data(), expected.data.data(), actual.data.size() * sizeof(float)), 0) << what;
 }
 
+void expect_identical(const LinearWeight& actual, const LinearWeight& expected, const std::string& what) {
+  EXPECT_EQ(actual.encoding(), expected.encoding()) << what;
+  EXPECT_EQ(actual.storage_bytes(), expected.storage_bytes()) << what;
+  expect_identical(actual.dequantized(), expected.dequantized(), what);
+}
+
 void expect_identical(const CompressorWeights& actual, const CompressorWeights& expected, const std::string& what) {
   expect_identical(actual.wkv, expected.wkv, what + ".wkv");
   expect_identical(actual.wgate, expected.wgate, what + ".wgate");

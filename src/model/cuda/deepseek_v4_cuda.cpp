@@ -232,6 +232,35 @@ struct DeepseekV4CudaModel::Impl {
     if (t.empty()) return {};
     return {upload_weight(t), weight_dtype(), t.dim(0), t.dim(1), 0};
   }
+  // An FP8 / FP4 host weight is decoded a panel of rows at a time (exact values) into the device weight
+  // dtype: the device GEMMs are bf16 / fp32 (FP8 on the device is issue 7's next step), the host never holds
+  // it in fp32.
+  void upload_as_weight(const LinearWeight& w, void* dst) {
+    if (!w.quantized()) {
+      upload_as_weight(w.dense().ptr(), w.dense().data.size(), dst);
+      return;
+    }
+    const int64_t panel = std::max<int64_t>(1, (int64_t{1} << 22) / std::max<int64_t>(w.cols(), 1));
+    std::vector<float> decoded;
+    for (int64_t row = 0; row < w.rows(); row += panel) {
+      const int64_t count = std::min(panel, w.rows() - row);
+      decoded.resize(static_cast<size_t>(count * w.cols()));
+      ThreadPool::global().parallel_for(count, [&](int64_t begin, int64_t end) {
+        w.dequantize_rows(row + begin, end - begin, decoded.data() + begin * w.cols());
+      });
+      upload_as_weight(decoded.data(), decoded.size(),
+                       static_cast<std::byte*>(dst) + row * w.cols() * weight_element_bytes());
+    }
+  }
+  void* upload_weight(const LinearWeight& w) {
+    void* p = weights_memory.allocate(static_cast<size_t>(w.rows() * w.cols()) * weight_element_bytes());
+    upload_as_weight(w, p);
+    return p;
+  }
+  cu::GemmWeight linear(const LinearWeight& w) {
+    if (w.empty()) return {};
+    return {upload_weight(w), weight_dtype(), w.rows(), w.cols(), 0};
+  }
   // Stacks same-shaped tensors [count, ...] in the weight dtype.
   void* upload_stacked(const std::vector<Tensor>& tensors) {
     if (tensors.empty()) return nullptr;
@@ -239,6 +268,17 @@ struct DeepseekV4CudaModel::Impl {
     auto* base = static_cast<std::byte*>(weights_memory.allocate(each * tensors.size() * weight_element_bytes()));
     for (size_t i = 0; i < tensors.size(); ++i)
       upload_as_weight(tensors[i].ptr(), each, base + i * each * weight_element_bytes());
+    return base;
+  }
+  void* upload_stacked(const std::vector<LinearWeight>& weights) {
+    if (weights.empty()) return nullptr;
+    const auto each = static_cast<size_t>(weights[0].rows() * weights[0].cols());
+    auto* base =
+        static_cast<std::byte*>(weights_memory.allocate(each * weights.size() * weight_element_bytes()));
+    for (size_t i = 0; i < weights.size(); ++i) {
+      DSV4_CHECK(weights[i].shape() == weights[0].shape(), "stacked weights of different shapes");
+      upload_as_weight(weights[i], base + i * each * weight_element_bytes());
+    }
     return base;
   }
 
@@ -409,10 +449,12 @@ void DeepseekV4CudaModel::upload_layer(const LayerWeights& l) {
   }
   d.experts_w13 = m.upload_stacked(l.experts_w13);
   d.experts_w2 = m.upload_stacked(l.experts_w2);
-  auto pointers = [&](void* stacked, const std::vector<Tensor>& tensors) -> const void* const* {
+  auto pointers = [&](void* stacked, const std::vector<LinearWeight>& weights) -> const void* const* {
     std::vector<const void*> host;
-    for (size_t e = 0; e < tensors.size(); ++e)
-      host.push_back(static_cast<const std::byte*>(stacked) + e * tensors[0].data.size() * m.weight_element_bytes());
+    const auto each =
+        weights.empty() ? size_t{0} : static_cast<size_t>(weights[0].rows() * weights[0].cols());
+    for (size_t e = 0; e < weights.size(); ++e)
+      host.push_back(static_cast<const std::byte*>(stacked) + e * each * m.weight_element_bytes());
     auto* device = static_cast<const void**>(m.weights_memory.allocate(host.size() * sizeof(void*)));
     DSV4_CU(cudaMemcpy(device, host.data(), host.size() * sizeof(void*), cudaMemcpyHostToDevice));
     return device;

@@ -2,6 +2,8 @@
 #pragma once
 #include <cstdint>
 
+#include "core/linear_weight.h"
+
 namespace dsv4::ops::cpu {
 
 // x [rows, in] (row stride in), weight [out, in] -> y [rows, out]. beta = 1 accumulates into y.
@@ -24,5 +26,17 @@ void linear_f64(const float* x, int64_t rows, int64_t in, const float* weight, i
                 int64_t k_block = 0);
 void linear_f64_strided(const float* x, int64_t rows, int64_t in, int64_t x_stride, const float* weight, int64_t out,
                         float* y, int64_t y_stride, int64_t k_block = 0);
+
+// The same products for a LinearWeight (core/linear_weight.h), rows [first_row, first_row + out_rows) of it
+// (the strided forms; all rows for the others), input width w.cols(). A dense weight takes the paths above;
+// an FP8 / FP4 one is decoded a few output rows at a time into scratch (exact values), so y equals the call
+// on w.dequantized() — bitwise for linear_f64, whose sums do not depend on how outputs are split — without an
+// fp32 copy of the matrix.
+void linear(const float* x, int64_t rows, const LinearWeight& w, float* y, float beta = 0.0f);
+void linear_strided(const float* x, int64_t rows, int64_t x_stride, const LinearWeight& w, int64_t first_row,
+                    int64_t out_rows, float* y, int64_t y_stride, float beta = 0.0f);
+void linear_f64(const float* x, int64_t rows, const LinearWeight& w, float* y, int64_t k_block = 0);
+void linear_f64_strided(const float* x, int64_t rows, int64_t x_stride, const LinearWeight& w,
+                        int64_t first_row, int64_t out_rows, float* y, int64_t y_stride, int64_t k_block = 0);
 
 }  // namespace dsv4::ops::cpu

@@ -1,5 +1,3 @@
-#include "ops/cuda/gemm.h"
-
 #include <cublasLt.h>
 
 #include <cstdlib>
@@ -7,6 +5,9 @@
 #include <string>
 
 #include "core/error.h"
+#include "ops/cuda/fp8_gemm.h"
+#include "ops/cuda/fp8_quantize.h"
+#include "ops/cuda/gemm.h"
 #include "ops/cuda/skinny_gemm.h"
 
 namespace dsv4::ops::cuda {
@@ -41,6 +42,16 @@ bool skinny_enabled() {  // DSV4_SKINNY_GEMM=0: leave ops/cuda/skinny_gemm out o
   return enabled;
 }
 
+Fp8Backend default_fp8_backend() {  // DSV4_FP8_GEMM=cublaslt|skinny forces one kernel (to measure the split)
+  const char* value = std::getenv("DSV4_FP8_GEMM");
+  if (value == nullptr) return Fp8Backend::kAuto;
+  if (std::string(value) == "cublaslt") return Fp8Backend::kCublasLt;
+  if (std::string(value) == "skinny") return Fp8Backend::kSkinny;
+  return Fp8Backend::kAuto;
+}
+
+int64_t ceil_blocks(int64_t n) { return (n + kFp8Block - 1) / kFp8Block; }
+
 }  // namespace
 
 struct Gemm::Plan {
@@ -50,6 +61,8 @@ struct Gemm::Plan {
   bool skinny =
       false;  // ops/cuda/skinny_gemm instead of cuBLASLt (bf16, few rows: the default, or timed faster)
   SkinnyGemmParams skinny_params;
+  bool fp8_skinny = false;  // kF8E4M3: ops/cuda/fp8_gemm.h instead of cuBLASLt
+  Fp8GemmParams fp8_params;
   ~Plan() {
     if (a) cublasLtMatrixLayoutDestroy(a);
     if (b) cublasLtMatrixLayoutDestroy(b);
@@ -58,7 +71,7 @@ struct Gemm::Plan {
   }
 };
 
-Gemm::Gemm() : workspace_bytes_(kWorkspaceBytes) {
+Gemm::Gemm() : workspace_bytes_(kWorkspaceBytes), fp8_backend_(default_fp8_backend()) {
   cublasLtHandle_t handle = nullptr;
   check(cublasLtCreate(&handle), "create");
   handle_ = handle;
@@ -68,6 +81,8 @@ Gemm::Gemm() : workspace_bytes_(kWorkspaceBytes) {
 Gemm::~Gemm() {
   for (auto& [key, plan] : plans_) delete plan;
   cudaFree(workspace_);
+  cudaFree(fp8_codes_);
+  cudaFree(fp8_scales_);
   cublasLtDestroy(static_cast<cublasLtHandle_t>(handle_));
 }
 
@@ -80,10 +95,10 @@ Gemm::~Gemm() {
 // times up to kCandidates heuristic answers and ops/cuda/skinny_gemm (bf16, <= 8 rows) on its own operands and
 // keeps the fastest, as TensorRT-LLM's GEMM plugin profiles its tactics. Never during CUDA-graph capture (nothing
 // can be timed there) nor when accumulating into y (the runs would add up).
-const Gemm::Plan& Gemm::plan(const Key& key, const void* w, const void* x, void* y, cudaStream_t stream) {
+Gemm::Plan& Gemm::plan(const Key& key, const void* w, const void* x, void* y, cudaStream_t stream) {
   if (const auto it = plans_.find(key); it != plans_.end()) return *it->second;
-  const auto [dtype, out, in, rows, w_stride, x_stride, y_stride, accumulate, batch, w_batch, x_batch, y_batch,
-              y_dtype] = key;
+  const auto [dtype, out, in, rows, w_stride, x_stride, y_stride, accumulate, batch, w_batch, x_batch,
+              y_batch, y_dtype, fp8_backend] = key;
   const cudaDataType_t operand = dtype == static_cast<int>(GemmDtype::kBf16) ? CUDA_R_16BF : CUDA_R_32F;
   const cudaDataType_t output = y_dtype == static_cast<int>(GemmDtype::kBf16) ? CUDA_R_16BF : CUDA_R_32F;
   auto plan = std::make_unique<Plan>();
@@ -195,9 +210,22 @@ const Gemm::Plan& Gemm::plan(const Key& key, const void* w, const void* x, void*
 void Gemm::linear(const GemmWeight& w, const void* x, int64_t rows, float* y, cudaStream_t stream, float beta,
                   int64_t x_stride, int64_t y_stride) {
   if (rows == 0 || w.out == 0) return;
+  if (w.dtype == GemmDtype::kF8E4M3) throw Error("Gemm::linear: an FP8 weight goes through linear_fp8");
   const int64_t w_stride = w.row_stride ? w.row_stride : w.in;
-  const Key key{static_cast<int>(w.dtype), w.out, w.in, rows, w_stride, x_stride ? x_stride : w.in,
-                y_stride ? y_stride : w.out, beta != 0.0f, 1, 0, 0, 0, static_cast<int>(GemmDtype::kF32)};
+  const Key key{static_cast<int>(w.dtype),
+                w.out,
+                w.in,
+                rows,
+                w_stride,
+                x_stride ? x_stride : w.in,
+                y_stride ? y_stride : w.out,
+                beta != 0.0f,
+                1,
+                0,
+                0,
+                0,
+                static_cast<int>(GemmDtype::kF32),
+                0};
   const Plan& p = plan(key, w.data, x, y, stream);
   if (p.skinny && skinny_gemm(p.skinny_params, w.data, x, y, stream) == cudaSuccess) return;
   const float alpha = 1.0f;
@@ -210,16 +238,206 @@ void Gemm::linear_batched(const GemmWeight& w, int64_t batch, int64_t w_batch_st
                           int64_t x_stride, int64_t x_batch_stride, int64_t rows, void* y, int64_t y_stride,
                           int64_t y_batch_stride, cudaStream_t stream, GemmDtype y_dtype) {
   if (rows == 0 || w.out == 0 || batch == 0) return;
+  if (w.dtype == GemmDtype::kF8E4M3) throw Error("Gemm::linear_batched: no batched FP8 product");
   const int64_t w_stride = w.row_stride ? w.row_stride : w.in;
-  const Key key{static_cast<int>(w.dtype), w.out, w.in, rows, w_stride, x_stride ? x_stride : w.in,
-                y_stride ? y_stride : w.out, false, batch, w_batch_stride, x_batch_stride, y_batch_stride,
-                static_cast<int>(y_dtype)};
+  const Key key{
+      static_cast<int>(w.dtype),   w.out, w.in,  rows,           w_stride,       x_stride ? x_stride : w.in,
+      y_stride ? y_stride : w.out, false, batch, w_batch_stride, x_batch_stride, y_batch_stride,
+      static_cast<int>(y_dtype),   0};
   const Plan& p = plan(key, w.data, x, y, stream);
   if (p.skinny && skinny_gemm(p.skinny_params, w.data, x, y, stream) == cudaSuccess) return;
   const float alpha = 1.0f, beta = 0.0f;
   check(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), p.op, &alpha, w.data, p.a, x, p.b, &beta, y, p.c, y,
                        p.c, &p.algo, workspace_, workspace_bytes_, stream),
         "batched matmul");
+}
+
+// ---- FP8 (DeepSeek's recipe, docs/kernels/fp8_gemm.md) ----
+//
+// cuBLASLt's block-scaled FP8 on Hopper: TN only (A = W [in, out] column-major transposed, B = x [in, rows]),
+// both e4m3, CUBLAS_COMPUTE_32F; A's scales BLK128x128_32F in the checkpoint's [ceil(out/128), ceil(in/128)]
+// row-major order, B's VEC128_32F as [ceil(in/128), rows] (block-major); fp32 or bf16 C = D. The scale
+// pointers are attributes of the matmul descriptor, so they are set on the plan's descriptor before every
+// call (a host-side store; graph capture records the launch with them).
+
+Gemm::Key Gemm::fp8_key(const GemmWeight& w, int64_t rows, GemmDtype y_dtype, int64_t x_stride,
+                        int64_t y_stride) const {
+  return Key{static_cast<int>(GemmDtype::kF8E4M3),
+             w.out,
+             w.in,
+             rows,
+             w.row_stride ? w.row_stride : w.in,
+             x_stride ? x_stride : w.in,
+             y_stride ? y_stride : w.out,
+             false,
+             1,
+             0,
+             0,
+             0,
+             static_cast<int>(y_dtype),
+             static_cast<int>(fp8_backend_)};
+}
+
+Gemm::Plan& Gemm::fp8_plan(const Key& key, const GemmWeight& w, const Fp8Activation& x) {
+  if (const auto it = plans_.find(key); it != plans_.end()) return *it->second;
+  const auto [dtype, out, in, rows, w_stride, x_stride, y_stride, accumulate, batch, w_batch, x_batch,
+              y_batch, y_dtype, backend_value] = key;
+  const auto backend = static_cast<Fp8Backend>(backend_value);
+  auto plan = std::make_unique<Plan>();
+  Fp8GemmParams& fp = plan->fp8_params;
+  fp.rows = rows;
+  fp.out = out;
+  fp.in = in;
+  fp.w_stride = w_stride;
+  fp.x_stride = x_stride;
+  fp.y_stride = y_stride;
+  fp.w_scale_stride = ceil_blocks(in);
+  fp.x_scale_stride = rows;
+  fp.bf16_output = y_dtype == static_cast<int>(GemmDtype::kBf16);
+  auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  // cuBLASLt's FP8 kernels need 16-byte aligned operands and leading dimensions; kAuto further keeps to whole
+  // 128-blocks (every FP8 linear of V4) and to more rows than the decode kernel serves best.
+  const bool lt_shape = in % 16 == 0 && w_stride % 16 == 0 && x_stride % 16 == 0 && aligned(w.data) &&
+                        aligned(x.codes) && aligned(w.scales) && aligned(x.scales);
+  // kAuto's split (measured, docs/kernels/fp8_gemm.md): cuBLASLt's block-scaled kernels take ~16 us at any
+  // row count on a small weight, where fp8_gemm's tensor-core kernel streams it in ~8 us up to 64 rows; on
+  // the 32 MB weights cuBLASLt wins from 16 rows.
+  const bool decode_rows = rows <= kFp8SkinnyMaxRows || (rows <= 64 && out * in <= (int64_t{8} << 20));
+  const bool try_lt =
+      backend == Fp8Backend::kCublasLt || (backend == Fp8Backend::kAuto && lt_shape && !decode_rows &&
+                                           out % kFp8Block == 0 && in % kFp8Block == 0);
+  plan->fp8_skinny = true;
+  if (try_lt) {
+    const cudaDataType_t output = fp.bf16_output ? CUDA_R_16BF : CUDA_R_32F;
+    check(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "fp8 matmul desc");
+    const cublasOperation_t transpose = CUBLAS_OP_T, none = CUBLAS_OP_N;
+    check(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof transpose),
+          "transa");
+    check(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &none, sizeof none),
+          "transb");
+    const int32_t a_mode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F,
+                  b_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    check(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &a_mode, sizeof a_mode),
+          "A scale mode");
+    check(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &b_mode, sizeof b_mode),
+          "B scale mode");
+    const void* a_scale = w.scales;
+    const void* b_scale = x.scales;
+    check(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_scale,
+                                         sizeof a_scale),
+          "A scale pointer");
+    check(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale,
+                                         sizeof b_scale),
+          "B scale pointer");
+    check(cublasLtMatrixLayoutCreate(&plan->a, CUDA_R_8F_E4M3, static_cast<uint64_t>(in),
+                                     static_cast<uint64_t>(out), w_stride),
+          "fp8 layout W");
+    check(cublasLtMatrixLayoutCreate(&plan->b, CUDA_R_8F_E4M3, static_cast<uint64_t>(in),
+                                     static_cast<uint64_t>(rows), x_stride),
+          "fp8 layout x");
+    check(cublasLtMatrixLayoutCreate(&plan->c, output, static_cast<uint64_t>(out),
+                                     static_cast<uint64_t>(rows), y_stride),
+          "fp8 layout y");
+    cublasLtMatmulPreference_t preference = nullptr;
+    check(cublasLtMatmulPreferenceCreate(&preference), "preference");
+    check(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                               &workspace_bytes_, sizeof workspace_bytes_),
+          "preference workspace");
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    const cublasStatus_t status =
+        cublasLtMatmulAlgoGetHeuristic(static_cast<cublasLtHandle_t>(handle_), plan->op, plan->a, plan->b,
+                                       plan->c, plan->c, preference, 1, &result, &found);
+    cublasLtMatmulPreferenceDestroy(preference);
+    if (status == CUBLAS_STATUS_SUCCESS && found > 0) {
+      plan->algo = result.algo;
+      plan->fp8_skinny = false;
+    } else if (backend == Fp8Backend::kCublasLt) {
+      throw Error("cuBLASLt has no block-scaled FP8 algorithm for [" + std::to_string(rows) + " x " +
+                  std::to_string(in) + "] x [" + std::to_string(in) + " x " + std::to_string(out) +
+                  "] (status " + std::to_string(static_cast<int>(status)) + ")");
+    }
+  }
+  return *(plans_[key] = plan.release());
+}
+
+bool Gemm::fp8_uses_cublaslt(const GemmWeight& w, int64_t rows, GemmDtype y_dtype, int64_t x_stride,
+                             int64_t y_stride) const {
+  const auto it = plans_.find(fp8_key(w, rows, y_dtype, x_stride, y_stride));
+  return it != plans_.end() && !it->second->fp8_skinny;
+}
+
+void Gemm::linear_fp8(const GemmWeight& w, const Fp8Activation& x, int64_t rows, void* y, cudaStream_t stream,
+                      GemmDtype y_dtype, int64_t y_stride) {
+  if (rows == 0 || w.out == 0) return;
+  if (w.dtype != GemmDtype::kF8E4M3 || w.scales == nullptr || x.codes == nullptr || x.scales == nullptr)
+    throw Error("Gemm::linear_fp8 needs an FP8 weight with scales and a quantized activation");
+  if (y_dtype == GemmDtype::kF8E4M3) throw Error("Gemm::linear_fp8: FP8 output is not supported");
+  Plan& p = fp8_plan(fp8_key(w, rows, y_dtype, x.stride, y_stride), w, x);
+  if (!p.fp8_skinny) {
+    const void* a_scale = w.scales;
+    const void* b_scale = x.scales;
+    check(
+        cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_scale, sizeof a_scale),
+        "A scale pointer");
+    check(
+        cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale, sizeof b_scale),
+        "B scale pointer");
+    const float alpha = 1.0f, beta = 0.0f;
+    const cublasStatus_t status =
+        cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), p.op, &alpha, w.data, p.a, x.codes, p.b, &beta,
+                       y, p.c, y, p.c, &p.algo, workspace_, workspace_bytes_, stream);
+    if (status == CUBLAS_STATUS_SUCCESS) return;
+    if (status != CUBLAS_STATUS_NOT_SUPPORTED || fp8_backend_ == Fp8Backend::kCublasLt)
+      check(status, "fp8 matmul");
+    p.fp8_skinny =
+        true;  // kAuto: an algorithm that refuses these operands at run time; the CUDA-core kernel from now
+  }
+  const cudaError_t status = fp8_skinny_gemm(p.fp8_params, static_cast<const uint8_t*>(w.data), w.scales,
+                                             x.codes, x.scales, y, stream);
+  if (status != cudaSuccess)
+    throw Error(std::string("fp8_skinny_gemm failed: ") + cudaGetErrorString(status));
+}
+
+void Gemm::linear_fp8_quantize(const GemmWeight& w, const void* x, GemmDtype x_dtype, int64_t rows, void* y,
+                               cudaStream_t stream, GemmDtype y_dtype, int64_t x_stride, int64_t y_stride) {
+  if (rows == 0 || w.out == 0) return;
+  if (x_dtype != GemmDtype::kF32 && x_dtype != GemmDtype::kBf16)
+    throw Error("Gemm::linear_fp8_quantize: the input is fp32 or bf16");
+  const int64_t code_stride =
+      (w.in + 15) / 16 * 16;  // 16-byte rows: cuBLASLt's and the vector kernel's alignment
+  const size_t code_bytes = static_cast<size_t>(rows * code_stride);
+  const size_t scale_count = static_cast<size_t>(fp8_activation_scale_count(rows, w.in));
+  if (code_bytes > fp8_codes_bytes_ || scale_count > fp8_scales_count_) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone)
+      throw Error("Gemm::linear_fp8_quantize: the FP8 scratch must grow outside graph capture");
+    if (cudaStreamSynchronize(stream) != cudaSuccess) throw Error("Gemm::linear_fp8_quantize: stream failed");
+    if (code_bytes > fp8_codes_bytes_) {
+      cudaFree(fp8_codes_);
+      fp8_codes_ = nullptr;
+      if (cudaMalloc(&fp8_codes_, code_bytes) != cudaSuccess)
+        throw Error("cannot allocate the FP8 activation codes");
+      fp8_codes_bytes_ = code_bytes;
+    }
+    if (scale_count > fp8_scales_count_) {
+      cudaFree(fp8_scales_);
+      fp8_scales_ = nullptr;
+      if (cudaMalloc(&fp8_scales_, scale_count * sizeof(float)) != cudaSuccess)
+        throw Error("cannot allocate the FP8 activation scales");
+      fp8_scales_count_ = scale_count;
+    }
+  }
+  Fp8QuantizeParams q;
+  q.rows = rows;
+  q.cols = w.in;
+  q.x_stride = x_stride;
+  q.code_stride = code_stride;
+  q.bf16_input = x_dtype == GemmDtype::kBf16;
+  const cudaError_t status = quantize_e4m3_rows(q, x, fp8_codes_, fp8_scales_, stream);
+  if (status != cudaSuccess)
+    throw Error(std::string("quantize_e4m3_rows failed: ") + cudaGetErrorString(status));
+  linear_fp8(w, Fp8Activation{fp8_codes_, fp8_scales_, code_stride}, rows, y, stream, y_dtype, y_stride);
 }
 
 }  // namespace dsv4::ops::cuda

@@ -5,11 +5,11 @@
 #include "model/cuda/deepseek_v4_cuda.h"
 
 #include <gtest/gtest.h>
-
 #include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -77,13 +77,19 @@ ModelWeights rounded_to_bf16(ModelWeights weights) {
   };
   round(weights.embed);
   round(weights.head);
+  // Quantized projections (FP8 / FP4 values) are bf16-exact already; dense ones are rounded.
+  auto round_linear = [&](LinearWeight& w) {
+    if (!w.quantized()) round(w.dense());
+  };
   for (LayerWeights& l : weights.layers) {
-    for (Tensor* t : {&l.wq_a, &l.wq_b, &l.wkv, &l.wo_a, &l.wo_b, &l.compressor.wkv, &l.compressor.wgate,
-                      &l.indexer_compressor.wkv, &l.indexer_compressor.wgate, &l.indexer_wq_b,
-                      &l.indexer_weights_proj, &l.gate, &l.shared_w13, &l.shared_w2})
+    for (Tensor* t : {&l.compressor.wkv, &l.compressor.wgate, &l.indexer_compressor.wkv,
+                      &l.indexer_compressor.wgate, &l.indexer_weights_proj, &l.gate})
       round(*t);
-    for (Tensor& t : l.experts_w13) round(t);
-    for (Tensor& t : l.experts_w2) round(t);
+    for (LinearWeight* w :
+         {&l.wq_a, &l.wq_b, &l.wkv, &l.wo_a, &l.wo_b, &l.indexer_wq_b, &l.shared_w13, &l.shared_w2})
+      round_linear(*w);
+    for (LinearWeight& w : l.experts_w13) round_linear(w);
+    for (LinearWeight& w : l.experts_w2) round_linear(w);
   }
   return weights;
 }
@@ -170,6 +176,26 @@ TEST(CudaModel, Fp32MatchesCpuOnTheTinyModel) {
   const ModelWeights weights = random_weights(config, 7);
   const Comparison c = compare(config, weights, CudaPrecision::kF32, mixed_scripts(config.vocab_size));
   EXPECT_GT(c.compared, 40);
+  EXPECT_LE(c.worst_relative_l2, 1e-4);
+  EXPECT_EQ(c.agreed, c.compared);
+}
+
+// A real-format checkpoint (F8_E4M3 + UE8M0 block scales, packed MXFP4 experts, BF16 elsewhere): the host
+// keeps its projections quantized (core/linear_weight.h) and the upload decodes them; fp32 GPU against the
+// CPU.
+TEST(CudaModel, Fp32MatchesCpuOnAnFp8Fp4Checkpoint) {
+  SKIP_WITHOUT_GPU();
+  const char* override_root = std::getenv("DSV4_FIXTURES");
+  const std::filesystem::path dir = std::filesystem::path(override_root ? override_root : DSV4_FIXTURES) /
+                                    "deepseek_goldens" / "tiny_fp8_fp4";
+  if (!std::filesystem::is_regular_file(dir / "model.safetensors")) GTEST_SKIP() << "no fixture at " << dir;
+  const ModelConfig config = ModelConfig::from_file((dir / "config.json").string());
+  const ModelWeights weights = ModelWeights::load(config, dir.string());
+  ASSERT_EQ(weights.layers.at(0).wq_a.encoding(), WeightEncoding::kF8E4M3);
+  ASSERT_EQ(weights.layers.at(0).experts_w2.at(0).encoding(), WeightEncoding::kFp4E2M1);
+  const Comparison c = compare(config, weights, CudaPrecision::kF32, mixed_scripts(config.vocab_size));
+  std::printf("FP8/FP4 checkpoint, fp32 GPU vs CPU: worst relative L2 %.3g over %lld steps\n",
+              c.worst_relative_l2, static_cast<long long>(c.compared));
   EXPECT_LE(c.worst_relative_l2, 1e-4);
   EXPECT_EQ(c.agreed, c.compared);
 }

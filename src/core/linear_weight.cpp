@@ -1,0 +1,314 @@
+#include "core/linear_weight.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/thread_pool.h"
+
+namespace dsv4 {
+namespace {
+
+// FP4 e2m1 code -> value (research/model_spec.md §2.1: 0..7 = {0, 0.5, 1, 1.5, 2, 3, 4, 6}, 8..15 their
+// negatives).
+constexpr float kFp4Values[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                  -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+// e4m3 code -> value for all 256 codes, built once (the decode loop is a table look-up).
+struct E4m3Table {
+  float values[256];
+  E4m3Table() {
+    for (int code = 0; code < 256; ++code) values[code] = f8e4m3_to_f32(static_cast<uint8_t>(code));
+  }
+};
+const E4m3Table& e4m3_table() {
+  static const E4m3Table table;
+  return table;
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The grouped low-bit formats: bits per code, the level of code c is (c − offset)·s.
+struct GroupFormat {
+  int bits;
+  float offset;
+  int64_t group_bytes() const { return 32 * bits / 8; }
+  int codes() const { return 1 << bits; }
+  float max_level() const { return static_cast<float>(codes() - 1) - offset; }  // 3 for Q3, 1.5 for Q2
+};
+GroupFormat group_format(WeightEncoding encoding) {
+  return encoding == WeightEncoding::kQ3G32 ? GroupFormat{3, 4.0f} : GroupFormat{2, 1.5f};
+}
+bool grouped_low_bit(WeightEncoding encoding) {
+  return encoding == WeightEncoding::kQ3G32 || encoding == WeightEncoding::kQ2G32;
+}
+
+// Code i of a group's little-endian bit stream.
+int read_code(const uint8_t* group, int bits, int i) {
+  const int bit = i * bits;
+  const unsigned word = group[bit / 8] | (bit / 8 + 1 < 4 * bits ? unsigned{group[bit / 8 + 1]} << 8 : 0u);
+  return static_cast<int>((word >> (bit % 8)) & ((1u << bits) - 1));
+}
+void write_code(uint8_t* group, int bits, int i, int code) {
+  const int bit = i * bits;
+  const unsigned shifted = static_cast<unsigned>(code) << (bit % 8);
+  group[bit / 8] |= static_cast<uint8_t>(shifted & 0xff);
+  if (shifted >> 8) group[bit / 8 + 1] |= static_cast<uint8_t>(shifted >> 8);
+}
+
+// One group of 32 values: the bf16 scale and codes of least squared error (nearest level per value) among the
+// candidates s = amax / k, k from 1 to 1.5 times the largest level magnitude (the clipping trade-off: a
+// smaller scale resolves the bulk better and saturates the few largest values).
+void quantize_group(const float* x, GroupFormat format, uint16_t* scale_bits, uint8_t* group) {
+  float amax = 0.0f;
+  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
+  std::fill(group, group + format.group_bytes(), uint8_t{0});
+  const int top = format.codes() - 1;
+  if (amax == 0.0f) {
+    *scale_bits = 0;
+    return;
+  }
+  // Largest level magnitude: 4 for Q3 (−4 … 3), 1.5 for Q2.
+  const float reach = std::max(format.offset, format.max_level());
+  float best_error = std::numeric_limits<float>::infinity(), best_scale = 0.0f;
+  constexpr int kCandidates = 16;
+  for (int candidate = 0; candidate < kCandidates; ++candidate) {
+    const float k = reach * (1.0f + 0.5f * static_cast<float>(candidate) / (kCandidates - 1));
+    const float scale = bf16_to_f32(f32_to_bf16(amax / k));
+    if (scale == 0.0f) continue;
+    float error = 0.0f;
+    for (int i = 0; i < 32; ++i) {
+      const int code = std::clamp(static_cast<int>(std::floor(x[i] / scale + format.offset + 0.5f)), 0, top);
+      const float d = x[i] - (static_cast<float>(code) - format.offset) * scale;
+      error += d * d;
+    }
+    if (error < best_error) {
+      best_error = error;
+      best_scale = scale;
+    }
+  }
+  *scale_bits = f32_to_bf16(best_scale);
+  for (int i = 0; i < 32; ++i) {
+    const int code =
+        std::clamp(static_cast<int>(std::floor(x[i] / best_scale + format.offset + 0.5f)), 0, top);
+    write_code(group, format.bits, i, code);
+  }
+}
+
+}  // namespace
+
+LinearWeight::LinearWeight(Tensor dense) {
+  DSV4_CHECK(dense.shape.size() == 2 || dense.empty(),
+             "a linear weight is a 2-D [out, in] matrix, got " + dense.shape_string());
+  if (dense.shape.size() == 2) {
+    rows_ = dense.shape[0];
+    cols_ = dense.shape[1];
+  }
+  dense_ = std::move(dense);
+}
+
+LinearWeight LinearWeight::fp8_block_scaled(int64_t out, int64_t in, std::vector<uint8_t> codes,
+                                            const std::vector<float>& block_scales) {
+  const int64_t block_rows = ceil_div(out, 128), block_cols = ceil_div(in, kFp8GroupColumns);
+  DSV4_CHECK(out >= 0 && in >= 0 && static_cast<int64_t>(codes.size()) == out * in,
+             "FP8 weight: " + std::to_string(codes.size()) + " codes for a [" + std::to_string(out) + ", " +
+                 std::to_string(in) + "] matrix");
+  DSV4_CHECK(static_cast<int64_t>(block_scales.size()) == block_rows * block_cols,
+             "FP8 weight: " + std::to_string(block_scales.size()) + " block scales, expected " +
+                 std::to_string(block_rows * block_cols));
+  LinearWeight w;
+  w.encoding_ = WeightEncoding::kF8E4M3;
+  w.rows_ = out;
+  w.cols_ = in;
+  w.codes_ = std::move(codes);
+  w.fp8_scales_.resize(static_cast<size_t>(out * block_cols));
+  for (int64_t r = 0; r < out; ++r)
+    for (int64_t b = 0; b < block_cols; ++b)
+      w.fp8_scales_[r * block_cols + b] = block_scales[(r / 128) * block_cols + b];
+  return w;
+}
+
+LinearWeight LinearWeight::fp4_group_scaled(int64_t out, int64_t in, std::vector<uint8_t> packed,
+                                            const std::vector<float>& group_scales, const std::string& name) {
+  const int64_t groups = ceil_div(in, kFp4GroupColumns);
+  DSV4_CHECK(in % 2 == 0 && out >= 0 && static_cast<int64_t>(packed.size()) == out * in / 2,
+             name + ": " + std::to_string(packed.size()) + " packed FP4 bytes for a [" + std::to_string(out) +
+                 ", " + std::to_string(in) + "] matrix (two elements per byte, an even column count)");
+  DSV4_CHECK(static_cast<int64_t>(group_scales.size()) == out * groups,
+             name + ": " + std::to_string(group_scales.size()) + " FP4 scales, expected " +
+                 std::to_string(out * groups));
+  LinearWeight w;
+  w.encoding_ = WeightEncoding::kFp4E2M1;
+  w.rows_ = out;
+  w.cols_ = in;
+  w.codes_ = std::move(packed);
+  w.fp4_exponents_.resize(group_scales.size());
+  for (size_t i = 0; i < group_scales.size(); ++i) {
+    int exponent = 0;
+    const float mantissa =
+        std::frexp(group_scales[i], &exponent);  // scale = 0.5 · 2^exponent for a power of two
+    const int biased = exponent - 1 + 127;
+    if (mantissa != 0.5f || biased < 0 || biased > 254)
+      throw Error(name + ": FP4 scale " + std::to_string(i) + " = " + std::to_string(group_scales[i]) +
+                  " is not a UE8M0 power of two (2^-127 ... 2^127)");
+    w.fp4_exponents_[i] = static_cast<uint8_t>(biased);
+  }
+  return w;
+}
+
+LinearWeight LinearWeight::concat_rows(const LinearWeight& top, const LinearWeight& bottom) {
+  DSV4_CHECK(top.encoding_ == bottom.encoding_ && top.cols_ == bottom.cols_,
+             "cannot stack a " + top.shape_string() + " and a " + bottom.shape_string() +
+                 " weight of different encodings or widths");
+  LinearWeight w;
+  w.encoding_ = top.encoding_;
+  w.rows_ = top.rows_ + bottom.rows_;
+  w.cols_ = top.cols_;
+  auto append = [](auto& out, const auto& a, const auto& b) {
+    out.reserve(a.size() + b.size());
+    out.insert(out.end(), a.begin(), a.end());
+    out.insert(out.end(), b.begin(), b.end());
+  };
+  if (w.encoding_ == WeightEncoding::kF32) {
+    w.dense_.shape = {w.rows_, w.cols_};
+    append(w.dense_.data, top.dense_.data, bottom.dense_.data);
+  }
+  append(w.codes_, top.codes_, bottom.codes_);
+  append(w.fp8_scales_, top.fp8_scales_, bottom.fp8_scales_);
+  append(w.fp4_exponents_, top.fp4_exponents_, bottom.fp4_exponents_);
+  append(w.group_scales_, top.group_scales_, bottom.group_scales_);
+  return w;
+}
+
+int64_t LinearWeight::dim(size_t axis) const {
+  DSV4_CHECK(axis < 2, "a linear weight has 2 dimensions, asked for " + std::to_string(axis));
+  return axis == 0 ? rows_ : cols_;
+}
+
+std::string LinearWeight::shape_string() const {
+  return "[" + std::to_string(rows_) + ", " + std::to_string(cols_) + "]";
+}
+
+const Tensor& LinearWeight::dense() const {
+  DSV4_CHECK(encoding_ == WeightEncoding::kF32,
+             "an FP8/FP4 weight " + shape_string() + " has no fp32 matrix");
+  return dense_;
+}
+
+Tensor& LinearWeight::dense() {
+  DSV4_CHECK(encoding_ == WeightEncoding::kF32,
+             "an FP8/FP4 weight " + shape_string() + " has no fp32 matrix");
+  return dense_;
+}
+
+void LinearWeight::dequantize_rows(int64_t first_row, int64_t count, float* out) const {
+  DSV4_CHECK(first_row >= 0 && count >= 0 && first_row + count <= rows_,
+             "rows [" + std::to_string(first_row) + ", " + std::to_string(first_row + count) + ") of a " +
+                 shape_string() + " weight");
+  const int64_t cols = cols_;
+  switch (encoding_) {
+    case WeightEncoding::kF32:
+      std::copy(dense_.data.begin() + first_row * cols, dense_.data.begin() + (first_row + count) * cols,
+                out);
+      return;
+    case WeightEncoding::kF8E4M3: {
+      const float* table = e4m3_table().values;
+      const int64_t groups = ceil_div(cols, kFp8GroupColumns);
+      for (int64_t r = 0; r < count; ++r) {
+        const uint8_t* codes = &codes_[(first_row + r) * cols];
+        const float* scales = &fp8_scales_[(first_row + r) * groups];
+        float* row = out + r * cols;
+        for (int64_t c = 0; c < cols; ++c) row[c] = table[codes[c]] * scales[c / kFp8GroupColumns];
+      }
+      return;
+    }
+    case WeightEncoding::kFp4E2M1: {
+      const int64_t groups = ceil_div(cols, kFp4GroupColumns);
+      for (int64_t r = 0; r < count; ++r) {
+        const uint8_t* packed = &codes_[(first_row + r) * (cols / 2)];
+        const uint8_t* exponents = &fp4_exponents_[(first_row + r) * groups];
+        float* row = out + r * cols;
+        for (int64_t c = 0; c < cols; c += 2) {
+          const float scale = std::ldexp(1.0f, static_cast<int>(exponents[c / kFp4GroupColumns]) - 127);
+          const uint8_t byte = packed[c / 2];
+          row[c] = kFp4Values[byte & 0xf] * scale;
+          row[c + 1] = kFp4Values[byte >> 4] * scale;  // c is even and 32 | group width: same group as c
+        }
+      }
+      return;
+    }
+    case WeightEncoding::kQ3G32:
+    case WeightEncoding::kQ2G32: {
+      const GroupFormat format = group_format(encoding_);
+      const int64_t groups = cols / 32;
+      for (int64_t r = 0; r < count; ++r)
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t index = (first_row + r) * groups + g;
+          const float scale = bf16_to_f32(group_scales_[index]);
+          const uint8_t* group = &codes_[index * format.group_bytes()];
+          float* values = out + r * cols + g * 32;
+          for (int i = 0; i < 32; ++i)
+            values[i] = (static_cast<float>(read_code(group, format.bits, i)) - format.offset) * scale;
+        }
+      return;
+    }
+  }
+}
+
+LinearWeight LinearWeight::requantized(WeightEncoding target) const {
+  DSV4_CHECK(grouped_low_bit(target), "requantized(): the target must be kQ3G32 or kQ2G32");
+  DSV4_CHECK(cols_ % 32 == 0, "cannot requantize a " + shape_string() + " weight in groups of 32 columns");
+  const GroupFormat format = group_format(target);
+  const int64_t groups = cols_ / 32;
+  LinearWeight w;
+  w.encoding_ = target;
+  w.rows_ = rows_;
+  w.cols_ = cols_;
+  w.codes_.resize(static_cast<size_t>(rows_ * groups * format.group_bytes()));
+  w.group_scales_.resize(static_cast<size_t>(rows_ * groups));
+  ThreadPool::global().parallel_for(
+      rows_,
+      [&](int64_t begin, int64_t end) {
+        std::vector<float> row(static_cast<size_t>(cols_));
+        for (int64_t r = begin; r < end; ++r) {
+          dequantize_rows(r, 1, row.data());
+          for (int64_t g = 0; g < groups; ++g)
+            quantize_group(&row[g * 32], format, &w.group_scales_[r * groups + g],
+                           &w.codes_[(r * groups + g) * format.group_bytes()]);
+        }
+      },
+      std::max<int64_t>(1, 4096 / std::max<int64_t>(cols_ / 32, 1)));
+  return w;
+}
+
+double LinearWeight::bits_per_parameter(WeightEncoding encoding) {
+  switch (encoding) {
+    case WeightEncoding::kF32:
+      return 32.0;
+    case WeightEncoding::kF8E4M3:
+      return 8.0;  // + one fp32 scale per 128×128 block as stored
+    case WeightEncoding::kFp4E2M1:
+      return 4.25;
+    case WeightEncoding::kQ3G32:
+      return 3.5;
+    case WeightEncoding::kQ2G32:
+      return 2.5;
+  }
+  return 0.0;
+}
+
+Tensor LinearWeight::dequantized() const {
+  if (encoding_ == WeightEncoding::kF32) return dense_;
+  Tensor out({rows_, cols_});
+  dequantize_rows(0, rows_, out.ptr());
+  return out;
+}
+
+size_t LinearWeight::storage_bytes() const {
+  return dense_.data.size() * sizeof(float) + codes_.size() + fp8_scales_.size() * sizeof(float) +
+         fp4_exponents_.size() + group_scales_.size() * sizeof(uint16_t);
+}
+
+}  // namespace dsv4
