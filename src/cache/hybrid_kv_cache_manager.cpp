@@ -243,6 +243,7 @@ void HybridKvCacheManager::commit(RequestId id, std::span<const int32_t> tokens,
       block_prefix_key_[request.tables[g][b]] = h;
     }
     prefix_blocks_.emplace(h, std::move(blocks));
+    record_event(h, /*cached=*/true);
   }
   if (num_computed > 0 && num_computed % kLogicalBlockTokens == 0)
     take_checkpoint(request, num_computed, num_computed % options_.checkpoint_interval == 0);
@@ -316,6 +317,7 @@ void HybridKvCacheManager::on_evict(BlockId id) {
     if (const auto entry = prefix_blocks_.find(key); entry != prefix_blocks_.end()) {
       const std::vector<BlockId> siblings = entry->second;
       prefix_blocks_.erase(entry);
+      record_event(key, /*cached=*/false);
       for (const BlockId sibling : siblings) {
         if (sibling == id) continue;
         block_prefix_key_.erase(sibling);
@@ -350,6 +352,40 @@ void HybridKvCacheManager::release(RequestId id) {
 
 const std::vector<BlockId>& HybridKvCacheManager::block_table(RequestId id, CacheGroupKind kind) const {
   return requests_.at(id).tables[group_index(kind)];
+}
+
+void HybridKvCacheManager::record_event(uint64_t hash, bool cached) {
+  if (!options_.record_events) return;
+  const auto [it, inserted] = pending_events_.try_emplace(hash, cached, event_clock_);
+  if (inserted) {
+    ++event_clock_;
+    return;
+  }
+  // Cached then evicted (or the reverse) within one drain: the reader sees only the final state. A block that
+  // went back to where it was still reports that state: the reader may have missed nothing, and applying a
+  // state it already has is a no-op for it (the router's reports are idempotent).
+  it->second.first = cached;
+}
+
+PrefixCacheEvents HybridKvCacheManager::drain_prefix_cache_events() {
+  std::vector<std::pair<uint64_t, std::pair<uint64_t, bool>>> ordered;  // (order, (hash, cached))
+  ordered.reserve(pending_events_.size());
+  for (const auto& [hash, state] : pending_events_) ordered.push_back({state.second, {hash, state.first}});
+  std::sort(ordered.begin(), ordered.end());
+  PrefixCacheEvents events;
+  for (const auto& [order, change] : ordered)
+    (change.second ? events.cached : events.evicted).push_back(change.first);
+  pending_events_.clear();
+  event_clock_ = 0;
+  return events;
+}
+
+std::vector<uint64_t> HybridKvCacheManager::cached_block_hashes() const {
+  std::vector<uint64_t> hashes;
+  hashes.reserve(prefix_blocks_.size());
+  for (const auto& [hash, blocks] : prefix_blocks_) hashes.push_back(hash);
+  std::sort(hashes.begin(), hashes.end());
+  return hashes;
 }
 
 std::vector<BlockCopy> HybridKvCacheManager::take_pending_copies() {

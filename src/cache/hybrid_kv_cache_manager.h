@@ -1,22 +1,28 @@
-// HybridKvCacheManager: per-request block tables for every cache group of DeepSeek-V4, drawn from one BlockPool,
-// with prefix caching that restores exactly the state a cold run has at the hit boundary (docs/cache.md).
+// HybridKvCacheManager: per-request block tables for every cache group of DeepSeek-V4, drawn from one
+// BlockPool, with prefix caching that restores exactly the state a cold run has at the hit boundary
+// (docs/cache.md).
 //
 // Groups (cache/cache_spec.h): history groups (C4 main, C4 index, C128 main) grow one block per 256-token
-// logical block; the window group (SWA raw K=V) holds blocks of 64 tokens and frees those that slide out of the
-// window while the request runs — and allocates only the blocks a step's *last* `window` tokens land in, so a
-// long prefill chunk never reserves window blocks for tokens that are gone by the end of the chunk; the
+// logical block; the window group (SWA raw K=V) holds blocks of 64 tokens and frees those that slide out of
+// the window while the request runs — and allocates only the blocks a step's *last* `window` tokens land in,
+// so a long prefill chunk never reserves window blocks for tokens that are gone by the end of the chunk; the
 // compressor-state groups hold one block per request.
 //
 // Prefix caching: every full logical block is hashed (xxHash3 of the parent hash, its 256 token ids and the
 // model/salt key). A hit at boundary H needs (a) the history blocks of every logical block below H and (b) a
 // *checkpoint* at H: the SWA blocks covering [H − window, H) and a snapshot of the CSA compressor states
-// (C128 state is empty at multiples of 128, so it is never stored). Checkpoints are taken when a step ends on a
-// 256-token boundary that is a multiple of `checkpoint_interval`, and on every boundary reached while decoding
-// (only the latest such one is kept per request, so a finished request always leaves one at its last full
-// block). The scheduler aligns prefill chunk ends to those boundaries.
+// (C128 state is empty at multiples of 128, so it is never stored). Checkpoints are taken when a step ends on
+// a 256-token boundary that is a multiple of `checkpoint_interval`, and on every boundary reached while
+// decoding (only the latest such one is kept per request, so a finished request always leaves one at its last
+// full block). The scheduler aligns prefill chunk ends to those boundaries.
 //
-// The manager never touches bytes: snapshots and restores are returned as BlockCopy lists for the model runner
-// to execute (memcpy on the CPU backend, a device copy on CUDA).
+// The manager never touches bytes: snapshots and restores are returned as BlockCopy lists for the model
+// runner to execute (memcpy on the CPU backend, a device copy on CUDA).
+//
+// Prefix-cache events (PrefixCacheOptions::record_events): the chain hashes of the logical blocks the manager
+// registers in its prefix cache and evicts from it, for DataParallelRouter, which mirrors every rank's cached
+// names to route a prompt to the rank holding its longest prefix (engine/dp_router.h on_blocks_cached /
+// on_blocks_evicted). drain_prefix_cache_events() returns the net change since the previous drain.
 #pragma once
 #include <cstdint>
 #include <optional>
@@ -36,6 +42,20 @@ struct PrefixCacheOptions {
   bool enabled = true;
   int64_t checkpoint_interval = 1024;  // tokens; a multiple of 256
   std::string salt;                    // mixed into every block hash (model identity, tenant)
+  // Record PrefixCacheEvents for drain_prefix_cache_events(). Off by default: a single engine has no reader,
+  // and the record of evictions would grow without bound.
+  bool record_events = false;
+};
+
+// The net change of a manager's prefix cache since the previous drain: logical blocks (by chain hash,
+// cache/block_hash.h) now cached that were not, and blocks gone that were there. A hash is in at most one
+// list (its final state: registered then evicted within one drain is reported as evicted, the reverse as
+// cached), so a reader may apply the two lists in either order; each list keeps the order the changes
+// happened in.
+struct PrefixCacheEvents {
+  std::vector<uint64_t> cached;
+  std::vector<uint64_t> evicted;
+  bool empty() const { return cached.empty() && evicted.empty(); }
 };
 
 // Copy `bytes` from the block at arena offset `src_offset` to `dst_offset`.
@@ -89,6 +109,10 @@ class HybridKvCacheManager {
   const Stats& stats() const { return stats_; }
   int64_t num_checkpoints() const { return static_cast<int64_t>(checkpoints_.size()); }
   int64_t num_cached_prefix_blocks() const { return static_cast<int64_t>(prefix_blocks_.size()); }
+  // Chain hashes of every logical block in the prefix cache (a prefix walk can use it), ascending.
+  std::vector<uint64_t> cached_block_hashes() const;
+  // The events recorded since the previous call (record_events), and clears them.
+  PrefixCacheEvents drain_prefix_cache_events();
 
   // Verifies ownership and reference counts against the requests and caches; throws dsv4::Error on violation.
   void check_invariants() const;
@@ -114,6 +138,7 @@ class HybridKvCacheManager {
   void on_evict(BlockId id);
   void release_block(BlockId id);  // drops a reference; cacheable iff a prefix entry or checkpoint holds it
   void forget_block_key(BlockId block, uint64_t key);
+  void record_event(uint64_t hash, bool cached);
   void drop_checkpoint(uint64_t key);
   void take_checkpoint(Request& request, int64_t boundary, bool interval);
   int64_t window_first_block(int64_t end_position) const;  // first SWA block that [end − window, end) touches
@@ -135,6 +160,9 @@ class HybridKvCacheManager {
   std::vector<BlockId> pending_releases_;  // copy sources/targets held until take_pending_copies()
   uint64_t root_hash_ = 0;
   Stats stats_;
+  // Net events since the last drain: hash -> (cached now?, order of its first change), see PrefixCacheEvents.
+  std::unordered_map<uint64_t, std::pair<bool, uint64_t>> pending_events_;
+  uint64_t event_clock_ = 0;
 };
 
 }  // namespace dsv4

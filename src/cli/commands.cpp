@@ -112,9 +112,19 @@ int forward(const ForwardOptions& options) {
 
 
 // n > 1: the samples run batched in one engine; each completion is printed when it finishes.
-int generate_parallel(Engine& engine, const std::vector<int32_t>& prompt, const SamplingParams& params,
+int generate_parallel(ServingEngine& engine, const std::vector<int32_t>& prompt, const SamplingParams& params,
                       const GenerateOptions& options, const Tokenizer* tokenizer) {
-  const std::vector<RequestId> ids = engine.add_parallel_requests(prompt, params, options.n);
+  // Child i gets seed + i, as Engine::add_parallel_requests (and vLLM's child requests) do; with
+  // --data-parallel-size the children spread over the ranks.
+  DSV4_CHECK(options.n >= 1 && options.n <= 128,
+             "n = " + std::to_string(options.n) + ": must be in [1, 128]");
+  validate(params);
+  std::vector<RequestId> ids;
+  for (int64_t i = 0; i < options.n; ++i) {
+    SamplingParams child = params;
+    if (child.seed) child.seed = *child.seed + static_cast<uint64_t>(i);
+    ids.push_back(engine.add_request(prompt, child));
+  }
   std::map<RequestId, std::vector<int32_t>> tokens;
   const auto start = std::chrono::steady_clock::now();
   size_t generated = 0;
@@ -182,7 +192,9 @@ int generate(const GenerateOptions& options) {
                                                     options.kv_cache_gib_given, options.max_num_batched_tokens);
   engine_config.enable_prefix_caching = !options.no_prefix_caching;
   engine_config.checkpoint_interval = options.prefix_checkpoint_interval;
-  Engine engine(model, engine_config);
+  const std::unique_ptr<ServingEngine> serving =
+      make_serving_engine(loaded, engine_config, options.data_parallel_size);
+  ServingEngine& engine = *serving;
 
   SamplingParams params;
   params.max_tokens = options.max_tokens;

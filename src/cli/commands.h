@@ -43,6 +43,7 @@ struct GenerateOptions {
   double kv_cache_gib = 0.5;
   bool no_prefix_caching = false;
   int64_t prefix_checkpoint_interval = 1024;
+  int data_parallel_size = 1;  // DataParallelEngine ranks (CPU); the n samples spread over them
 };
 int generate(const GenerateOptions& options);
 

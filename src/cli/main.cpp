@@ -66,6 +66,12 @@ int main(int argc, char** argv) {
   generate_cmd->add_flag("--no-prefix-caching", gen.no_prefix_caching, "disable prefix caching");
   generate_cmd->add_option("--prefix-checkpoint-interval", gen.prefix_checkpoint_interval,
                            "tokens between kept prefix-cache checkpoints (a multiple of 256)");
+  generate_cmd
+      ->add_option(
+          "--data-parallel-size", gen.data_parallel_size,
+          "data-parallel attention ranks (CPU backend), each with its own KV cache of --kv-cache-gib; the "
+          "-n samples spread over them")
+      ->check(CLI::Range(1, 64));
 
   dsv4::cli::PlanOptions plan;
   auto* plan_cmd = app.add_subcommand("plan", "KV-cache bytes per request and how many requests fit");

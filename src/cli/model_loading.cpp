@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "engine/data_parallel_engine.h"
 #include "model/random_init.h"
 #ifdef DSV4_HAVE_CUDA
 #include "model/cuda/deepseek_v4_cuda.h"
@@ -128,6 +129,24 @@ int64_t LoadedBackend::cache_bytes(int64_t requested_bytes, bool explicitly_requ
   (void)explicitly_requested;
   (void)max_batched_tokens;
   return requested_bytes;
+}
+
+std::unique_ptr<ServingEngine> make_serving_engine(LoadedBackend& loaded, const EngineConfig& config,
+                                                   int data_parallel_size) {
+  DSV4_CHECK(data_parallel_size >= 1,
+             "--data-parallel-size " + std::to_string(data_parallel_size) + ": must be >= 1");
+  if (data_parallel_size == 1) return std::make_unique<Engine>(*loaded.backend, config);
+  DSV4_CHECK(!loaded.on_cuda && loaded.cpu_model,
+             "--data-parallel-size " + std::to_string(data_parallel_size) +
+                 " on CUDA needs one GPU per rank, which one process does not "
+                 "drive yet: use --device cpu, or --data-parallel-size 1");
+  std::vector<ModelBackend*> ranks{loaded.backend.get()};
+  loaded.extra_rank_backends.clear();
+  for (int r = 1; r < data_parallel_size; ++r) {
+    loaded.extra_rank_backends.push_back(std::make_unique<CpuModelBackend>(*loaded.cpu_model));
+    ranks.push_back(loaded.extra_rank_backends.back().get());
+  }
+  return std::make_unique<DataParallelEngine>(std::move(ranks), config);
 }
 
 // The installed tokenizer is looked for relative to the binary (build/dsv4 -> the checkout), then the working

@@ -4,7 +4,9 @@
 #include <memory>
 #include <string>
 
+#include "engine/engine.h"
 #include "engine/model_backend.h"
+#include "engine/serving_engine.h"
 #include "model/deepseek_v4.h"
 #include "tokenizer/tokenizer.h"
 
@@ -44,10 +46,20 @@ struct LoadedBackend {
   // what --gpu-memory-utilization leaves after the weights and a step of `max_batched_tokens`.
   int64_t cache_bytes(int64_t requested_bytes, bool explicitly_requested, int64_t max_batched_tokens) const;
   double gpu_memory_utilization = 0.9;
+  // Data-parallel ranks 1.. (make_serving_engine): their own CPU backends over cpu_model's weights.
+  std::vector<std::unique_ptr<ModelBackend>> extra_rank_backends;
 };
 // On CUDA the weights are streamed (model/weights.h ModelWeightSource): host memory holds one layer at a time,
 // so a model whose fp32 copy exceeds host memory loads.
 LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& options);
+
+// The engine generate and serve drive: an Engine over loaded.backend, or for data_parallel_size > 1 a
+// DataParallelEngine (engine/data_parallel_engine.h) whose rank 0 runs loaded.backend and ranks 1.. CPU
+// backends over the same read-only weights, each rank with its own KV cache of config.kv_cache_bytes.
+// `loaded` must outlive the engine. Throws dsv4::Error for data_parallel_size > 1 on CUDA (one GPU per rank
+// is not driven from one process yet).
+std::unique_ptr<ServingEngine> make_serving_engine(LoadedBackend& loaded, const EngineConfig& config,
+                                                   int data_parallel_size);
 
 // The tokenizer for text in/out: `explicit_path`, else the model directory's tokenizer.json, else the DeepSeek
 // tokenizer that scripts/setup.sh installs next to this checkout. Throws dsv4::Error when none is found.

@@ -43,6 +43,11 @@ CLI::App* add_serve_command(CLI::App& app, ServeOptions& o) {
                   "unfinished requests beyond which new ones get 503");
   cmd->add_option("--max-body-mib", o.max_body_mib, "request bodies above this get 413");
   cmd->add_option("--io-threads", o.io_threads, "HTTP threads (parsing, tokenization)")->check(CLI::Range(1, 64));
+  cmd->add_option(
+         "--data-parallel-size", o.data_parallel_size,
+         "data-parallel attention ranks in this process, each with its own scheduler and KV cache of "
+         "--kv-cache-gib, requests routed by prefix-cache affinity and load (CPU backend)")
+      ->check(CLI::Range(1, 64));
   return cmd;
 }
 
@@ -68,7 +73,8 @@ int serve(const ServeOptions& options) {
   server::ServerMetrics metrics;
   server::ServiceOptions service_options;
   service_options.max_queued_jobs = options.max_queued_requests;
-  server::EngineService service(model, tokenizer, engine, service_options, metrics);
+  server::EngineService service(make_serving_engine(loaded, engine, options.data_parallel_size), tokenizer,
+                                service_options, metrics);
 
   server::HttpServerOptions http;
   http.host = options.host;
@@ -82,10 +88,14 @@ int serve(const ServeOptions& options) {
   http.max_body_bytes = options.max_body_mib << 20;
   http.io_threads = options.io_threads;
   server::HttpServer server(http, service, tokenizer, metrics);
-  std::printf("dsv4 serve: model %s (max_model_len %lld) on http://%s:%u (%s backend, KV cache %.2f GiB)\n",
-              http.served_model_name.c_str(), static_cast<long long>(service.max_model_len()), options.host.c_str(),
-              static_cast<unsigned>(server.port()), model.device_name(),
-              static_cast<double>(engine.kv_cache_bytes) / double(int64_t{1} << 30));
+  std::printf(
+      "dsv4 serve: model %s (max_model_len %lld) on http://%s:%u (%s backend, %d data-parallel rank%s, KV "
+      "cache %.2f "
+      "GiB each)\n",
+      http.served_model_name.c_str(), static_cast<long long>(service.max_model_len()), options.host.c_str(),
+      static_cast<unsigned>(server.port()), model.device_name(), options.data_parallel_size,
+      options.data_parallel_size == 1 ? "" : "s",
+      static_cast<double>(engine.kv_cache_bytes) / double(int64_t{1} << 30));
   std::fflush(stdout);
   server.run();
   std::printf("dsv4 serve: stopped\n");

@@ -31,6 +31,8 @@ struct ServeOptions {
   int64_t max_queued_requests = 4096;
   int64_t max_body_mib = 32;
   int io_threads = 2;
+  int data_parallel_size =
+      1;  // ranks of data-parallel attention (engine/data_parallel_engine.h); CPU only for now
 };
 
 // Adds the `serve` subcommand to `app`; the returned options are filled when it is parsed.

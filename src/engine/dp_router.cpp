@@ -1,5 +1,6 @@
 #include "engine/dp_router.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "cache/block_hash.h"
@@ -34,6 +35,7 @@ DataParallelRouter::DataParallelRouter(DataParallelRouterConfig config) : config
   root_hash_ = prefix_root_hash(config_.prefix_cache_salt);
   loads_.resize(static_cast<size_t>(config_.num_ranks));
   cached_blocks_.resize(static_cast<size_t>(config_.num_ranks));
+  failed_.assign(static_cast<size_t>(config_.num_ranks), false);
 }
 
 void DataParallelRouter::check_rank(int rank) const {
@@ -75,15 +77,20 @@ double DataParallelRouter::cost(int rank, int64_t prompt_tokens, int64_t matched
 RankChoice DataParallelRouter::route(std::span<const int32_t> prompt_tokens) const {
   const std::vector<uint64_t> hashes = prompt_block_hashes(prompt_tokens);
   const int64_t prompt = static_cast<int64_t>(prompt_tokens.size());
+  DSV4_CHECK(num_live_ranks() > 0,
+             "every one of the " + n(config_.num_ranks) + " data-parallel ranks has failed");
   RankChoice holder, cheapest;  // the least-loaded holder of the longest prefix; the cheapest rank overall
+  bool first = true;
   for (int rank = 0; rank < config_.num_ranks; ++rank) {
+    if (failed_[static_cast<size_t>(rank)]) continue;
     const int64_t matched = matched_prefix_tokens(rank, hashes);
     const double c = cost(rank, prompt, matched);
     // Strict comparisons: among equals the lowest rank, seen first, stays.
-    if (rank == 0 || matched > holder.matched_prefix_tokens ||
+    if (first || matched > holder.matched_prefix_tokens ||
         (matched == holder.matched_prefix_tokens && c < holder.cost))
       holder = {rank, matched, c, false};
-    if (rank == 0 || c < cheapest.cost) cheapest = {rank, matched, c, false};
+    if (first || c < cheapest.cost) cheapest = {rank, matched, c, false};
+    first = false;
   }
   const bool queue_cost_wins = holder.cost - cheapest.cost > config_.balance_abs_threshold &&
                                holder.cost > config_.balance_rel_threshold * cheapest.cost;
@@ -101,8 +108,26 @@ void DataParallelRouter::add_contribution(const TrackedRequest& request, int sig
   }
 }
 
+void DataParallelRouter::mark_rank_failed(int rank) {
+  check_rank(rank);
+  failed_[static_cast<size_t>(rank)] = true;
+  cached_blocks_[static_cast<size_t>(rank)].clear();
+  std::erase_if(requests_, [rank](const auto& entry) { return entry.second.rank == rank; });
+  loads_[static_cast<size_t>(rank)] = RankLoad{};
+}
+
+bool DataParallelRouter::rank_failed(int rank) const {
+  check_rank(rank);
+  return failed_[static_cast<size_t>(rank)];
+}
+
+int DataParallelRouter::num_live_ranks() const {
+  return static_cast<int>(std::count(failed_.begin(), failed_.end(), false));
+}
+
 void DataParallelRouter::on_admitted(int rank, RequestId id, int64_t prompt_tokens, int64_t cached_prompt_tokens) {
   check_rank(rank);
+  DSV4_CHECK(!failed_[static_cast<size_t>(rank)], "rank " + n(rank) + " has failed: it admits nothing");
   const std::string what = "request " + std::to_string(id);
   DSV4_CHECK(requests_.count(id) == 0, what + ": already admitted");
   DSV4_CHECK(prompt_tokens >= 1, what + ": prompt of " + n(prompt_tokens) + " tokens");
@@ -140,6 +165,7 @@ bool DataParallelRouter::on_finished(RequestId id) {
 
 void DataParallelRouter::on_blocks_cached(int rank, std::span<const uint64_t> block_hashes) {
   check_rank(rank);
+  if (failed_[static_cast<size_t>(rank)]) return;  // a failed rank's late report: it serves nothing any more
   cached_blocks_[static_cast<size_t>(rank)].insert(block_hashes.begin(), block_hashes.end());
 }
 

@@ -89,9 +89,18 @@ class DataParallelRouter {
   const DataParallelRouterConfig& config() const { return config_; }
   int num_ranks() const { return config_.num_ranks; }
 
-  // The rank for a new request (see the header comment). Ties go to the lowest rank. Records nothing: the rank
-  // that takes the request reports on_admitted (so a burst routed before any report all sees the same loads).
+  // The rank for a new request (see the header comment), among the ranks not marked failed. Ties go to the
+  // lowest rank. Records nothing: the rank that takes the request reports on_admitted (so a burst routed
+  // before any report all sees the same loads). Throws dsv4::Error when every rank has failed.
   RankChoice route(std::span<const int32_t> prompt_tokens) const;
+
+  // A rank that stopped serving (its step threw: engine/data_parallel_engine.h). route() never picks it
+  // again; its cached blocks and tracked requests are forgotten (their load with them). Its late block
+  // reports are ignored (they may still be in flight), on_finished of its requests returns false, on_admitted
+  // to it throws. Idempotent.
+  void mark_rank_failed(int rank);
+  bool rank_failed(int rank) const;
+  int num_live_ranks() const;
 
   // The chain hashes route() matches a prompt with: its full logical blocks, leaving one token to compute.
   std::vector<uint64_t> prompt_block_hashes(std::span<const int32_t> prompt_tokens) const;
@@ -131,6 +140,7 @@ class DataParallelRouter {
   uint64_t root_hash_ = 0;
   std::vector<RankLoad> loads_;
   std::vector<std::unordered_set<uint64_t>> cached_blocks_;  // per rank
+  std::vector<bool> failed_;                                 // per rank
   std::unordered_map<RequestId, TrackedRequest> requests_;
 };
 

@@ -22,6 +22,7 @@ HybridKvCacheManager make_manager(const EngineConfig& config, const ModelBackend
   PrefixCacheOptions options;
   options.enabled = config.enable_prefix_caching;
   options.checkpoint_interval = config.checkpoint_interval;
+  options.record_events = config.record_prefix_cache_events;
   return HybridKvCacheManager(CacheLayout::for_model(backend.config(), backend.kv_storage(), backend.index_storage()),
                               config.kv_cache_bytes, options);
 }
@@ -45,13 +46,19 @@ Engine::Engine(std::unique_ptr<ModelBackend> owned, ModelBackend* backend, Engin
   backend_.bind_cache(manager_);
 }
 
-RequestId Engine::add_request(std::vector<int32_t> prompt, SamplingParams params) {
-  const RequestId id = next_id_;
+void Engine::check_request(RequestId id, std::span<const int32_t> prompt,
+                           const SamplingParams& params) const {
   const int64_t vocab = backend_.config().vocab_size;
   for (size_t i = 0; i < prompt.size(); ++i)
     if (prompt[i] < 0 || prompt[i] >= vocab)
       throw Error("request " + std::to_string(id) + ": prompt token " + std::to_string(i) + " = " +
                   std::to_string(prompt[i]) + " is outside the vocabulary of " + std::to_string(vocab));
+  scheduler_.check_request(id, prompt, params);
+}
+
+RequestId Engine::add_request(std::vector<int32_t> prompt, SamplingParams params) {
+  const RequestId id = next_id_;
+  check_request(id, prompt, params);
   scheduler_.add_request(id, std::move(prompt), std::move(params));
   ++next_id_;
   return id;
@@ -68,6 +75,51 @@ std::vector<RequestId> Engine::add_parallel_requests(const std::vector<int32_t>&
     ids.push_back(add_request(prompt, child));
   }
   return ids;
+}
+
+EngineStats Engine::stats() const {
+  EngineStats stats;
+  stats.running = scheduler_.num_running();
+  stats.waiting = scheduler_.num_waiting();
+  stats.preemptions = scheduler_.num_preemptions();
+  const BlockPool::Usage usage = manager_.pool().usage();
+  stats.pool_bytes = usage.pool_bytes;
+  stats.used_bytes = usage.used_block_bytes;
+  stats.cached_bytes = usage.cached_block_bytes;
+  const auto& groups = manager_.layout().groups;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    EngineStats::Group& group = stats.groups.emplace_back();
+    group.kind = groups[g].kind;
+    group.used_blocks = g < usage.used_blocks_per_group.size() ? usage.used_blocks_per_group[g] : 0;
+    group.cached_blocks = g < usage.cached_blocks_per_group.size() ? usage.cached_blocks_per_group[g] : 0;
+    group.capacity_blocks =
+        manager_.pool().num_pages() * manager_.pool().blocks_per_page(static_cast<int>(g));
+  }
+  const HybridKvCacheManager::Stats& prefix = manager_.stats();
+  stats.prefix_queries = prefix.prefix_queries;
+  stats.prefix_query_tokens = prefix.prefix_query_tokens;
+  stats.prefix_hit_tokens = prefix.prefix_hit_tokens;
+  return stats;
+}
+
+void EngineStats::accumulate(const EngineStats& other) {
+  running += other.running;
+  waiting += other.waiting;
+  preemptions += other.preemptions;
+  pool_bytes += other.pool_bytes;
+  used_bytes += other.used_bytes;
+  cached_bytes += other.cached_bytes;
+  if (groups.empty())
+    groups = other.groups;
+  else
+    for (size_t g = 0; g < groups.size() && g < other.groups.size(); ++g) {
+      groups[g].used_blocks += other.groups[g].used_blocks;
+      groups[g].cached_blocks += other.groups[g].cached_blocks;
+      groups[g].capacity_blocks += other.groups[g].capacity_blocks;
+    }
+  prefix_queries += other.prefix_queries;
+  prefix_query_tokens += other.prefix_query_tokens;
+  prefix_hit_tokens += other.prefix_hit_tokens;
 }
 
 bool Engine::abort(RequestId id) {

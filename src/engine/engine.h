@@ -17,6 +17,7 @@
 #include "engine/model_runner.h"
 #include "engine/request.h"
 #include "engine/scheduler.h"
+#include "engine/serving_engine.h"
 #include "model/deepseek_v4.h"
 
 namespace dsv4 {
@@ -29,9 +30,12 @@ struct EngineConfig {
   int64_t kv_cache_bytes = int64_t{512} << 20;  // the block pool (CPU backend default)
   bool enable_prefix_caching = true;
   int64_t checkpoint_interval = 1024;  // tokens, a multiple of 256 (PrefixCacheOptions)
+  // Record the prefix cache's registered / evicted block hashes for drain_prefix_cache_events() (a
+  // data-parallel rank reports them to the router; PrefixCacheOptions::record_events).
+  bool record_prefix_cache_events = false;
 };
 
-class Engine {
+class Engine final : public ServingEngine {
  public:
   // The model (or backend) must outlive the engine. Throws dsv4::Error for an invalid config. The first form runs
   // the exact CPU backend (CpuModelBackend); the cache stores what the backend keeps (kv_storage()).
@@ -40,16 +44,24 @@ class Engine {
 
   // Queues a request and returns its id. Throws dsv4::Error naming the numbers when it can never run (empty
   // prompt, an id outside the vocabulary, prompt + max_tokens > max_model_len, more than the pool holds).
-  RequestId add_request(std::vector<int32_t> prompt, SamplingParams params = {});
+  RequestId add_request(std::vector<int32_t> prompt, SamplingParams params = {}) override;
+  // What add_request checks, without queueing anything (the message names request `id`). It reads only the
+  // engine's fixed configuration (model config, limits, pool geometry), so any thread may call it while
+  // another steps the engine: DataParallelEngine rejects a request before handing it to a rank's thread.
+  void check_request(RequestId id, std::span<const int32_t> prompt, const SamplingParams& params) const;
   // Parallel sampling (OpenAI / vLLM `n`): `n` requests for one prompt, child i with seed + i when a seed is
   // given (as vLLM's child requests), so each sample is reproducible on its own. Returns the ids in order.
   std::vector<RequestId> add_parallel_requests(const std::vector<int32_t>& prompt, const SamplingParams& params,
                                                int64_t n);
   // One scheduler step and one forward: the tokens each request got and the requests that finished.
-  std::vector<RequestOutput> step();
+  std::vector<RequestOutput> step() override;
   // Finishes a request as aborted and frees its blocks; false if it is unknown or already finished.
-  bool abort(RequestId id);
-  bool has_unfinished() const { return scheduler_.has_unfinished(); }
+  bool abort(RequestId id) override;
+  bool has_unfinished() const override { return scheduler_.has_unfinished(); }
+  int64_t max_model_len() const override { return scheduler_.config().max_model_len; }
+  EngineStats stats() const override;
+  // The prefix cache's changes since the last call (config().record_prefix_cache_events).
+  PrefixCacheEvents drain_prefix_cache_events() { return manager_.drain_prefix_cache_events(); }
 
   const EngineConfig& config() const { return config_; }
   const HybridKvCacheManager& cache() const { return manager_; }

@@ -41,7 +41,8 @@ Scheduler::Scheduler(SchedulerConfig config, HybridKvCacheManager& manager)
   config_.validate();
 }
 
-void Scheduler::add_request(RequestId id, std::vector<int32_t> prompt, SamplingParams params) {
+void Scheduler::check_request(RequestId id, std::span<const int32_t> prompt,
+                              const SamplingParams& params) const {
   const std::string what = "request " + std::to_string(id);
   DSV4_CHECK(!prompt.empty(), what + ": the prompt is empty");
   DSV4_CHECK(params.max_tokens >= 1, what + ": max_tokens = " + n(params.max_tokens) + ": must be at least 1");
@@ -50,7 +51,6 @@ void Scheduler::add_request(RequestId id, std::vector<int32_t> prompt, SamplingP
   } catch (const Error& e) {
     throw Error(what + ": " + e.what());
   }
-  DSV4_CHECK(requests_.count(id) == 0, what + ": the id is already in use");
   const int64_t prompt_tokens = static_cast<int64_t>(prompt.size());
   // Compared without overflow: max_tokens may be anything a client sends.
   const bool too_long = params.max_tokens > config_.max_model_len - prompt_tokens;
@@ -63,7 +63,12 @@ void Scheduler::add_request(RequestId id, std::vector<int32_t> prompt, SamplingP
                 n(total) + " tokens need more KV cache than the whole pool holds (" +
                 n(manager_.pool().num_pages() * manager_.pool().page_bytes()) + " bytes; " +
                 n(manager_.blocks_for_prompt(total)) + " blocks cold)");
+}
 
+void Scheduler::add_request(RequestId id, std::vector<int32_t> prompt, SamplingParams params) {
+  check_request(id, prompt, params);
+  DSV4_CHECK(requests_.count(id) == 0, "request " + std::to_string(id) + ": the id is already in use");
+  const int64_t prompt_tokens = static_cast<int64_t>(prompt.size());
   auto request = std::make_unique<Request>();
   request->id = id;
   request->arrival = next_arrival_++;

@@ -100,6 +100,9 @@ class Scheduler {
   // (validate(), engine/sampler.h), a duplicate id, prompt + max_tokens > max_model_len, or a request that could
   // never fit in the pool.
   void add_request(RequestId id, std::vector<int32_t> prompt, SamplingParams params);
+  // add_request's checks short of the duplicate id, queueing nothing. Reads only the configuration and the
+  // manager's fixed pool geometry (safe while another thread runs the scheduler).
+  void check_request(RequestId id, std::span<const int32_t> prompt, const SamplingParams& params) const;
 
   // Finishes a waiting or running request as aborted and frees its blocks. False if the id is unknown or
   // finished. Safe between schedule() and update(): that step's result for it is dropped.

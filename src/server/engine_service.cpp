@@ -42,19 +42,18 @@ struct EngineService::Job {
 
 EngineService::EngineService(DeepseekV4Model& model, const Tokenizer& tokenizer, EngineConfig config,
                              ServiceOptions options, ServerMetrics& metrics)
-    : tokenizer_(tokenizer), engine_config_(config), options_(options), metrics_(metrics) {
-  if (engine_config_.max_model_len <= 0) engine_config_.max_model_len = model.config().max_position_embeddings;
-  DSV4_CHECK(options_.max_queued_jobs >= 1, "max_queued_jobs must be at least 1");
-  engine_ = std::make_unique<Engine>(model, engine_config_);
-  start();
-}
+    : EngineService(std::make_unique<Engine>(model, config), tokenizer, options, metrics) {}
 
 EngineService::EngineService(ModelBackend& backend, const Tokenizer& tokenizer, EngineConfig config,
                              ServiceOptions options, ServerMetrics& metrics)
-    : tokenizer_(tokenizer), engine_config_(config), options_(options), metrics_(metrics) {
-  if (engine_config_.max_model_len <= 0) engine_config_.max_model_len = backend.config().max_position_embeddings;
+    : EngineService(std::make_unique<Engine>(backend, config), tokenizer, options, metrics) {}
+
+EngineService::EngineService(std::unique_ptr<ServingEngine> engine, const Tokenizer& tokenizer,
+                             ServiceOptions options, ServerMetrics& metrics)
+    : tokenizer_(tokenizer), options_(options), metrics_(metrics), engine_(std::move(engine)) {
+  DSV4_CHECK(engine_ != nullptr, "the service needs an engine");
   DSV4_CHECK(options_.max_queued_jobs >= 1, "max_queued_jobs must be at least 1");
-  engine_ = std::make_unique<Engine>(backend, engine_config_);
+  max_model_len_ = engine_->max_model_len();
   start();
 }
 
@@ -259,26 +258,21 @@ void EngineService::process(const std::vector<RequestOutput>& outputs) {
 }
 
 void EngineService::publish_gauges() {
+  const EngineStats stats = engine_->stats();
   EngineGauges gauges;
-  const Scheduler& scheduler = engine_->scheduler();
-  gauges.running = scheduler.num_running();
-  gauges.waiting = scheduler.num_waiting();
-  gauges.preemptions = scheduler.num_preemptions();
-  const HybridKvCacheManager& cache = engine_->cache();
-  const BlockPool::Usage usage = cache.pool().usage();
-  gauges.pool_bytes = usage.pool_bytes;
-  gauges.used_bytes = usage.used_block_bytes;
-  gauges.cached_bytes = usage.cached_block_bytes;
-  const auto& groups = cache.layout().groups;
-  for (size_t g = 0; g < groups.size(); ++g) {
-    EngineGauges::Group group;
-    group.name = cache_group_name(groups[g].kind);
-    group.used_blocks = g < usage.used_blocks_per_group.size() ? usage.used_blocks_per_group[g] : 0;
-    group.cached_blocks = g < usage.cached_blocks_per_group.size() ? usage.cached_blocks_per_group[g] : 0;
-    group.capacity_blocks = cache.pool().num_pages() * cache.pool().blocks_per_page(static_cast<int>(g));
-    gauges.groups.push_back(std::move(group));
+  gauges.running = stats.running;
+  gauges.waiting = stats.waiting;
+  gauges.preemptions = stats.preemptions;
+  gauges.pool_bytes = stats.pool_bytes;
+  gauges.used_bytes = stats.used_bytes;
+  gauges.cached_bytes = stats.cached_bytes;
+  for (const EngineStats::Group& group : stats.groups) {
+    EngineGauges::Group& gauge = gauges.groups.emplace_back();
+    gauge.name = cache_group_name(group.kind);
+    gauge.used_blocks = group.used_blocks;
+    gauge.cached_blocks = group.cached_blocks;
+    gauge.capacity_blocks = group.capacity_blocks;
   }
-  const auto& stats = cache.stats();
   gauges.prefix_queries = stats.prefix_queries;
   gauges.prefix_query_tokens = stats.prefix_query_tokens;
   gauges.prefix_hit_tokens = stats.prefix_hit_tokens;

@@ -1,8 +1,9 @@
-// EngineService: the Engine on its own thread, fed by the HTTP threads (vLLM's AsyncLLM over EngineCore, in one
-// process). A job is one API request: one engine request per choice (prompts x n). The engine thread adds
-// submitted jobs, runs steps while anything is unfinished, turns each step's tokens into text (incremental
-// detokenizer, stop strings) and hands every job its update through the job's listener. Cancelling a job (a
-// client that went away) aborts its engine requests, which frees their blocks at once.
+// EngineService: the engine (any ServingEngine: one Engine, or a DataParallelEngine of several ranks) on its
+// own thread, fed by the HTTP threads (vLLM's AsyncLLM over EngineCore, in one process). A job is one API
+// request: one engine request per choice (prompts x n). The engine thread adds submitted jobs, runs steps
+// while anything is unfinished, turns each step's tokens into text (incremental detokenizer, stop strings)
+// and hands every job its update through the job's listener. Cancelling a job (a client that went away)
+// aborts its engine requests, which frees their blocks at once.
 #pragma once
 #include <condition_variable>
 #include <cstdint>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "engine/engine.h"
+#include "engine/serving_engine.h"
 #include "server/metrics.h"
 #include "server/openai_protocol.h"
 #include "tokenizer/tokenizer.h"
@@ -71,6 +73,9 @@ class EngineService {
   // The same over any backend (the CUDA one): the backend must outlive the service.
   EngineService(ModelBackend& backend, const Tokenizer& tokenizer, EngineConfig config, ServiceOptions options,
                 ServerMetrics& metrics);
+  // Any serving engine, owned here (a DataParallelEngine for --data-parallel-size > 1).
+  EngineService(std::unique_ptr<ServingEngine> engine, const Tokenizer& tokenizer, ServiceOptions options,
+                ServerMetrics& metrics);
   ~EngineService();  // stops the engine thread; unfinished jobs are dropped without a final update
   EngineService(const EngineService&) = delete;
   EngineService& operator=(const EngineService&) = delete;
@@ -84,8 +89,7 @@ class EngineService {
   // Jobs submitted and not yet finished or cancelled.
   int64_t active_jobs() const;
 
-  const EngineConfig& engine_config() const { return engine_config_; }
-  int64_t max_model_len() const { return engine_config_.max_model_len; }
+  int64_t max_model_len() const { return max_model_len_; }
 
  private:
   struct ChoiceState;
@@ -99,10 +103,10 @@ class EngineService {
 
   const Tokenizer& tokenizer_;
   void start();  // the engine thread
-  EngineConfig engine_config_;
+  int64_t max_model_len_ = 0;
   ServiceOptions options_;
   ServerMetrics& metrics_;
-  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<ServingEngine> engine_;
 
   mutable std::mutex mutex_;
   std::condition_variable wake_;

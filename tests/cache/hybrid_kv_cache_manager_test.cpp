@@ -1,14 +1,16 @@
 // The hybrid cache manager under random workloads (no leaks, exact reference counts, the pool back to full),
 // prefix hits with checkpoints, eviction, window freeing, and 1M-token block counts.
 #include "cache/hybrid_kv_cache_manager.h"
-#include "cache/planner.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <map>
 #include <random>
+#include <set>
 
+#include "cache/block_hash.h"
+#include "cache/planner.h"
 #include "core/error.h"
 
 namespace dsv4 {
@@ -208,6 +210,117 @@ TEST(HybridKvCacheManager, RandomWorkloadKeepsEveryInvariant) {
       EXPECT_GT(hits, 0);
       EXPECT_GT(manager.stats().blocks_evicted, 0);
     }
+  }
+}
+
+// The prefix-cache events a data-parallel router consumes: replaying every drained batch into a set gives
+// exactly the manager's own cached block hashes, under random arrivals with shared prefixes, aborts,
+// preemption and eviction, whether drained after every step or rarely (so blocks are registered and evicted
+// within one drain).
+TEST(HybridKvCacheManager, PrefixCacheEventsReplayToTheCachedBlocks) {
+  for (const int drain_every : {1, 7, 50}) {
+    SCOPED_TRACE("drained every " + std::to_string(drain_every) + " steps");
+    PrefixCacheOptions options{true, 512, "salt"};
+    options.record_events = true;
+    HybridKvCacheManager manager(tiny_layout(), int64_t{14} << 20, options);
+    std::mt19937 rng(40 + drain_every);
+    std::vector<std::vector<int32_t>> shared_prefixes;
+    for (int i = 0; i < 4; ++i) shared_prefixes.push_back(random_tokens(300 + 200 * i, rng));
+    std::map<RequestId, std::vector<int32_t>> live;
+    std::map<RequestId, int64_t> budget;
+    std::set<uint64_t> replayed;
+    // evicted_unseen: evictions of blocks registered since the previous drain (reported only as evicted).
+    int64_t cached_events = 0, evicted_events = 0, evicted_unseen = 0, hits = 0;
+    RequestId next_id = 1;
+    auto drain_and_compare = [&] {
+      const PrefixCacheEvents events = manager.drain_prefix_cache_events();
+      const std::set<uint64_t> cached(events.cached.begin(), events.cached.end());
+      for (const uint64_t h : events.evicted)
+        ASSERT_FALSE(cached.count(h)) << "a hash both cached and evicted";
+      for (const uint64_t h : events.evicted) evicted_unseen += replayed.erase(h) == 0;
+      replayed.insert(events.cached.begin(), events.cached.end());
+      cached_events += static_cast<int64_t>(events.cached.size());
+      evicted_events += static_cast<int64_t>(events.evicted.size());
+      const std::vector<uint64_t> actual = manager.cached_block_hashes();
+      ASSERT_EQ(std::vector<uint64_t>(replayed.begin(), replayed.end()), actual);
+      ASSERT_EQ(static_cast<int64_t>(actual.size()), manager.num_cached_prefix_blocks());
+    };
+    for (int step = 0; step < 1500; ++step) {
+      const int action = static_cast<int>(rng() % 10);
+      if (action < 3 && live.size() < 24) {
+        std::vector<int32_t> prompt;
+        if (rng() % 2) prompt = shared_prefixes[rng() % shared_prefixes.size()];
+        const auto tail = random_tokens(1 + rng() % 700, rng);
+        prompt.insert(prompt.end(), tail.begin(), tail.end());
+        const RequestId id = next_id++;
+        const auto hit = manager.admit(id, prompt);
+        if (!hit) continue;
+        hits += *hit > 0;
+        live[id] = prompt;
+        budget[id] = 1 + static_cast<int64_t>(rng() % 400);
+        if (!run_prefill(manager, id, prompt, 1 + rng() % 1000)) {
+          manager.release(id);
+          live.erase(id);
+        }
+      } else if (action < 4 && !live.empty()) {
+        auto it = live.begin();
+        std::advance(it, rng() % live.size());
+        manager.release(it->first);
+        live.erase(it);
+      } else if (!live.empty()) {
+        for (auto it = live.begin(); it != live.end();) {
+          it->second.push_back(static_cast<int32_t>(rng() % 50000));
+          if (!manager.allocate(it->first, 1)) {
+            const auto newest = std::prev(live.end());
+            manager.release(newest->first);
+            const bool was_self = newest == it;
+            live.erase(newest);
+            if (was_self) break;
+            it->second.pop_back();
+            continue;
+          }
+          manager.commit(it->first, it->second, static_cast<int64_t>(it->second.size()));
+          if (--budget[it->first] == 0) {
+            manager.release(it->first);
+            it = live.erase(it);
+          } else {
+            ++it;
+          }
+        }
+      }
+      manager.take_pending_copies();
+      if (step % drain_every == 0) drain_and_compare();
+      if (HasFatalFailure()) return;
+    }
+    drain_and_compare();
+    EXPECT_GT(hits, 0);
+    EXPECT_GT(evicted_events, 10) << "the pool never evicted: the test did not exercise eviction events";
+    EXPECT_GT(cached_events, 10);
+    if (drain_every == 50) EXPECT_GT(evicted_unseen, 0) << "no block was registered and evicted within a drain";
+    EXPECT_TRUE(manager.drain_prefix_cache_events().empty()) << "a drain clears the events";
+  }
+}
+
+// The events name blocks exactly as cache/block_hash.h does (what the router hashes prompts with), and a
+// manager that does not record them returns none.
+TEST(HybridKvCacheManager, PrefixCacheEventsUseTheSharedBlockHashes) {
+  std::mt19937 rng(12);
+  const auto prompt = random_tokens(600, rng);
+  for (const bool record : {true, false}) {
+    PrefixCacheOptions options{true, 256, "tenant"};
+    options.record_events = record;
+    HybridKvCacheManager manager(tiny_layout(), int64_t{64} << 20, options);
+    ASSERT_TRUE(manager.admit(1, prompt).has_value());
+    ASSERT_TRUE(run_prefill(manager, 1, prompt, 1000));
+    const PrefixCacheEvents events = manager.drain_prefix_cache_events();
+    if (!record) {
+      EXPECT_TRUE(events.empty());
+      continue;
+    }
+    EXPECT_EQ(events.cached, logical_block_hashes(prefix_root_hash("tenant"), prompt, 2));
+    EXPECT_TRUE(events.evicted.empty());
+    manager.release(1);  // cached, not evicted: no event
+    EXPECT_TRUE(manager.drain_prefix_cache_events().empty());
   }
 }
 

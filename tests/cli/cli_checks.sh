@@ -95,6 +95,14 @@ expect_failure "chunks do not add up" "chunks" "$dsv4" forward --model "$work/mo
 expect_failure "malformed ids" "--ids" "$dsv4" forward --model "$work/model" --ids 1,x
 expect_failure "missing model" "does not exist" "$dsv4" forward --model "$work/nothing" --ids 1
 expect_failure "unknown preset" "unknown preset" "$dsv4" init-random --preset v9 --out "$work/x"
+# --data-parallel-size: the n samples spread over the ranks and come out as one engine computes them.
+"$dsv4" generate --ids 5,6,7,8 --max-tokens 6 -n 4 --temperature 0.9 --seed 2 | grep '^\[' | sort >"$work/dp1"
+expect_success "generate --data-parallel-size 3" "$dsv4" generate --ids 5,6,7,8 --max-tokens 6 -n 4 --temperature 0.9 \
+  --seed 2 --data-parallel-size 3
+if ! grep '^\[' "$work/out" | sort | cmp -s - "$work/dp1" || [ ! -s "$work/dp1" ]; then
+  echo "FAIL generate --data-parallel-size 3 differs from one engine"; failures=$((failures + 1))
+fi
+expect_failure "data-parallel size 0" "data-parallel-size" "$dsv4" generate --ids 1,2 --data-parallel-size 0
 expect_failure "bad checkpoint interval" "multiple of 256" "$dsv4" generate --ids 1,2 --prefix-checkpoint-interval 1000
 expect_failure "pool too small" "holds no page" "$dsv4" generate --ids 1,2 --kv-cache-gib 0.0001
 expect_failure "too long for the model" "max_model_len" "$dsv4" generate --model "$work/model" --ids 1,2 --max-tokens 2000000

@@ -358,5 +358,44 @@ TEST(DataParallelRouter, RandomWorkloadsMatchTheBruteForceReference) {
               static_cast<long long>(routed_with_a_match), static_cast<long long>(affinity_broken));
 }
 
+// A failed rank is never routed to again, even when it holds the prompt's whole prefix; its requests and
+// cached blocks leave the router's books; its late reports are ignored; with every rank failed, route()
+// refuses.
+TEST(DataParallelRouter, FailedRankIsNeverPickedAgain) {
+  DataParallelRouter router(config_for(3));
+  const std::vector<int32_t> prompt = prompt_of(9, 3, 40);
+  router.on_blocks_cached(1, cached_hashes(prompt));
+  ASSERT_EQ(router.route(prompt).rank, 1);
+  router.on_admitted(1, 10, static_cast<int64_t>(prompt.size()), 3 * kBlock);
+  router.on_admitted(2, 11, 500, 0);
+  router.mark_rank_failed(1);
+  router.mark_rank_failed(1);  // idempotent
+  EXPECT_TRUE(router.rank_failed(1));
+  EXPECT_FALSE(router.rank_failed(0));
+  EXPECT_EQ(router.num_live_ranks(), 2);
+  EXPECT_EQ(router.num_cached_blocks(1), 0);
+  EXPECT_EQ(router.load(1).queued_prefill_tokens, 0);
+  EXPECT_EQ(router.num_tracked_requests(), 1);
+  EXPECT_FALSE(router.on_finished(10));
+  router.on_blocks_cached(1, cached_hashes(prompt));  // a late report
+  EXPECT_EQ(router.num_cached_blocks(1), 0);
+  EXPECT_THROW(router.on_admitted(1, 12, 10, 0), Error);
+  for (uint32_t i = 0; i < 20; ++i) {
+    const RankChoice choice = router.route(prompt_of(9, 3, 1 + i, i));
+    EXPECT_NE(choice.rank, 1);
+    EXPECT_EQ(choice.rank, 0) << "rank 2 has 500 queued tokens, rank 0 none";
+  }
+  router.mark_rank_failed(0);
+  EXPECT_EQ(router.route(prompt).rank, 2);
+  router.mark_rank_failed(2);
+  EXPECT_EQ(router.num_live_ranks(), 0);
+  try {
+    router.route(prompt);
+    FAIL() << "routed with every rank failed";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("every one of the 3"), std::string::npos) << error.what();
+  }
+}
+
 }  // namespace
 }  // namespace dsv4

@@ -13,6 +13,7 @@
 
 #include "../model/test_models.h"
 #include "../tokenizer/deepseek_tokenizer.h"
+#include "engine/data_parallel_engine.h"
 
 namespace dsv4::server {
 namespace {
@@ -110,6 +111,157 @@ TEST(EngineService, StreamsWhatTheEngineComputes) {
   }
   EXPECT_EQ(service.active_jobs(), 0);
   EXPECT_EQ(metrics.time_to_first_token.count(), prompts.size());
+}
+
+// The service over a DataParallelEngine (dsv4 serve --data-parallel-size 3): the same jobs stream the same
+// tokens and text as a single Engine computes, an impossible request is still a 400, and the gauges sum the
+// ranks.
+TEST(EngineService, DataParallelEngineStreamsWhatASingleEngineComputes) {
+  REQUIRE_DEEPSEEK();
+  const ModelConfig config = small_config();
+  DeepseekV4Model model = random_model(config, 8);
+  std::mt19937 rng(13);
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<int64_t> lengths;
+  const std::vector<int32_t> shared = random_ids(300, config.vocab_size, 77);
+  for (int i = 0; i < 9; ++i) {
+    std::vector<int32_t> prompt = i % 3 == 0 ? shared : std::vector<int32_t>{};
+    const auto tail = random_ids(3 + rng() % 40, config.vocab_size, 200 + i);
+    prompt.insert(prompt.end(), tail.begin(), tail.end());
+    prompts.push_back(prompt);
+    lengths.push_back(2 + rng() % 16);
+  }
+  std::vector<std::vector<int32_t>> expected;
+  {
+    Engine engine(model, small_engine());
+    std::map<RequestId, std::vector<int32_t>> out;
+    std::vector<RequestId> ids;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      SamplingParams params;
+      params.max_tokens = lengths[i];
+      ids.push_back(engine.add_request(prompts[i], params));
+    }
+    while (engine.has_unfinished())
+      for (const auto& output : engine.step())
+        out[output.id].insert(out[output.id].end(), output.new_token_ids.begin(), output.new_token_ids.end());
+    for (const RequestId id : ids) expected.push_back(out[id]);
+  }
+  std::vector<std::unique_ptr<ModelBackend>> backends;
+  std::vector<ModelBackend*> ranks;
+  for (int r = 0; r < 3; ++r) {
+    backends.push_back(std::make_unique<CpuModelBackend>(model));
+    ranks.push_back(backends.back().get());
+  }
+  ServerMetrics metrics;
+  EngineService service(std::make_unique<DataParallelEngine>(ranks, small_engine()), *tok, {}, metrics);
+  EXPECT_EQ(service.max_model_len(), config.max_position_embeddings);
+  std::vector<std::unique_ptr<Collector>> collectors;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    JobSpec spec;
+    spec.choices.push_back({prompts[i], SamplingParams{}, 0});
+    spec.choices[0].params.max_tokens = lengths[i];
+    collectors.push_back(std::make_unique<Collector>());
+    service.submit(std::move(spec), collectors.back()->listener());
+  }
+  JobSpec impossible;
+  impossible.choices.push_back({random_ids(10, config.vocab_size, 5), SamplingParams{}, 0});
+  impossible.choices[0].params.max_tokens = config.max_position_embeddings;
+  Collector rejected;
+  service.submit(impossible, rejected.listener());
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    ASSERT_TRUE(collectors[i]->wait()) << "job " << i << " never finished";
+    Collector& c = *collectors[i];
+    EXPECT_TRUE(c.updates.front().accepted);
+    EXPECT_EQ(c.tokens[0], expected[i]) << "request " << i;
+    EXPECT_EQ(c.text[0], tok->decode(expected[i], /*skip_special_tokens=*/true));
+    EXPECT_EQ(c.updates.back().usage.completion_tokens, static_cast<int64_t>(expected[i].size()));
+  }
+  ASSERT_TRUE(rejected.wait());
+  EXPECT_EQ(rejected.updates.front().error_status, 400);
+  EXPECT_EQ(service.active_jobs(), 0);
+  EXPECT_EQ(metrics.time_to_first_token.count(), prompts.size());
+  const int64_t one_pool = Engine(model, small_engine()).stats().pool_bytes;
+  EXPECT_EQ(metrics.engine().pool_bytes, 3 * one_pool);
+}
+
+// A fault injector for one rank (the model is real): the `fail_at`-th forward throws, as a device error would.
+class FaultInjectingBackend final : public ModelBackend {
+ public:
+  FaultInjectingBackend(DeepseekV4Model& model, int64_t fail_at) : inner_(model), fail_at_(fail_at) {}
+  const ModelConfig& config() const override { return inner_.config(); }
+  const char* device_name() const override { return inner_.device_name(); }
+  KvStorage kv_storage() const override { return inner_.kv_storage(); }
+  IndexStorage index_storage() const override { return inner_.index_storage(); }
+  void bind_cache(const HybridKvCacheManager& manager) override { inner_.bind_cache(manager); }
+  std::unique_ptr<SequenceState> make_state(RequestId id) override { return inner_.make_state(id); }
+  void copy_blocks(std::span<const BlockCopy> copies) override { inner_.copy_blocks(copies); }
+  Tensor forward(std::span<const SequenceChunk> batch, LogitsMode mode) override {
+    if (++forwards_ == fail_at_) throw Error("injected device fault");
+    return inner_.forward(batch, mode);
+  }
+
+ private:
+  CpuModelBackend inner_;
+  int64_t fail_at_ = 0, forwards_ = 0;
+};
+
+// A rank failing under the server: every job still finishes (none hangs); the failed rank's choices end with
+// finish_reason "abort" and are counted as errors, every other job streams what a single Engine computes, and
+// the service goes on taking jobs.
+TEST(EngineService, AFailedDataParallelRankAbortsItsJobsAndTheOthersComplete) {
+  REQUIRE_DEEPSEEK();
+  const ModelConfig config = small_config();
+  DeepseekV4Model model = random_model(config, 9);
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 9; ++i) prompts.push_back(random_ids(100 + 13 * i, config.vocab_size, 300 + i));
+  SamplingParams params;
+  params.max_tokens = 6;
+  params.ignore_eos = true;
+  std::vector<std::vector<int32_t>> expected;
+  for (const auto& prompt : prompts) {
+    Engine engine(model, small_engine());
+    engine.add_request(prompt, params);
+    std::vector<int32_t> out;
+    while (engine.has_unfinished())
+      for (const auto& output : engine.step())
+        out.insert(out.end(), output.new_token_ids.begin(), output.new_token_ids.end());
+    expected.push_back(out);
+  }
+  CpuModelBackend rank0(model), rank2(model);
+  FaultInjectingBackend rank1(model, /*fail_at=*/2);
+  ServerMetrics metrics;
+  EngineService service(std::make_unique<DataParallelEngine>(std::vector<ModelBackend*>{&rank0, &rank1, &rank2},
+                                                             small_engine()),
+                        *tok, {}, metrics);
+  auto run_jobs = [&](size_t first, size_t count) {
+    std::vector<std::unique_ptr<Collector>> collectors;
+    for (size_t i = first; i < first + count; ++i) {
+      JobSpec spec;
+      spec.choices.push_back({prompts[i], params, 0});
+      collectors.push_back(std::make_unique<Collector>());
+      service.submit(std::move(spec), collectors.back()->listener());
+    }
+    int64_t aborted = 0;
+    for (size_t j = 0; j < count; ++j) {
+      Collector& c = *collectors[j];
+      EXPECT_TRUE(c.wait(std::chrono::seconds(120))) << "job " << first + j << " hung";
+      if (c.finish[0] == "abort") {
+        ++aborted;
+        EXPECT_LT(c.tokens[0].size(), expected[first + j].size());
+      } else {
+        EXPECT_EQ(c.tokens[0], expected[first + j]) << "job " << first + j;
+      }
+    }
+    return aborted;
+  };
+  EXPECT_GT(run_jobs(0, 6), 0) << "the failing rank took no job";
+  EXPECT_EQ(run_jobs(6, 3), 0) << "a job went to the failed rank";
+  EXPECT_EQ(service.active_jobs(), 0);
+  const std::string rendered = metrics.render();
+  const std::string error_counter = "dsv4:request_success_total{finished_reason=\"error\"} ";
+  const size_t at = rendered.find(error_counter);
+  ASSERT_NE(at, std::string::npos) << rendered;
+  EXPECT_GT(std::stoll(rendered.substr(at + error_counter.size())), 0) << "the failed choices were not counted";
 }
 
 TEST(EngineService, StopStringEndsTheChoiceAndNSharesThePrompt) {

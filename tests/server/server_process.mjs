@@ -1,4 +1,5 @@
-// Starts `dsv4 serve` on a free port for a node test and stops it (SIGTERM) afterwards.
+// Starts `dsv4 serve` on a free port for a node test and stops it (SIGTERM) afterwards. DSV4_SERVE_ARGS (flags
+// separated by spaces) go to every server a test starts: ctest runs the same tests over --data-parallel-size 2.
 import { spawn } from 'node:child_process';
 import { once } from 'node:events';
 
@@ -7,7 +8,8 @@ export const API_KEY = 'dsv4-test-key';
 export async function startServer(extraArgs = []) {
   const binary = process.env.DSV4_BIN;
   if (!binary) throw new Error('DSV4_BIN must point at the dsv4 binary');
-  const child = spawn(binary, ['serve', '--port', '0', '--api-key', API_KEY, ...extraArgs],
+  const common = (process.env.DSV4_SERVE_ARGS || '').split(' ').filter((arg) => arg.length > 0);
+  const child = spawn(binary, ['serve', '--port', '0', '--api-key', API_KEY, ...common, ...extraArgs],
                       { stdio: ['ignore', 'pipe', 'pipe'] });
   let stderr = '';
   child.stderr.on('data', (chunk) => { stderr += chunk; });

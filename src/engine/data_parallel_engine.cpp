@@ -1,0 +1,289 @@
+#include "engine/data_parallel_engine.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace dsv4 {
+namespace {
+
+RequestOutput aborted_output(RequestId id, const std::string& error) {
+  RequestOutput output;
+  output.id = id;
+  output.finished = true;
+  output.status = RequestStatus::kFinishedAborted;
+  output.error = error;
+  return output;
+}
+
+DataParallelRouterConfig router_config(DataParallelRouterConfig router, size_t num_ranks,
+                                       const EngineConfig& config) {
+  router.num_ranks = static_cast<int>(num_ranks);
+  // The router's queue-delay unit is one rank step's token budget.
+  router.prefill_tokens_per_step = config.max_num_batched_tokens;
+  return router;
+}
+
+}  // namespace
+
+DataParallelEngine::DataParallelEngine(std::vector<ModelBackend*> rank_backends, EngineConfig config,
+                                       DataParallelRouterConfig router)
+    : router_(router_config(std::move(router), rank_backends.size(), config)) {
+  DSV4_CHECK(!rank_backends.empty(), "a data-parallel engine needs at least one rank");
+  DSV4_CHECK(router_.config().prefix_cache_salt.empty(),
+             "the router's prefix_cache_salt must be empty: the ranks' cache managers hash with no salt");
+  for (const ModelBackend* backend : rank_backends) {
+    DSV4_CHECK(backend != nullptr, "a data-parallel rank has no backend");
+    // Every rank must serve the same model, or a request's tokens would depend on where it was routed.
+    DSV4_CHECK(backend->config().vocab_size == rank_backends[0]->config().vocab_size &&
+                   backend->config().num_hidden_layers == rank_backends[0]->config().num_hidden_layers &&
+                   backend->config().hidden_size == rank_backends[0]->config().hidden_size,
+               "data-parallel ranks serve different models");
+  }
+  // The ranks report prefix-cache events to the router.
+  config.record_prefix_cache_events = config.enable_prefix_caching;
+  for (size_t r = 0; r < rank_backends.size(); ++r) {
+    auto rank = std::make_unique<Rank>();
+    rank->index = static_cast<int>(r);
+    rank->engine = std::make_unique<Engine>(*rank_backends[r], config);
+    rank->stats = rank->engine->stats();
+    ranks_.push_back(std::move(rank));
+  }
+  max_model_len_ = ranks_[0]->engine->max_model_len();
+  // Threads start once every rank exists: a constructor that throws half way has none to stop.
+  for (auto& rank : ranks_) rank->thread = std::thread([this, r = rank.get()] { run_rank(*r); });
+}
+
+DataParallelEngine::~DataParallelEngine() {
+  for (auto& rank : ranks_) {
+    {
+      std::lock_guard lock(rank->mutex);
+      rank->stopping = true;
+    }
+    rank->wake.notify_all();
+  }
+  for (auto& rank : ranks_)
+    if (rank->thread.joinable()) rank->thread.join();
+}
+
+RequestId DataParallelEngine::add_request(std::vector<int32_t> prompt, SamplingParams params) {
+  const RequestId id = next_id_;
+  for (;;) {
+    const RankChoice choice = router_.route(prompt);  // throws once every rank has failed
+    Rank& rank = *ranks_[static_cast<size_t>(choice.rank)];
+    // Rejected here, synchronously, as a single Engine rejects it: the rank's thread never sees it.
+    rank.engine->check_request(id, prompt, params);
+    const int64_t prompt_tokens = static_cast<int64_t>(prompt.size());
+    {
+      std::lock_guard lock(rank.mutex);
+      // The rank may have failed since its last report: route again among the others.
+      if (rank.failed) {
+        router_.mark_rank_failed(choice.rank);
+        continue;
+      }
+      rank.inbox.push_back({true, id, std::move(prompt), std::move(params)});
+    }
+    rank.wake.notify_one();
+    router_.on_admitted(choice.rank, id, prompt_tokens,
+                        std::min(choice.matched_prefix_tokens, prompt_tokens - 1));
+    live_.emplace(id, choice.rank);
+    ++next_id_;
+    return id;
+  }
+}
+
+bool DataParallelEngine::abort(RequestId id) {
+  const auto it = live_.find(id);
+  if (it == live_.end()) return false;
+  Rank& rank = *ranks_[static_cast<size_t>(it->second)];
+  live_.erase(it);
+  router_.on_finished(id);
+  {
+    std::lock_guard lock(rank.mutex);
+    if (rank.failed) return true;  // its requests are gone already
+    rank.inbox.push_back({false, id, {}, {}});
+  }
+  ++unapplied_aborts_;
+  rank.wake.notify_one();
+  return true;
+}
+
+std::vector<RequestOutput> DataParallelEngine::step() {
+  std::vector<Report> reports;
+  {
+    std::unique_lock lock(reports_mutex_);
+    if (has_unfinished()) reports_ready_.wait_for(lock, report_wait, [this] { return !reports_.empty(); });
+    reports.swap(reports_);
+  }
+  std::vector<RequestOutput> outputs;
+  for (Report& report : reports) {
+    unapplied_aborts_ -= report.aborts_applied;
+    if (!router_.rank_failed(report.rank)) {
+      router_.on_blocks_evicted(report.rank, report.events.evicted);
+      router_.on_blocks_cached(report.rank, report.events.cached);
+      for (const Progress& progress : report.progress)
+        if (live_.count(progress.id))
+          router_.on_progress(progress.id, progress.num_computed_tokens, progress.num_tokens);
+    }
+    if (report.failed) router_.mark_rank_failed(report.rank);
+    for (RequestOutput& output : report.outputs) {
+      const auto it = live_.find(output.id);
+      if (it == live_.end()) continue;  // aborted by the caller while the rank was stepping it
+      if (output.finished) {
+        live_.erase(it);
+        router_.on_finished(output.id);
+      }
+      outputs.push_back(std::move(output));
+    }
+  }
+  return outputs;
+}
+
+int DataParallelEngine::rank_of(RequestId id) const {
+  const auto it = live_.find(id);
+  return it == live_.end() ? -1 : it->second;
+}
+
+bool DataParallelEngine::rank_failed(int rank) const {
+  DSV4_CHECK(rank >= 0 && rank < num_ranks(), "rank " + std::to_string(rank) + " out of range");
+  std::lock_guard lock(ranks_[static_cast<size_t>(rank)]->mutex);
+  return ranks_[static_cast<size_t>(rank)]->failed;
+}
+
+EngineStats DataParallelEngine::rank_stats(int rank) const {
+  DSV4_CHECK(rank >= 0 && rank < num_ranks(), "rank " + std::to_string(rank) + " out of range");
+  std::lock_guard lock(ranks_[static_cast<size_t>(rank)]->mutex);
+  return ranks_[static_cast<size_t>(rank)]->stats;
+}
+
+EngineStats DataParallelEngine::stats() const {
+  EngineStats total;
+  total.num_ranks = num_ranks();
+  total.failed_ranks = 0;
+  for (const auto& rank : ranks_) {
+    std::lock_guard lock(rank->mutex);
+    if (rank->failed) {
+      ++total.failed_ranks;
+      continue;
+    }
+    total.accumulate(rank->stats);
+  }
+  return total;
+}
+
+void DataParallelEngine::post_report(Report report) {
+  {
+    std::lock_guard lock(reports_mutex_);
+    reports_.push_back(std::move(report));
+  }
+  reports_ready_.notify_all();
+}
+
+void DataParallelEngine::fail_rank(Rank& rank, const std::string& cause, Report& report) {
+  const std::string error = "data-parallel rank " + std::to_string(rank.index) + " failed: " + cause;
+  std::deque<Command> unapplied;
+  {
+    std::lock_guard lock(rank.mutex);
+    rank.failed = true;  // from here on add_request routes around it and abort sends it nothing
+    rank.failure = error;
+    unapplied.swap(rank.inbox);
+  }
+  // Abort what the engine holds so its blocks return to the pool. A step that threw left the scheduler
+  // between schedule() and update(), where abort is defined; should cleanup throw too, the requests still
+  // finish.
+  for (const auto& [local, front] : rank.to_front) {
+    try {
+      rank.engine->abort(local);
+    } catch (const std::exception&) {
+    }
+    report.outputs.push_back(aborted_output(front, error));
+  }
+  rank.to_front.clear();
+  rank.to_local.clear();
+  for (const Command& command : unapplied) {
+    if (command.add) report.outputs.push_back(aborted_output(command.id, error));
+    else
+      ++report.aborts_applied;  // nothing left to free: the failure aborted everything
+  }
+  report.failed = true;
+  EngineStats stats;
+  try {
+    stats = rank.engine->stats();
+  } catch (const std::exception&) {
+  }
+  std::lock_guard lock(rank.mutex);
+  rank.stats = std::move(stats);
+}
+
+void DataParallelEngine::run_rank(Rank& rank) {
+  Engine& engine = *rank.engine;
+  for (;;) {
+    std::deque<Command> commands;
+    {
+      std::unique_lock lock(rank.mutex);
+      rank.wake.wait(lock, [&] { return rank.stopping || !rank.inbox.empty() || engine.has_unfinished(); });
+      if (rank.stopping) return;
+      commands.swap(rank.inbox);
+    }
+    Report report;
+    report.rank = rank.index;
+    for (Command& command : commands) {
+      if (!command.add) {
+        ++report.aborts_applied;
+        const auto it = rank.to_local.find(command.id);
+        if (it == rank.to_local.end()) continue;  // finished before the abort arrived
+        engine.abort(it->second);
+        rank.to_front.erase(it->second);
+        rank.to_local.erase(it);
+        continue;
+      }
+      try {
+        const RequestId local = engine.add_request(std::move(command.prompt), std::move(command.params));
+        rank.to_front.emplace(local, command.id);
+        rank.to_local.emplace(command.id, local);
+      } catch (const std::exception& error) {  // the front checked it: only a rank-specific limit lands here
+        report.outputs.push_back(aborted_output(command.id, error.what()));
+      }
+    }
+    bool stepped = false;
+    if (engine.has_unfinished()) {
+      try {
+        std::vector<RequestOutput> outputs = engine.step();
+        stepped = true;
+        // Progress of what this step scheduled or preempted, read before the finished ones are forgotten.
+        const SchedulerOutput& scheduled = engine.last_scheduled();
+        auto progress = [&](RequestId local) {
+          const Request* request = engine.scheduler().find(local);
+          const auto front = rank.to_front.find(local);
+          if (request && front != rank.to_front.end())
+            report.progress.push_back({front->second, request->num_computed_tokens, request->num_tokens()});
+        };
+        for (const ScheduledChunk& chunk : scheduled.scheduled) progress(chunk.id);
+        for (const RequestId local : scheduled.preempted_ids) progress(local);
+        for (RequestOutput& output : outputs) {
+          const auto front = rank.to_front.find(output.id);
+          if (front == rank.to_front.end()) continue;
+          output.id = front->second;
+          if (output.finished) {
+            rank.to_local.erase(front->second);
+            rank.to_front.erase(front);
+          }
+          report.outputs.push_back(std::move(output));
+        }
+      } catch (const std::exception& error) {
+        fail_rank(rank, error.what(), report);
+        post_report(std::move(report));
+        return;
+      }
+    }
+    report.events = engine.drain_prefix_cache_events();
+    {
+      std::lock_guard lock(rank.mutex);
+      rank.stats = engine.stats();
+    }
+    if (stepped || !report.outputs.empty() || !report.events.empty() || report.aborts_applied > 0)
+      post_report(std::move(report));
+  }
+}
+
+}  // namespace dsv4

@@ -1,0 +1,128 @@
+// DataParallelEngine: data-parallel attention serving in one process (issue 9). N ranks, each a whole Engine
+// — its own scheduler, its own HybridKvCacheManager (so its own prefix cache) and its own backend arena —
+// stepping on its own thread; a front end, driven by one thread through the ServingEngine interface exactly
+// as a single Engine is (server/engine_service.h, `dsv4 generate`), routes every new request with
+// DataParallelRouter and gathers the ranks' outputs.
+//
+// Routing data: after every step a rank reports its outputs, the progress of the requests it scheduled or
+// preempted (router on_progress) and the net change of its prefix cache (HybridKvCacheManager::
+// drain_prefix_cache_events -> router on_blocks_cached / on_blocks_evicted). The front applies reports in
+// step(); it reports on_admitted itself when it hands a request to a rank (with the router's prefix estimate,
+// corrected by the first progress report), so a burst of requests routed between two steps sees its own load.
+//
+// Failure: a rank whose step throws (a model failure, a device error) is marked failed. Its unfinished
+// requests — those it runs and those still in its inbox — finish with status kFinishedAborted and an error
+// naming the rank and the cause; the engine aborts them so their blocks go back to its pool; the router never
+// picks the rank again; the other ranks keep serving. When every rank has failed, add_request throws.
+//
+// Weights: the ranks' backends may share read-only weights (CpuModelBackends over one DeepseekV4Model: the
+// CPU forward only reads the model) — each backend still owns its rank's KV arena.
+#pragma once
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/dp_router.h"
+#include "engine/engine.h"
+#include "engine/serving_engine.h"
+
+namespace dsv4 {
+
+class DataParallelEngine final : public ServingEngine {
+ public:
+  // One backend per rank; they must outlive the engine. Every rank runs Engine(backend, config) (with
+  // record_prefix_cache_events on). `router`'s num_ranks and prefill_tokens_per_step are set here from the
+  // backends and config.max_num_batched_tokens; its prefix_cache_salt must stay "" (EngineConfig has no
+  // salt). Throws dsv4::Error for no backend, or backends of different models.
+  DataParallelEngine(std::vector<ModelBackend*> rank_backends, EngineConfig config,
+                     DataParallelRouterConfig router = {});
+  // Stops and joins the rank threads; unfinished requests are dropped without an output.
+  ~DataParallelEngine() override;
+  DataParallelEngine(const DataParallelEngine&) = delete;
+  DataParallelEngine& operator=(const DataParallelEngine&) = delete;
+
+  RequestId add_request(std::vector<int32_t> prompt, SamplingParams params = {}) override;
+  bool abort(RequestId id) override;
+  // The outputs of every rank step reported since the last call; waits up to `report_wait` for one when there
+  // is none and requests are unfinished (a rank mid-prefill reports steps with no output: the wait ends then
+  // too). Returns nothing at once when nothing is unfinished.
+  std::vector<RequestOutput> step() override;
+  // Requests unfinished, or aborts a rank has not applied yet: until it has, the aborted request's blocks are
+  // still held there and the stats say so, so a front end keeps stepping (and publishing them) until then.
+  bool has_unfinished() const override { return !live_.empty() || unapplied_aborts_ > 0; }
+  int64_t max_model_len() const override { return max_model_len_; }
+  EngineStats stats() const override;  // the live ranks' sum
+
+  int num_ranks() const { return static_cast<int>(ranks_.size()); }
+  // The rank an unfinished request was routed to; -1 once it finished, or for an unknown id.
+  int rank_of(RequestId id) const;
+  bool rank_failed(int rank) const;
+  // A rank's figures as of its last step (a failed rank's: after its requests were aborted).
+  EngineStats rank_stats(int rank) const;
+  const DataParallelRouter& router() const { return router_; }
+
+  std::chrono::milliseconds report_wait{200};
+
+ private:
+  struct Command {
+    bool add = true;   // else abort
+    RequestId id = 0;  // the front's id
+    std::vector<int32_t> prompt;
+    SamplingParams params;
+  };
+  struct Progress {
+    RequestId id = 0;
+    int64_t num_computed_tokens = 0, num_tokens = 0;
+  };
+  // What one rank step produced, with the front's request ids.
+  struct Report {
+    int rank = 0;
+    std::vector<RequestOutput> outputs;
+    std::vector<Progress> progress;
+    PrefixCacheEvents events;
+    int64_t aborts_applied = 0;  // abort commands taken from the inbox (a failed rank's unapplied ones count)
+    bool failed = false;
+  };
+  struct Rank {
+    int index = 0;
+    std::unique_ptr<Engine>
+        engine;  // after construction, touched by the rank's thread only (check_request aside)
+    std::thread thread;
+    // Guards the fields below.
+    mutable std::mutex mutex;
+    std::condition_variable wake;
+    std::deque<Command> inbox;
+    bool stopping = false, failed = false;
+    std::string failure;
+    EngineStats stats;
+    // Rank thread only: the engine's request ids <-> the front's.
+    std::unordered_map<RequestId, RequestId> to_front, to_local;
+  };
+
+  void run_rank(Rank& rank);
+  // Marks `rank` failed, aborts everything it holds and fills `report` with the error outputs.
+  void fail_rank(Rank& rank, const std::string& cause, Report& report);
+  void post_report(Report report);
+
+  std::vector<std::unique_ptr<Rank>> ranks_;
+  DataParallelRouter router_;
+  int64_t max_model_len_ = 0;
+
+  std::mutex reports_mutex_;
+  std::condition_variable reports_ready_;
+  std::vector<Report> reports_;
+
+  // Front thread only.
+  RequestId next_id_ = 0;
+  std::unordered_map<RequestId, int> live_;  // unfinished requests -> rank
+  int64_t unapplied_aborts_ = 0;             // abort commands posted whose report has not come back
+};
+
+}  // namespace dsv4

@@ -1,0 +1,374 @@
+// DataParallelEngine (engine/data_parallel_engine.h) on a small random model: greedy outputs with 2 and 3
+// ranks equal one Engine's, request by request; requests sharing a long prefix follow it to the rank that
+// caches it and hit there; a rank whose backend throws fails exactly its own requests, with an error naming
+// it, frees their blocks and takes no new ones, while the other ranks' requests equal the reference. Every
+// drain runs under a deadline: a hang fails the test instead of stalling it.
+#include "engine/data_parallel_engine.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <map>
+#include <random>
+#include <set>
+
+#include "../model/test_models.h"
+#include "core/error.h"
+
+namespace dsv4 {
+namespace {
+
+using testing::random_model;
+using testing::small_config;
+
+std::vector<int32_t> random_ids(size_t n, int64_t vocab, std::mt19937& rng) {
+  std::vector<int32_t> ids(n);
+  for (auto& id : ids) id = static_cast<int32_t>(rng() % vocab);
+  return ids;
+}
+
+struct Case {
+  std::vector<int32_t> prompt;
+  SamplingParams params;
+};
+
+// Random prompts, about half of them one of three shared prefixes (one and two logical blocks long) with a
+// random tail, the rest unrelated; greedy, some stopping on eos.
+std::vector<Case> mixed_cases(int64_t vocab, uint32_t seed, int count) {
+  std::mt19937 rng(seed);
+  std::vector<std::vector<int32_t>> prefixes;
+  for (int i = 0; i < 3; ++i) prefixes.push_back(random_ids(260 + 250 * (i % 2) + rng() % 40, vocab, rng));
+  std::vector<Case> cases;
+  for (int i = 0; i < count; ++i) {
+    Case c;
+    if (rng() % 2) c.prompt = prefixes[rng() % prefixes.size()];
+    const auto tail = random_ids(1 + rng() % 90, vocab, rng);
+    c.prompt.insert(c.prompt.end(), tail.begin(), tail.end());
+    c.params.max_tokens = 4 + static_cast<int64_t>(rng() % 9);  // every request needs several steps
+    c.params.ignore_eos = rng() % 3 != 0;
+    cases.push_back(std::move(c));
+  }
+  return cases;
+}
+
+EngineConfig engine_config() {
+  EngineConfig config;
+  config.max_num_seqs = 8;
+  config.max_num_batched_tokens = 64;  // chunked prefills: requests stay on their rank for many steps
+  config.checkpoint_interval = 256;
+  config.kv_cache_bytes = int64_t{32} << 20;
+  return config;
+}
+
+struct Outcome {
+  std::vector<int32_t> tokens;
+  RequestStatus status = RequestStatus::kRunning;
+  std::string error;
+  int64_t cached_tokens = 0;
+  bool finished = false;
+};
+
+// Steps until nothing is unfinished; fails (instead of hanging) past the deadline.
+void drain(ServingEngine& engine, std::map<RequestId, Outcome>& outcomes,
+           std::chrono::seconds limit = std::chrono::seconds(180)) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (engine.has_unfinished()) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "the engine did not finish: a hang";
+    for (const RequestOutput& output : engine.step()) {
+      Outcome& outcome = outcomes[output.id];
+      ASSERT_FALSE(outcome.finished) << "request " << output.id << " got an output after it finished";
+      outcome.tokens.insert(outcome.tokens.end(), output.new_token_ids.begin(), output.new_token_ids.end());
+      outcome.cached_tokens = std::max(outcome.cached_tokens, output.num_cached_tokens);
+      if (output.finished) {
+        outcome.finished = true;
+        outcome.status = output.status;
+        outcome.error = output.error;
+      }
+    }
+  }
+}
+
+// The reference: one Engine over the same model serving every case (outputs do not depend on the batch:
+// tests/engine/engine_test.cpp).
+std::vector<Outcome> single_engine(DeepseekV4Model& model, const std::vector<Case>& cases) {
+  Engine engine(model, engine_config());
+  std::vector<RequestId> ids;
+  for (const Case& c : cases) ids.push_back(engine.add_request(c.prompt, c.params));
+  std::map<RequestId, Outcome> outcomes;
+  drain(engine, outcomes);
+  std::vector<Outcome> out;
+  for (const RequestId id : ids) {
+    EXPECT_TRUE(outcomes[id].finished);
+    EXPECT_TRUE(outcomes[id].error.empty()) << outcomes[id].error;
+    out.push_back(outcomes[id]);
+  }
+  return out;
+}
+
+// CPU backends over one model's read-only weights, one per rank.
+struct RankBackends {
+  std::vector<std::unique_ptr<ModelBackend>> owned;
+  std::vector<ModelBackend*> pointers() const {
+    std::vector<ModelBackend*> out;
+    for (const auto& backend : owned) out.push_back(backend.get());
+    return out;
+  }
+};
+RankBackends cpu_backends(DeepseekV4Model& model, int ranks) {
+  RankBackends backends;
+  for (int r = 0; r < ranks; ++r) backends.owned.push_back(std::make_unique<CpuModelBackend>(model));
+  return backends;
+}
+
+// A fault injector, not a model: every call goes to the real CPU backend, except that the `fail_at`-th
+// forward (counting from 1) throws, as a device error or a failed kernel would.
+class FaultInjectingBackend final : public ModelBackend {
+ public:
+  FaultInjectingBackend(DeepseekV4Model& model, int64_t fail_at) : inner_(model), fail_at_(fail_at) {}
+  const ModelConfig& config() const override { return inner_.config(); }
+  const char* device_name() const override { return inner_.device_name(); }
+  KvStorage kv_storage() const override { return inner_.kv_storage(); }
+  IndexStorage index_storage() const override { return inner_.index_storage(); }
+  void bind_cache(const HybridKvCacheManager& manager) override { inner_.bind_cache(manager); }
+  std::unique_ptr<SequenceState> make_state(RequestId id) override { return inner_.make_state(id); }
+  void copy_blocks(std::span<const BlockCopy> copies) override { inner_.copy_blocks(copies); }
+  Tensor forward(std::span<const SequenceChunk> batch, LogitsMode mode) override {
+    if (++forwards_ == fail_at_) throw Error("injected fault in forward " + std::to_string(forwards_));
+    return inner_.forward(batch, mode);
+  }
+  int64_t forwards() const { return forwards_; }
+
+ private:
+  CpuModelBackend inner_;
+  int64_t fail_at_ = 0;
+  int64_t forwards_ = 0;
+};
+
+// Adds `cases` to a DP engine in waves (so later requests are routed with the prefix events of earlier ones),
+// recording each one's rank at submission.
+std::vector<RequestId> submit_in_waves(DataParallelEngine& engine, const std::vector<Case>& cases,
+                                       std::map<RequestId, Outcome>& outcomes, std::vector<int>& ranks) {
+  std::vector<RequestId> ids;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    ids.push_back(engine.add_request(cases[i].prompt, cases[i].params));
+    ranks.push_back(engine.rank_of(ids.back()));
+    if (i % 4 == 3)
+      for (int s = 0; s < 30 && engine.has_unfinished(); ++s)
+        for (const RequestOutput& output : engine.step()) {
+          Outcome& outcome = outcomes[output.id];
+          outcome.tokens.insert(outcome.tokens.end(), output.new_token_ids.begin(),
+                                output.new_token_ids.end());
+          outcome.cached_tokens = std::max(outcome.cached_tokens, output.num_cached_tokens);
+          if (output.finished)
+            outcome.finished = true, outcome.status = output.status, outcome.error = output.error;
+        }
+  }
+  return ids;
+}
+
+TEST(DataParallelEngine, GreedyOutputsEqualASingleEngine) {
+  const ModelConfig config = small_config();
+  DeepseekV4Model model = random_model(config, 31);
+  const auto cases = mixed_cases(config.vocab_size, 5, 20);
+  const auto expected = single_engine(model, cases);
+  for (const int num_ranks : {2, 3}) {
+    SCOPED_TRACE(std::to_string(num_ranks) + " ranks");
+    RankBackends backends = cpu_backends(model, num_ranks);
+    DataParallelEngine engine(backends.pointers(), engine_config());
+    std::map<RequestId, Outcome> outcomes;
+    std::vector<int> ranks;
+    const auto ids = submit_in_waves(engine, cases, outcomes, ranks);
+    drain(engine, outcomes);
+    for (size_t i = 0; i < cases.size(); ++i) {
+      const Outcome& got = outcomes[ids[i]];
+      EXPECT_TRUE(got.finished) << "request " << i;
+      EXPECT_TRUE(got.error.empty()) << got.error;
+      EXPECT_EQ(got.tokens, expected[i].tokens) << "request " << i << " on rank " << ranks[i];
+      EXPECT_EQ(got.status, expected[i].status) << "request " << i;
+    }
+    EXPECT_EQ(std::set<int>(ranks.begin(), ranks.end()).size(), static_cast<size_t>(num_ranks))
+        << "the router left a rank idle";
+    for (int r = 0; r < num_ranks; ++r) {
+      EXPECT_EQ(engine.rank_stats(r).used_bytes, 0) << "rank " << r << " still holds blocks";
+      EXPECT_FALSE(engine.rank_failed(r));
+    }
+    EXPECT_GT(engine.stats().prefix_hit_tokens, 0) << "no shared prefix ever hit on its rank";
+    EXPECT_EQ(engine.router().num_tracked_requests(), 0) << "the router still counts finished requests";
+  }
+}
+
+TEST(DataParallelEngine, RequestsSharingALongPrefixLandOnTheRankThatCachesIt) {
+  const ModelConfig config = small_config();
+  DeepseekV4Model model = random_model(config, 32);
+  std::mt19937 rng(17);
+  const auto prefix = random_ids(2 * 256 + 30, config.vocab_size, rng);
+  std::vector<Case> cases;
+  for (int i = 0; i < 7; ++i) {
+    Case c{prefix, {}};
+    const auto tail = random_ids(1 + rng() % 40, config.vocab_size, rng);
+    c.prompt.insert(c.prompt.end(), tail.begin(), tail.end());
+    c.params.max_tokens = 5;
+    c.params.ignore_eos = true;
+    cases.push_back(std::move(c));
+  }
+  const auto expected = single_engine(model, cases);
+  RankBackends backends = cpu_backends(model, 3);
+  DataParallelEngine engine(backends.pointers(), engine_config());
+  // Some unrelated traffic first, so the prefix's rank is not simply the idle rank 0.
+  std::map<RequestId, Outcome> outcomes;
+  for (int i = 0; i < 2; ++i) {
+    SamplingParams params;
+    params.max_tokens = 3;
+    engine.add_request(random_ids(200, config.vocab_size, rng), params);
+  }
+  const RequestId first = engine.add_request(cases[0].prompt, cases[0].params);
+  const int holder = engine.rank_of(first);
+  drain(engine, outcomes);  // the first request leaves the prefix cached (and checkpointed) on `holder`
+  const int64_t hits_before = engine.rank_stats(holder).prefix_hit_tokens;
+  std::vector<RequestId> ids{first};
+  for (size_t i = 1; i < cases.size(); ++i) {  // a burst: the router's load books see each one admitted
+    ids.push_back(engine.add_request(cases[i].prompt, cases[i].params));
+    EXPECT_EQ(engine.rank_of(ids.back()), holder) << "request " << i << " left the rank holding its prefix";
+  }
+  drain(engine, outcomes);
+  for (size_t i = 0; i < cases.size(); ++i)
+    EXPECT_EQ(outcomes[ids[i]].tokens, expected[i].tokens) << "request " << i;
+  for (size_t i = 1; i < cases.size(); ++i)
+    EXPECT_EQ(outcomes[ids[i]].cached_tokens, 2 * 256) << "request " << i << " did not hit the cached prefix";
+  EXPECT_EQ(engine.rank_stats(holder).prefix_hit_tokens - hits_before, 6 * 2 * 256);
+  for (int r = 0; r < 3; ++r)
+    if (r != holder) EXPECT_EQ(engine.rank_stats(r).prefix_hit_tokens, 0) << "rank " << r;
+}
+
+TEST(DataParallelEngine, AFailedRankFailsOnlyItsRequestsAndTakesNoMore) {
+  const ModelConfig config = small_config();
+  DeepseekV4Model model = random_model(config, 33);
+  const auto cases = mixed_cases(config.vocab_size, 9, 12);
+  const auto later_cases = mixed_cases(config.vocab_size, 10, 8);
+  const auto expected = single_engine(model, cases);
+  const auto later_expected = single_engine(model, later_cases);
+  constexpr int kFailing = 1;
+  CpuModelBackend rank0(model), rank2(model);
+  FaultInjectingBackend rank1(model, /*fail_at=*/3);
+  DataParallelEngine engine({&rank0, &rank1, &rank2}, engine_config());
+  std::map<RequestId, Outcome> outcomes;
+  std::vector<RequestId> ids;
+  std::vector<int> ranks;
+  for (const Case& c : cases) {  // a burst: spread over the three ranks before rank 1 fails
+    ids.push_back(engine.add_request(c.prompt, c.params));
+    ranks.push_back(engine.rank_of(ids.back()));
+  }
+  ASSERT_GT(std::count(ranks.begin(), ranks.end(), kFailing), 0) << "nothing was routed to the failing rank";
+  drain(engine, outcomes);
+  int64_t failed = 0;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const Outcome& got = outcomes[ids[i]];
+    ASSERT_TRUE(got.finished) << "request " << i;
+    if (ranks[i] == kFailing) {  // every request needs more than the two forwards before the fault
+      ++failed;
+      EXPECT_EQ(got.status, RequestStatus::kFinishedAborted) << "request " << i;
+      EXPECT_NE(got.error.find("data-parallel rank 1 failed"), std::string::npos) << got.error;
+      EXPECT_NE(got.error.find("injected fault in forward 3"), std::string::npos) << got.error;
+    } else {
+      EXPECT_TRUE(got.error.empty()) << "request " << i << " on rank " << ranks[i] << ": " << got.error;
+      EXPECT_EQ(got.tokens, expected[i].tokens) << "request " << i << " on rank " << ranks[i];
+      EXPECT_EQ(got.status, expected[i].status) << "request " << i;
+    }
+  }
+  EXPECT_GT(failed, 0);
+  EXPECT_EQ(rank1.forwards(), 3) << "the failed rank kept stepping";
+  EXPECT_TRUE(engine.rank_failed(kFailing));
+  EXPECT_EQ(engine.rank_stats(kFailing).used_bytes, 0) << "the failed rank's requests still hold blocks";
+  EXPECT_EQ(engine.stats().failed_ranks, 1);
+  EXPECT_TRUE(engine.router().rank_failed(kFailing));
+
+  // The survivors keep serving, and nothing more goes to the failed rank.
+  std::vector<RequestId> later_ids;
+  for (const Case& c : later_cases) {
+    later_ids.push_back(engine.add_request(c.prompt, c.params));
+    EXPECT_NE(engine.rank_of(later_ids.back()), kFailing);
+  }
+  drain(engine, outcomes);
+  for (size_t i = 0; i < later_cases.size(); ++i) {
+    EXPECT_TRUE(outcomes[later_ids[i]].error.empty()) << outcomes[later_ids[i]].error;
+    EXPECT_EQ(outcomes[later_ids[i]].tokens, later_expected[i].tokens) << "later request " << i;
+  }
+  EXPECT_EQ(rank1.forwards(), 3);
+}
+
+TEST(DataParallelEngine, WithEveryRankFailedNewRequestsAreRefused) {
+  const ModelConfig config = small_config();
+  DeepseekV4Model model = random_model(config, 34);
+  FaultInjectingBackend rank0(model, 1), rank1(model, 1);
+  DataParallelEngine engine({&rank0, &rank1}, engine_config());
+  std::mt19937 rng(3);
+  SamplingParams params;
+  params.max_tokens = 4;
+  std::vector<RequestId> ids;
+  // Both ranks fail on their first forward, possibly while this loop still adds: a request added after both
+  // failed is refused on the spot, one added before fails with the error. Either way none is lost.
+  int64_t refused = 0;
+  for (int i = 0; i < 4; ++i) {
+    try {
+      ids.push_back(engine.add_request(random_ids(20 + i, config.vocab_size, rng), params));
+    } catch (const Error& error) {
+      ++refused;
+      EXPECT_NE(std::string(error.what()).find("ranks has failed"), std::string::npos) << error.what();
+    }
+  }
+  ASSERT_FALSE(ids.empty()) << "the first request is added before any rank has stepped";
+  EXPECT_EQ(static_cast<int64_t>(ids.size()) + refused, 4);
+  std::map<RequestId, Outcome> outcomes;
+  drain(engine, outcomes);
+  for (const RequestId id : ids) {
+    EXPECT_EQ(outcomes[id].status, RequestStatus::kFinishedAborted);
+    EXPECT_NE(outcomes[id].error.find("failed: injected fault"), std::string::npos) << outcomes[id].error;
+  }
+  EXPECT_THROW(engine.add_request(random_ids(5, config.vocab_size, rng), params), Error);
+  EXPECT_FALSE(engine.has_unfinished());
+}
+
+// A request that can never run is refused by add_request itself, as by a single Engine, and nothing is
+// queued; an aborted request gets no further output and its blocks are freed on its rank.
+TEST(DataParallelEngine, RejectsAndAbortsAsASingleEngine) {
+  const ModelConfig config = small_config();
+  DeepseekV4Model model = random_model(config, 35);
+  RankBackends backends = cpu_backends(model, 2);
+  DataParallelEngine engine(backends.pointers(), engine_config());
+  Engine single(model, engine_config());
+  SamplingParams too_long;
+  too_long.max_tokens = single.max_model_len();
+  std::mt19937 rng(4);
+  const auto prompt = random_ids(30, config.vocab_size, rng);
+  EXPECT_THROW(single.add_request(prompt, too_long), Error);
+  EXPECT_THROW(engine.add_request(prompt, too_long), Error);
+  EXPECT_THROW(engine.add_request({1, static_cast<int32_t>(config.vocab_size)}, {}), Error);
+  EXPECT_THROW(engine.add_request({}, {}), Error);
+  EXPECT_FALSE(engine.has_unfinished());
+  EXPECT_EQ(engine.max_model_len(), single.max_model_len());
+
+  SamplingParams params;
+  params.max_tokens = 50;
+  params.ignore_eos = true;
+  const RequestId kept = engine.add_request(prompt, params);
+  const RequestId aborted = engine.add_request(random_ids(300, config.vocab_size, rng), params);
+  std::map<RequestId, Outcome> outcomes;
+  while (outcomes[kept].tokens.size() < 3 && engine.has_unfinished())
+    for (const RequestOutput& output : engine.step()) {
+      auto& tokens = outcomes[output.id].tokens;
+      tokens.insert(tokens.end(), output.new_token_ids.begin(), output.new_token_ids.end());
+    }
+  EXPECT_TRUE(engine.abort(aborted));
+  EXPECT_FALSE(engine.abort(aborted));
+  const size_t tokens_at_abort = outcomes[aborted].tokens.size();
+  drain(engine, outcomes);
+  EXPECT_EQ(outcomes[aborted].tokens.size(), tokens_at_abort) << "output after abort";
+  EXPECT_FALSE(outcomes[aborted].finished);
+  EXPECT_EQ(outcomes[kept].tokens.size(), 50u);
+  // The rank frees the aborted request's blocks on its own thread; the engine counts as unfinished until it
+  // has reported doing so, so after the drain the stats show them free.
+  EXPECT_EQ(engine.stats().used_bytes, 0);
+}
+
+}  // namespace
+}  // namespace dsv4
