@@ -373,11 +373,12 @@ void DeepseekV4Model::attention(int64_t layer, const StepLayout& step, std::span
   auto to_bf16 = [deepseek](std::vector<float>& v) {
     if (deepseek) bf16(v);
   };
-  const bool fp8_activations = !deepseek && c.fp8_activations;
-  auto fp8_linear = [deepseek, fp8_activations](const float* in, int64_t rows, int64_t width,
-                                                const LinearWeight& weight) {
+  const bool fp8_activations = !deepseek && c.fp8_activations != Fp8Activations::kOff;
+  const bool fp8_from_bf16 = c.fp8_activations == Fp8Activations::kFromBf16;
+  auto fp8_linear = [deepseek, fp8_activations, fp8_from_bf16](const float* in, int64_t rows, int64_t width,
+                                                               const LinearWeight& weight) {
     if (fp8_activations && weight.encoding() == WeightEncoding::kF8E4M3)
-      return project(quantized_e4m3_rows(in, rows, width, /*from_bf16=*/true).data(), rows, width, weight);
+      return project(quantized_e4m3_rows(in, rows, width, fp8_from_bf16).data(), rows, width, weight);
     return deepseek ? project_fp8(in, rows, width, weight) : project(in, rows, width, weight);
   };
   // Query: low-rank, weighted norm, up-projection, per-head unweighted norm, RoPE at the token position.
@@ -483,7 +484,7 @@ void DeepseekV4Model::attention(int64_t layer, const StepLayout& step, std::span
   }
   if (!deepseek) {
     if (fp8_activations && l.wo_b.encoding() == WeightEncoding::kF8E4M3)
-      grouped = quantized_e4m3_rows(grouped.data(), N, G * o_lora, /*from_bf16=*/true);
+      grouped = quantized_e4m3_rows(grouped.data(), N, G * o_lora, fp8_from_bf16);
     linear(grouped.data(), N, l.wo_b, out);
     return;
   }

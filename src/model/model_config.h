@@ -19,6 +19,9 @@ enum class AttentionType {
 enum class MlpType { kHashMoe, kMoe };
 enum class ScoringFunc { kSqrtSoftplus, kSoftmax, kSigmoid };
 enum class RopeKind { kMain, kCompress };  // SWA layers use main; CSA/HCA layers use compress for everything
+// Input quantization of the FP8-stored projections in kHf (ModelConfig::fp8_activations).
+enum class Fp8Activations { kOff, kFromFp32, kFromBf16 };
+
 // Numerical recipe of the CPU forward (docs/numerics.md). kHf: transformers' exact fp32 math (the default).
 // kDeepSeek: DeepSeek's own inference code — bf16 activations, FP8 activation quantization for every FP8/FP4
 // linear, FP8-simulated KV entries, Hadamard + FP4-simulated indexer (model_spec.md §3.2, §3.3, §3.5, §8).
@@ -82,10 +85,10 @@ struct ModelConfig {
   std::string torch_dtype = "bfloat16";  // "dtype"/"torch_dtype" of config.json (storage hint only)
   Numerics numerics = Numerics::kHf;      // a run option, not part of config.json
   // kHf only, a run option: the inputs of the projections a checkpoint stores FP8 are quantized per row and
-  // 128 columns (e4m3, UE8M0 scales) as DeepSeek's FP8 linear does, from their bf16 rounding — what the GPU
-  // backend computes with its FP8 weights (CudaModelOptions::fp8_weights), so the CPU is its twin. The rest
-  // stays fp32.
-  bool fp8_activations = false;
+  // 128 columns (e4m3, UE8M0 scales) as DeepSeek's FP8 linear does — what the GPU backend computes with its
+  // FP8 weights (CudaModelOptions::fp8_weights), so the CPU is its twin: kFromBf16 quantizes their bf16
+  // rounding (the GPU's bf16 operand), kFromFp32 the fp32 value (its fp32 mode). The rest stays exact fp32.
+  Fp8Activations fp8_activations = Fp8Activations::kOff;
 
   // Parses an HF config.json object. Throws dsv4::Error naming the field and value on any problem.
   static ModelConfig from_json(const nlohmann::json& json);

@@ -196,7 +196,7 @@ TEST(DeepSeekNumerics, Fp8ActivationsQuantizeOnlyFp8Linears) {
   const ModelWeights weights = ModelWeights::load(config, dirs.front().string());
   const std::vector<int32_t> ids = testing::random_ids(40, config.vocab_size, 1);
   DeepseekV4Model exact(config, weights);
-  config.fp8_activations = true;
+  config.fp8_activations = Fp8Activations::kFromBf16;
   DeepseekV4Model quantized(config, weights);
   const std::vector<float> a = last_logits(exact, ids, {40}), b = last_logits(quantized, ids, {40});
   const double error = testing::relative_l2(b.data(), a.data(), a.size());

@@ -267,8 +267,7 @@ struct DeepseekV4CudaModel::Impl {
   // 128-row block, e.g. a w1 ‖ w3 stack of I % 128 ≠ 0) goes through linear() above.
   cu::GemmWeight fp8_linear(const LinearWeight& w) {
     std::vector<float> block_scales;
-    if (!bf16 || !options.fp8_weights || w.encoding() != WeightEncoding::kF8E4M3 ||
-        !w.fp8_block_scales(block_scales))
+    if (!options.fp8_weights || w.encoding() != WeightEncoding::kF8E4M3 || !w.fp8_block_scales(block_scales))
       return linear(w);
     const std::vector<uint8_t>& codes = w.codes();
     void* device_codes = weights_memory.allocate(codes.size());
@@ -299,7 +298,7 @@ struct DeepseekV4CudaModel::Impl {
     q.rows = rows;
     q.cols = w.in;
     q.code_stride = code_stride;
-    q.bf16_input = true;
+    q.bf16_input = bf16;  // the operand is in the weight dtype: bf16, or fp32 in the exact mode
     DSV4_CU(cu::quantize_e4m3_rows(q, operand, codes, scales, on));
     with.linear_fp8(w, cu::Fp8Activation{codes, scales, code_stride}, rows, y, on);
   }

@@ -26,11 +26,11 @@ struct CudaModelOptions {
   bool cuda_graphs = true;   // capture decode steps per batch-size bucket
   bool indexer_stream = true;  // the CSA indexer on its own stream, joined before attention
   bool device_sampling = true;  // sample next to the logits (ops/cuda/sampling.h); false: logits to the host
-  // bf16 mode: the dense projections a checkpoint stores FP8 (wq_a, wq_b, wkv, wo_b, indexer wq_b) stay FP8
-  // on the device and run DeepSeek's FP8 linear (per-128 activation quantization, block-scaled GEMM,
-  // ops/cuda/gemm.h linear_fp8), as vLLM serves block-FP8 checkpoints; false: they are decoded to bf16 at
-  // upload. Opt-in (DSV4_FP8_WEIGHTS=1) until its gap to the CPU twin is explained (docs/gpu.md "FP8 weights
-  // on the device").
+  // The dense projections a checkpoint stores FP8 (wq_a, wq_b, wkv, wo_b, indexer wq_b) stay FP8 on the
+  // device and run DeepSeek's FP8 linear (per-128 activation quantization, block-scaled GEMM, ops/cuda/gemm.h
+  // linear_fp8), as vLLM serves block-FP8 checkpoints; false: they are decoded to the weight dtype at upload.
+  // dsv4's CLI turns it on in bf16 mode (DSV4_FP8_WEIGHTS=0 turns it off); docs/gpu.md "FP8 weights on the
+  // device".
   bool fp8_weights = false;
 };
 
