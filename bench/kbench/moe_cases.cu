@@ -1,9 +1,12 @@
-// kbench suite "moe": the routed + shared experts of one MoE layer (ops/cuda/moe_experts.h), bf16 weights, at the
-// V4-Flash shape (D 4096, I 2048, top-k 6, E 256; also E 16, the test model): decode batch 1 / 8 / 32 / 128 and a
-// 4096-token prefill, each with the automatic tile choice and some forced ones, plus batch 1 replayed from a CUDA
-// graph. Routing: random distinct experts per token (host mt19937), copied to the device before timing.
-// Bytes = the unique expert weight bytes the call must read ((distinct chosen experts + the shared one) · 3·D·I·2),
-// FLOPs = 2 · (tokens · (top_k + 1)) · 3·D·I. The L2 is flushed before every timed call (kbench.h).
+// kbench suite "moe": the routed + shared experts of one MoE layer (ops/cuda/moe_experts.h), bf16 weights, at
+// the V4-Flash shape (D 4096, I 2048, top-k 6, E 256; also E 16, the test model): decode batch 1 / 8 / 32 /
+// 128 and a 4096-token prefill, each with the automatic tile choice and some forced ones, plus batch 1
+// replayed from a CUDA graph. Routing: random distinct experts per token (host mt19937), copied to the device
+// before timing. Bytes = the unique expert weight bytes the call must read ((distinct chosen experts + the
+// shared one) · 3·D·I·2), FLOPs = 2 · (tokens · (top_k + 1)) · 3·D·I. The L2 is flushed before every timed
+// call (kbench.h). "mxfp4" cases: the routed experts as the release stores them (packed e2m1 + UE8M0 per 32,
+// decoded in the kernel; the shared expert bf16), bytes = distinct routed experts · 3·D·I·(1/2 + 1/32) + the
+// shared bf16 one.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -37,10 +40,26 @@ __global__ void fill_bf16(__nv_bfloat16* out, size_t n, uint32_t seed, float sca
   }
 }
 
+// Random bytes lo + (hash % span): e2m1 code pairs (span 256) or UE8M0 scales near 2^-6.
+__global__ void fill_bytes(uint8_t* out, size_t n, uint32_t seed, uint32_t lo, uint32_t span) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < n; i += size_t{gridDim.x} * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 0x9E3779B1u ^ seed ^ static_cast<uint32_t>(i >> 32) * 0x85EBCA6Bu;
+    h ^= h >> 15;
+    h *= 0x2C1B3C6Du;
+    h ^= h >> 12;
+    out[i] = static_cast<uint8_t>(lo + h % span);
+  }
+}
+
 struct MoeBench {
   __nv_bfloat16 *w13 = nullptr, *w2 = nullptr;  // experts 0..255 then the shared one (index 256)
   const void** w13_table = nullptr;
   const void** w2_table = nullptr;
+  uint8_t *codes13 = nullptr, *codes2 = nullptr, *scales13 = nullptr, *scales2 = nullptr;  // MXFP4 routed
+  const void** code13_table = nullptr;
+  const void** code2_table = nullptr;
+  const void** scale13_table = nullptr;
+  const void** scale2_table = nullptr;
   float *x = nullptr, *routing = nullptr, *out = nullptr;
   int32_t* chosen = nullptr;
   void* workspace = nullptr;
@@ -60,6 +79,29 @@ struct MoeBench {
     }
     w13_table = to_device_ptrs(t13);
     w2_table = to_device_ptrs(t2);
+    const size_t code13 = w13_elems / 2, code2 = w2_elems / 2;
+    const size_t scale13 = ops::cuda::mxfp4_tile_scale_bytes(2 * kI, kD),
+                 scale2 = ops::cuda::mxfp4_tile_scale_bytes(kD, kI);
+    DSV4_CUDA_OK(cudaMalloc(&codes13, kMaxExperts * code13));
+    DSV4_CUDA_OK(cudaMalloc(&codes2, kMaxExperts * code2));
+    DSV4_CUDA_OK(cudaMalloc(&scales13, kMaxExperts * scale13));
+    DSV4_CUDA_OK(cudaMalloc(&scales2, kMaxExperts * scale2));
+    fill_bytes<<<4096, 256>>>(codes13, kMaxExperts * code13, 21, 0, 256);
+    fill_bytes<<<4096, 256>>>(codes2, kMaxExperts * code2, 22, 0, 256);
+    fill_bytes<<<1024, 256>>>(scales13, kMaxExperts * scale13, 23, 119, 3);
+    fill_bytes<<<1024, 256>>>(scales2, kMaxExperts * scale2, 24, 119, 3);
+    DSV4_CUDA_OK(cudaGetLastError());
+    std::vector<const void*> c13, c2, s13, s2;
+    for (int64_t e = 0; e < kMaxExperts; ++e) {
+      c13.push_back(codes13 + e * code13);
+      c2.push_back(codes2 + e * code2);
+      s13.push_back(scales13 + e * scale13);
+      s2.push_back(scales2 + e * scale2);
+    }
+    code13_table = to_device_ptrs(c13);
+    code2_table = to_device_ptrs(c2);
+    scale13_table = to_device_ptrs(s13);
+    scale2_table = to_device_ptrs(s2);
     std::mt19937 rng(5);
     std::normal_distribution<float> normal(0.0f, 1.0f);
     std::vector<float> hx(static_cast<size_t>(kMaxTokens * kD));
@@ -78,6 +120,11 @@ struct MoeBench {
                     static_cast<void*>(w2_table), static_cast<void*>(x), static_cast<void*>(routing),
                     static_cast<void*>(out), static_cast<void*>(chosen), workspace})
       cudaFree(p);
+    for (void* p :
+         {static_cast<void*>(codes13), static_cast<void*>(codes2), static_cast<void*>(scales13),
+          static_cast<void*>(scales2), static_cast<void*>(code13_table), static_cast<void*>(code2_table),
+          static_cast<void*>(scale13_table), static_cast<void*>(scale2_table)})
+      cudaFree(p);
   }
   static const void** to_device_ptrs(const std::vector<const void*>& host) {
     const void** d = nullptr;
@@ -85,7 +132,8 @@ struct MoeBench {
     DSV4_CUDA_OK(cudaMemcpy(d, host.data(), host.size() * sizeof(void*), cudaMemcpyHostToDevice));
     return d;
   }
-  static ops::cuda::MoeExpertsParams params(int64_t tokens, int64_t experts, int tile_rows) {
+  static ops::cuda::MoeExpertsParams params(int64_t tokens, int64_t experts, int tile_rows,
+                                            bool mxfp4 = false) {
     ops::cuda::MoeExpertsParams p;
     p.tokens = tokens;
     p.top_k = kTopK;
@@ -93,14 +141,16 @@ struct MoeBench {
     p.hidden = kD;
     p.intermediate = kI;
     p.swiglu_limit = 10.0f;
-    p.dtype = ops::cuda::MoeWeightDtype::kBf16;
+    p.dtype = mxfp4 ? ops::cuda::MoeWeightDtype::kMxfp4 : ops::cuda::MoeWeightDtype::kBf16;
     p.tile_rows = tile_rows;
     return p;
   }
-  ops::cuda::MoeExpertWeights weights() const {
+  ops::cuda::MoeExpertWeights weights(bool mxfp4 = false) const {
     ops::cuda::MoeExpertWeights w;
-    w.w13 = w13_table;
-    w.w2 = w2_table;
+    w.w13 = mxfp4 ? code13_table : w13_table;
+    w.w2 = mxfp4 ? code2_table : w2_table;
+    w.w13_scales = scale13_table;
+    w.w2_scales = scale2_table;
     w.shared_w13 = w13 + kMaxExperts * size_t{2} * kI * kD;
     w.shared_w2 = w2 + kMaxExperts * size_t{kD} * kI;
     return w;
@@ -154,10 +204,10 @@ bool output_finite(const MoeBench& b, int64_t tokens) {
 }
 
 CaseResult run_case(MoeBench& b, const Ceilings& ceilings, int64_t tokens, int64_t experts, int tile_rows,
-                    bool graph, int iterations) {
+                    bool graph, int iterations, bool mxfp4) {
   const int64_t active = b.route(tokens, experts, static_cast<uint32_t>(tokens * 1000 + experts));
-  const ops::cuda::MoeExpertsParams p = MoeBench::params(tokens, experts, tile_rows);
-  const ops::cuda::MoeExpertWeights w = b.weights();
+  const ops::cuda::MoeExpertsParams p = MoeBench::params(tokens, experts, tile_rows, mxfp4);
+  const ops::cuda::MoeExpertWeights w = b.weights(mxfp4);
   cudaStream_t stream = nullptr;
   cudaGraphExec_t exec = nullptr;
   cudaGraph_t g = nullptr;
@@ -184,14 +234,16 @@ CaseResult run_case(MoeBench& b, const Ceilings& ceilings, int64_t tokens, int64
     cudaStreamDestroy(stream);
   }
   const double expert_bytes = 3.0 * kD * kI * 2;
+  const double routed_bytes = mxfp4 ? 3.0 * kD * kI * (0.5 + 1.0 / 32) : expert_bytes;
   CaseResult r;
   char name[128];
-  std::snprintf(name, sizeof name, "moe E=%lld %s=%lld tiles=%s%s", static_cast<long long>(experts),
-                tokens > 128 ? "prefill" : "b", static_cast<long long>(tokens),
-                tile_rows == 0 ? "auto" : std::to_string(tile_rows).c_str(), graph ? " graph" : "");
+  std::snprintf(name, sizeof name, "moe%s E=%lld %s=%lld tiles=%s%s", mxfp4 ? " mxfp4" : "",
+                static_cast<long long>(experts), tokens > 128 ? "prefill" : "b",
+                static_cast<long long>(tokens), tile_rows == 0 ? "auto" : std::to_string(tile_rows).c_str(),
+                graph ? " graph" : "");
   r.name = name;
   r.microseconds = us;
-  r.bytes = static_cast<double>(active + 1) * expert_bytes;
+  r.bytes = static_cast<double>(active) * routed_bytes + expert_bytes;
   r.flops = 2.0 * static_cast<double>(tokens * (kTopK + 1)) * 3.0 * kD * kI;
   char note[160];
   std::snprintf(note, sizeof note, "%lld+1 experts, %.0f MB weights, %.1f%% of copy bw%s",
@@ -210,16 +262,30 @@ std::vector<CaseResult> moe_suite(const Ceilings& ceilings, const Options& optio
     int64_t tokens, experts;
     int tile_rows;
     bool graph;
+    bool mxfp4 = false;
   };
   std::vector<Case> cases = {{1, 256, 0, false},   {1, 256, 0, true},    {8, 256, 0, false},
                              {32, 256, 0, false},  {32, 256, 16, false}, {128, 256, 0, false},
                              {128, 256, 16, false}, {128, 256, 128, false}, {1, 16, 0, false},
                              {32, 16, 0, false},   {128, 16, 0, false},  {128, 16, 16, false},
                              {4096, 256, 0, false}, {4096, 256, 64, false}};
-  if (options.quick) cases = {{1, 256, 0, false}, {128, 256, 0, false}, {4096, 256, 0, false}};
+  // MXFP4 routed experts beside their bf16 twins above.
+  for (const Case c : std::vector<Case>{{1, 256, 0, false},
+                                        {1, 256, 0, true},
+                                        {8, 256, 0, false},
+                                        {32, 256, 0, false},
+                                        {128, 256, 0, false},
+                                        {1, 16, 0, false},
+                                        {128, 16, 0, false},
+                                        {4096, 256, 0, false},
+                                        {4096, 256, 64, false}})
+    cases.push_back({c.tokens, c.experts, c.tile_rows, c.graph, true});
+  if (options.quick)
+    cases = {{1, 256, 0, false},       {128, 256, 0, false},       {4096, 256, 0, false},
+             {1, 256, 0, false, true}, {128, 256, 0, false, true}, {4096, 256, 0, false, true}};
   for (const Case& c : cases)
     results.push_back(run_case(b, ceilings, c.tokens, c.experts, c.tile_rows, c.graph,
-                               c.tokens > 128 ? std::max(5, iterations / 3) : iterations));
+                               c.tokens > 128 ? std::max(5, iterations / 3) : iterations, c.mxfp4));
   return results;
 }
 

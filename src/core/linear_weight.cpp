@@ -30,6 +30,23 @@ const E4m3Table& e4m3_table() {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// |v| (finite, ≤ 448 after the block scale) to its e4m3 code, round to nearest, ties to the even code (the
+// even mantissa): a binary search over the 127 non-negative finite codes, whose values increase with the
+// code.
+uint8_t e4m3_code(float v) {
+  const float* table = e4m3_table().values;
+  const float magnitude = std::min(std::fabs(v), 448.0f);
+  int lo = 0, hi = 126;  // table[126] = 448
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    (table[mid] <= magnitude ? lo : hi) = mid;
+  }
+  const float below = table[lo], above = table[hi];
+  const float to_below = magnitude - below, to_above = above - magnitude;
+  const int code = to_below < to_above ? lo : to_above < to_below ? hi : (lo % 2 == 0 ? lo : hi);
+  return static_cast<uint8_t>(code | (std::signbit(v) && code != 0 ? 0x80 : 0));
+}
+
 // The grouped low-bit formats: bits per code, the level of code c is (c − offset)·s.
 struct GroupFormat {
   int bits;
@@ -293,6 +310,74 @@ bool LinearWeight::fp8_block_scales(std::vector<float>& out) const {
   for (int64_t b = 0; b < block_rows; ++b)
     for (int64_t g = 0; g < groups; ++g) out[b * groups + g] = fp8_scales_[(b * 128) * groups + g];
   return true;
+}
+
+// |v| (≤ 6 after the group scale) to its e2m1 code, round to nearest, ties to the even code; sign in bit 3.
+uint8_t e2m1_code(float v) {
+  static constexpr float kMagnitude[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  const float magnitude = std::min(std::fabs(v), 6.0f);
+  int lo = 0;
+  while (lo < 7 && kMagnitude[lo + 1] <= magnitude) ++lo;
+  int code = lo;
+  if (lo < 7) {
+    const float to_below = magnitude - kMagnitude[lo], to_above = kMagnitude[lo + 1] - magnitude;
+    code = to_below < to_above ? lo : to_above < to_below ? lo + 1 : (lo % 2 == 0 ? lo : lo + 1);
+  }
+  return static_cast<uint8_t>(code | (std::signbit(v) && code != 0 ? 8 : 0));
+}
+
+LinearWeight LinearWeight::quantize_mxfp4_groups(const Tensor& dense) {
+  DSV4_CHECK(
+      dense.shape.size() == 2 && dense.shape[1] % kFp4GroupColumns == 0,
+      "MXFP4 quantization of a " + dense.shape_string() + " tensor (columns must be a multiple of 32)");
+  const int64_t rows = dense.shape[0], cols = dense.shape[1], groups = cols / kFp4GroupColumns;
+  std::vector<float> scales(static_cast<size_t>(rows * groups));
+  std::vector<uint8_t> packed(static_cast<size_t>(rows * cols / 2), 0);
+  ThreadPool::global().parallel_for(
+      rows,
+      [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r)
+          for (int64_t g = 0; g < groups; ++g) {
+            const float* values = dense.ptr() + r * cols + g * kFp4GroupColumns;
+            float amax = 6.0f * 0x1p-126f;  // the recipe's floor (ops/cpu/quantize.h quantize_e2m1_blocks)
+            for (int64_t i = 0; i < kFp4GroupColumns; ++i) amax = std::max(amax, std::fabs(values[i]));
+            int exponent = 0;
+            const float mantissa = std::frexp(amax / 6.0f, &exponent);  // amax / 6 = m · 2^e, m in [0.5, 1)
+            const float scale = std::ldexp(1.0f, mantissa == 0.5f ? exponent - 1 : exponent);
+            scales[static_cast<size_t>(r * groups + g)] = scale;
+            uint8_t* out = packed.data() + (r * cols + g * kFp4GroupColumns) / 2;
+            for (int64_t i = 0; i < kFp4GroupColumns; i += 2)
+              out[i / 2] =
+                  static_cast<uint8_t>(e2m1_code(values[i] / scale) | e2m1_code(values[i + 1] / scale) << 4);
+          }
+      },
+      16);
+  return fp4_group_scaled(rows, cols, std::move(packed), scales);
+}
+
+LinearWeight LinearWeight::quantize_fp8_blocks(const Tensor& dense) {
+  DSV4_CHECK(dense.shape.size() == 2, "FP8 block quantization of a " + dense.shape_string() + " tensor");
+  const int64_t rows = dense.shape[0], cols = dense.shape[1];
+  const int64_t block_rows = ceil_div(rows, 128), block_cols = ceil_div(cols, 128);
+  std::vector<float> scales(static_cast<size_t>(block_rows * block_cols));
+  std::vector<uint8_t> codes(static_cast<size_t>(rows * cols));
+  ThreadPool::global().parallel_for(block_rows * block_cols, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t r0 = block / block_cols * 128, c0 = block % block_cols * 128;
+      const int64_t r1 = std::min(rows, r0 + 128), c1 = std::min(cols, c0 + 128);
+      float amax = 1e-4f;
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(dense.data[r * cols + c]));
+      // 2^ceil(log2(amax / 448)): frexp gives amax / 448 = m · 2^e with m in [0.5, 1).
+      int exponent = 0;
+      const float mantissa = std::frexp(amax / 448.0f, &exponent);
+      const float scale = std::ldexp(1.0f, mantissa == 0.5f ? exponent - 1 : exponent);
+      scales[block] = scale;
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = c0; c < c1; ++c) codes[r * cols + c] = e4m3_code(dense.data[r * cols + c] / scale);
+    }
+  });
+  return fp8_block_scaled(rows, cols, std::move(codes), scales);
 }
 
 double LinearWeight::bits_per_parameter(WeightEncoding encoding) {

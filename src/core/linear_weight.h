@@ -51,6 +51,14 @@ class LinearWeight {
   LinearWeight requantized(WeightEncoding target) const;
   // Bits per parameter of an encoding, scales included (kF32: 32).
   static double bits_per_parameter(WeightEncoding encoding);
+  // A dense fp32 matrix in the released checkpoints' FP8 layout: per 128×128 block the UE8M0 scale
+  // 2^ceil(log2(max(amax, 1e-4) / 448)), codes the e4m3 round-to-nearest-even of value / scale (exact: the
+  // scale is a power of two). What --load-format dummy makes of a config that declares FP8 weights.
+  static LinearWeight quantize_fp8_blocks(const Tensor& dense);
+  // A dense fp32 matrix (cols a multiple of 32) in the released routed experts' MXFP4 layout: per row and 32
+  // columns the UE8M0 scale 2^ceil(log2(max(amax, 6·2^-126) / 6)), codes the e2m1 round-to-nearest-even of
+  // value / scale. What --load-format dummy makes of the routed experts of a config with expert_dtype "fp4".
+  static LinearWeight quantize_mxfp4_groups(const Tensor& dense);
   // [top; bottom]: the same encoding and column count (dsv4::Error otherwise).
   static LinearWeight concat_rows(const LinearWeight& top, const LinearWeight& bottom);
 
@@ -73,6 +81,8 @@ class LinearWeight {
   Tensor dequantized() const;
   // The stored codes (kF8E4M3: [rows, cols] e4m3 bytes, what an FP8 GEMM reads).
   const std::vector<uint8_t>& codes() const { return codes_; }
+  // kFp4E2M1: the UE8M0 scale bytes [rows, cols / 32] (value = e2m1(code) · 2^(e − 127)).
+  const std::vector<uint8_t>& fp4_exponents() const { return fp4_exponents_; }
   // kF8E4M3: the checkpoint's block scales [ceil(rows/128), ceil(cols/128)] into `out`; false (out untouched)
   // when some 128-row block's rows do not share their scales (a w1 ‖ w3 stack at a row count off the blocks).
   bool fp8_block_scales(std::vector<float>& out) const;

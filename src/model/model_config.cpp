@@ -221,8 +221,17 @@ ModelConfig ModelConfig::from_json(const json& config) {
   }
   if (config.contains("dtype") && config["dtype"].is_string()) c.torch_dtype = config["dtype"];
   else if (config.contains("torch_dtype") && config["torch_dtype"].is_string()) c.torch_dtype = config["torch_dtype"];
+  if (config.contains("quantization_config") && config["quantization_config"].is_object()) {
+    const nlohmann::json& q = config["quantization_config"];
+    c.fp8_block_weights = q.value("quant_method", std::string()) == "fp8";
+  }
+  if (config.contains("expert_dtype") && config["expert_dtype"].is_string())
+    c.fp4_routed_experts = config["expert_dtype"] == "fp4";
   const int64_t n = c.num_hidden_layers;
   require(n > 0, "num_hidden_layers", std::to_string(n), "must be positive");
+  if (c.fp4_routed_experts)  // MXFP4 scales cover 32 inputs
+    require(c.hidden_size % 32 == 0 && c.moe_intermediate_size % 32 == 0, "expert_dtype", "\"fp4\"",
+            "needs hidden_size and moe_intermediate_size multiples of 32 (one MXFP4 scale per 32 inputs)");
 
   // compress_rates: the dict field, then the legacy scalars compress_rate_csa / compress_rate_hca override it.
   if (config.contains("compress_rates") && !config["compress_rates"].is_null()) {

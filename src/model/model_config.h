@@ -83,6 +83,12 @@ struct ModelConfig {
   int64_t qk_rope_head_dim = 64;  // int(head_dim * partial_rotary_factor)
   RopeParameters rope_main, rope_compress;
   std::string torch_dtype = "bfloat16";  // "dtype"/"torch_dtype" of config.json (storage hint only)
+  // config.json `quantization_config` with quant_method "fp8" (the released checkpoints: e4m3 weights,
+  // 128×128 block scales): the layout --load-format dummy gives the projections the release stores FP8.
+  bool fp8_block_weights = false;
+  // config.json `expert_dtype` "fp4" (the released V4 checkpoints: MXFP4 routed experts): the layout
+  // --load-format dummy gives the routed experts.
+  bool fp4_routed_experts = false;
   Numerics numerics = Numerics::kHf;      // a run option, not part of config.json
   // kHf only, a run option: the inputs of the projections a checkpoint stores FP8 are quantized per row and
   // 128 columns (e4m3, UE8M0 scales) as DeepSeek's FP8 linear does — what the GPU backend computes with its

@@ -135,7 +135,16 @@ LayerWeights RandomWeightSource::layer(int64_t index) {
   DSV4_CHECK(index >= 0 && index < config_.num_hidden_layers,
              "layer " + std::to_string(index) + " outside the config's " + std::to_string(config_.num_hidden_layers) +
                  " layers");
-  return assemble_layer_weights(config_, index, [this](const std::string& name) { return generate(name); });
+  LayerWeights layer =
+      assemble_layer_weights(config_, index, [this](const std::string& name) { return generate(name); });
+  if (config_.fp8_block_weights)  // the projections the release stores FP8, in its layout
+    for (LinearWeight* w : {&layer.wq_a, &layer.wq_b, &layer.wkv, &layer.wo_b, &layer.indexer_wq_b,
+                            &layer.shared_w13, &layer.shared_w2})
+      if (!w->empty()) *w = LinearWeight::quantize_fp8_blocks(w->dense());
+  if (config_.fp4_routed_experts)  // the release's MXFP4 routed experts
+    for (auto* experts : {&layer.experts_w13, &layer.experts_w2})
+      for (LinearWeight& w : *experts) w = LinearWeight::quantize_mxfp4_groups(w.dense());
+  return layer;
 }
 
 void write_random_model(const ModelConfig& config, uint64_t seed, StorageDType dtype, const std::string& out_dir,

@@ -19,8 +19,10 @@ std::vector<std::pair<std::string, Tensor>> random_tensors(const ModelConfig& co
 // The same values as fp32 weights in memory (the embedded default model, tests, benchmarks).
 ModelWeights random_weights(const ModelConfig& config, uint64_t seed);
 
-// The same tensors again (names, values), generated a piece at a time when asked for: a random model of any size
-// with host memory for one layer (`--load-format dummy` on the GPU backend).
+// The same tensors again (names, values), generated a piece at a time when asked for: a random model of any
+// size with host memory for one layer (`--load-format dummy` on the GPU backend). A config with
+// ModelConfig::fp8_block_weights gets the projections the release stores FP8 in its FP8 layout
+// (LinearWeight::quantize_fp8_blocks of the same values).
 class RandomWeightSource final : public ModelWeightSource {
  public:
   RandomWeightSource(ModelConfig config, uint64_t seed);

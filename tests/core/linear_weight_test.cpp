@@ -16,6 +16,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "ops/cpu/linear.h"
+#include "ops/cpu/quantize.h"
 
 namespace dsv4 {
 namespace {
@@ -305,6 +306,69 @@ TEST(LinearWeight, RequantizesToThreeAndTwoBits) {
   EXPECT_THROW((void)odd.weight().requantized(WeightEncoding::kQ3G32),
                Error);  // 200 columns: not groups of 32
   EXPECT_THROW((void)source.weight().requantized(WeightEncoding::kF8E4M3), Error);
+}
+
+// quantize_fp8_blocks against the recipe's own quantizers (ops/cpu/quantize.h): UE8M0 block scale of the
+// 128×128 block's amax, e4m3 round-to-nearest-even of value / scale; blocks of very different magnitudes,
+// partial blocks.
+TEST(LinearWeight, QuantizesDenseWeightsToTheReleasedFp8Layout) {
+  const int64_t rows = 300, cols = 200;
+  Tensor dense({rows, cols});
+  std::mt19937 rng(18);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      dense.data[r * cols + c] =
+          normal(rng) * std::ldexp(1.0f, static_cast<int>((r / 128 + 2 * (c / 128)) * 3 - 9));
+  dense.data[5] = 0.0f;
+  const LinearWeight w = LinearWeight::quantize_fp8_blocks(dense);
+  ASSERT_EQ(w.encoding(), WeightEncoding::kF8E4M3);
+  std::vector<float> scales;
+  ASSERT_TRUE(w.fp8_block_scales(scales));
+  ASSERT_EQ(scales.size(), size_t{3 * 2});
+  const Tensor decoded = w.dequantized();
+  int64_t differing = 0;
+  for (int64_t br = 0; br < 3; ++br)
+    for (int64_t bc = 0; bc < 2; ++bc) {
+      float amax = 0.0f;
+      for (int64_t r = br * 128; r < std::min(rows, br * 128 + 128); ++r)
+        for (int64_t c = bc * 128; c < std::min(cols, bc * 128 + 128); ++c)
+          amax = std::max(amax, std::fabs(dense.data[r * cols + c]));
+      const float scale = ops::cpu::ue8m0_scale(amax, ops::cpu::kE4m3Max, 1e-4f);
+      EXPECT_EQ(scales[br * 2 + bc], scale) << "block " << br << ", " << bc;
+      for (int64_t r = br * 128; r < std::min(rows, br * 128 + 128); ++r)
+        for (int64_t c = bc * 128; c < std::min(cols, bc * 128 + 128); ++c) {
+          const float expected = ops::cpu::e4m3_round(dense.data[r * cols + c] / scale) * scale;
+          differing += std::memcmp(&expected, &decoded.data[r * cols + c], sizeof(float)) != 0 &&
+                       !(expected == 0.0f && decoded.data[r * cols + c] == 0.0f);
+        }
+    }
+  EXPECT_EQ(differing, 0);
+}
+
+// quantize_mxfp4_groups against the recipe's FP4 quantizer (ops/cpu/quantize.h quantize_e2m1_blocks: UE8M0
+// scale of each 32-wide group's amax, e2m1 round-to-nearest-even): rows of very different magnitudes, an
+// all-zero group.
+TEST(LinearWeight, QuantizesDenseWeightsToTheMxfp4Layout) {
+  const int64_t rows = 37, cols = 96;
+  Tensor dense({rows, cols});
+  std::mt19937 rng(19);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      dense.data[r * cols + c] = normal(rng) * std::ldexp(1.0f, static_cast<int>(r % 7) * 3 - 12);
+  for (int64_t c = 32; c < 64; ++c) dense.data[3 * cols + c] = 0.0f;
+  const LinearWeight w = LinearWeight::quantize_mxfp4_groups(dense);
+  ASSERT_EQ(w.encoding(), WeightEncoding::kFp4E2M1);
+  EXPECT_EQ(w.storage_bytes(), static_cast<size_t>(rows * cols / 2 + rows * cols / 32));
+  std::vector<float> expected = dense.data;
+  for (int64_t r = 0; r < rows; ++r) ops::cpu::quantize_e2m1_blocks(expected.data() + r * cols, cols, 32);
+  const Tensor decoded = w.dequantized();
+  int64_t differing = 0;
+  for (size_t i = 0; i < expected.size(); ++i)
+    differing += expected[i] != decoded.data[i];  // -0 == +0: the sign of a zero code is not kept
+  EXPECT_EQ(differing, 0);
+  EXPECT_THROW((void)LinearWeight::quantize_mxfp4_groups(Tensor({4, 48})), Error);
 }
 
 TEST(LinearWeight, RowRangeOutsideTheWeightThrows) {

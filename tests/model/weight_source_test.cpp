@@ -6,6 +6,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -147,6 +148,52 @@ TEST(RandomWeightSource, GivesRandomWeights) {
     RandomWeightSource source(config, 11);
     expect_source_gives(source, random_weights(config, 11));
   }
+}
+
+// A config declaring FP8 weights (quantization_config.quant_method "fp8", as the released config.json files
+// do):
+// --load-format dummy gives the projections the release stores FP8 in that layout, the rest as before.
+TEST(RandomWeightSource, Fp8ConfigGivesFp8Projections) {
+  nlohmann::json json = ModelConfig::preset("tiny").to_json();
+  json["quantization_config"] = {{"quant_method", "fp8"}, {"fmt", "e4m3"}, {"weight_block_size", {128, 128}}};
+  const ModelConfig config = ModelConfig::from_json(json);
+  ASSERT_TRUE(config.fp8_block_weights);
+  RandomWeightSource source(config, 4);
+  const ModelWeights dense = random_weights(config, 4);
+  for (int64_t index : {int64_t{0}, config.num_hidden_layers - 1}) {
+    const LayerWeights layer = source.layer(index);
+    const LayerWeights& expected = dense.layers[static_cast<size_t>(index)];
+    EXPECT_EQ(layer.wq_a.encoding(), WeightEncoding::kF8E4M3);
+    EXPECT_EQ(layer.shared_w2.encoding(), WeightEncoding::kF8E4M3);
+    EXPECT_EQ(layer.wo_a.encoding(), WeightEncoding::kF32);  // bf16 in the release
+    expect_identical(layer.wo_a, expected.wo_a, "wo_a");
+    expect_identical(layer.wq_b, LinearWeight::quantize_fp8_blocks(expected.wq_b.dense()), "wq_b");
+  }
+}
+
+// expert_dtype "fp4" (the released config.json): --load-format dummy gives MXFP4 routed experts, the
+// quantization of the dense random experts; the shared expert is untouched.
+TEST(RandomWeightSource, Fp4ExpertConfigGivesMxfp4RoutedExperts) {
+  nlohmann::json json = testing::small_config().to_json();
+  json["expert_dtype"] = "fp4";
+  EXPECT_THROW((void)ModelConfig::from_json(json),
+               Error);  // moe_intermediate_size 12: not whole scale groups
+  json["moe_intermediate_size"] = 32;
+  const ModelConfig config = ModelConfig::from_json(json);
+  ASSERT_TRUE(config.fp4_routed_experts);
+  RandomWeightSource source(config, 6);
+  const ModelWeights dense = random_weights(config, 6);
+  const LayerWeights layer = source.layer(0);
+  const LayerWeights& expected = dense.layers[0];
+  ASSERT_EQ(layer.experts_w13.size(), expected.experts_w13.size());
+  for (size_t e = 0; e < layer.experts_w13.size(); ++e) {
+    EXPECT_EQ(layer.experts_w13[e].encoding(), WeightEncoding::kFp4E2M1);
+    expect_identical(layer.experts_w13[e],
+                     LinearWeight::quantize_mxfp4_groups(expected.experts_w13[e].dense()), "experts_w13");
+    expect_identical(layer.experts_w2[e], LinearWeight::quantize_mxfp4_groups(expected.experts_w2[e].dense()),
+                     "experts_w2");
+  }
+  EXPECT_EQ(layer.shared_w13.encoding(), WeightEncoding::kF32);
 }
 
 TEST(WeightSources, LayerOutsideTheModelThrows) {

@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <map>
 
 #include "core/dtype.h"
@@ -129,6 +131,11 @@ struct LayerDevice {
   void *experts_w13 = nullptr, *experts_w2 = nullptr;  // [E, 2I, D], [E, D, I] in the weight dtype
   const void* const* expert_w13_pointers = nullptr;      // device [E]: expert e's w13 / w2 (ops/cuda/moe_experts.h)
   const void* const* expert_w2_pointers = nullptr;
+  // MXFP4 routed experts (CudaModelOptions::mxfp4_experts): the pointers above address packed e2m1 codes,
+  // these the kernel's tile-major UE8M0 scales.
+  bool mxfp4_experts = false;
+  const void* const* expert_w13_scale_pointers = nullptr;
+  const void* const* expert_w2_scale_pointers = nullptr;
   void *shared_w13 = nullptr, *shared_w2 = nullptr;
 };
 
@@ -355,9 +362,9 @@ struct DeepseekV4CudaModel::Impl {
   void compress(int64_t layer, EntryKind kind, const Step& step, const void* x_operand, cudaStream_t on,
                 cu::Gemm& with);
   void moe(int64_t layer, const Step& step, const float* x, const void* x_operand, float* out);
-  // Prefill chunks: the routing copied to the host, rows permuted expert by expert, one cuBLASLt GEMM pair per
-  // expert (dense tensor-core GEMMs at hundreds of rows each), the weighted combine on the device. Not capturable
-  // (a host sync), so decode steps use ops/cuda/moe_experts.
+  // Large steps, only with DSV4_HOST_GROUPED_MOE_MIN_TOKENS (host_grouped_moe_min_tokens): the routing copied
+  // to the host, rows permuted expert by expert, one cuBLASLt GEMM pair per expert, the weighted combine on
+  // the device. Not capturable (a host sync); slower than ops/cuda/moe_experts at every measured size.
   void moe_host_grouped(int64_t layer, const Step& step, const void* x_operand, const int32_t* chosen,
                         const float* weights, float* out);
   std::vector<int32_t> host_chosen, host_moe_index;
@@ -488,20 +495,64 @@ void DeepseekV4CudaModel::upload_layer(const LayerWeights& l) {
     d.tid2eid = static_cast<int32_t*>(m.weights_memory.allocate(l.tid2eid.size() * sizeof(int32_t)));
     DSV4_CU(cudaMemcpy(d.tid2eid, l.tid2eid.data(), l.tid2eid.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
   }
-  d.experts_w13 = m.upload_stacked(l.experts_w13);
-  d.experts_w2 = m.upload_stacked(l.experts_w2);
-  auto pointers = [&](void* stacked, const std::vector<LinearWeight>& weights) -> const void* const* {
+  auto pointers = [&](void* stacked, size_t each_bytes, size_t count) -> const void* const* {
     std::vector<const void*> host;
-    const auto each =
-        weights.empty() ? size_t{0} : static_cast<size_t>(weights[0].rows() * weights[0].cols());
-    for (size_t e = 0; e < weights.size(); ++e)
-      host.push_back(static_cast<const std::byte*>(stacked) + e * each * m.weight_element_bytes());
+    for (size_t e = 0; e < count; ++e)
+      host.push_back(static_cast<const std::byte*>(stacked) + e * each_bytes);
     auto* device = static_cast<const void**>(m.weights_memory.allocate(host.size() * sizeof(void*)));
     DSV4_CU(cudaMemcpy(device, host.data(), host.size() * sizeof(void*), cudaMemcpyHostToDevice));
     return device;
   };
-  d.expert_w13_pointers = pointers(d.experts_w13, l.experts_w13);
-  d.expert_w2_pointers = pointers(d.experts_w2, l.experts_w2);
+  const auto all_fp4 = [](const std::vector<LinearWeight>& weights) {
+    return !weights.empty() && std::all_of(weights.begin(), weights.end(), [](const LinearWeight& w) {
+      return w.encoding() == WeightEncoding::kFp4E2M1;
+    });
+  };
+  const size_t experts = l.experts_w13.size();
+  const auto scales_supported = [](const std::vector<LinearWeight>& weights) {
+    return std::all_of(weights.begin(), weights.end(), [](const LinearWeight& w) {
+      return cu::mxfp4_kernel_scales_supported(w.fp4_exponents().size(), w.fp4_exponents().data());
+    });
+  };
+  d.mxfp4_experts = m.bf16 && m.options.mxfp4_experts && all_fp4(l.experts_w13) && all_fp4(l.experts_w2) &&
+                    m.config.hidden_size % 32 == 0 && m.config.moe_intermediate_size % 32 == 0 &&
+                    scales_supported(l.experts_w13) && scales_supported(l.experts_w2);
+  if (d.mxfp4_experts) {
+    // Codes and scales rearranged for the kernel (ops/cuda/moe_experts.h mxfp4_kernel_codes,
+    // mxfp4_tile_scales).
+    auto upload_fp4 = [&](const std::vector<LinearWeight>& weights, void*& codes,
+                          const void* const*& code_table, const void* const*& scale_table) {
+      const int64_t rows = weights[0].rows(), cols = weights[0].cols();
+      const size_t code_bytes = cu::mxfp4_kernel_code_bytes(rows, cols);
+      const size_t scale_bytes = cu::mxfp4_tile_scale_bytes(rows, cols);
+      codes = m.weights_memory.allocate(code_bytes * weights.size());
+      void* scales = m.weights_memory.allocate(scale_bytes * weights.size());
+      for (size_t e = 0; e < weights.size(); ++e) {
+        DSV4_CHECK(weights[e].shape() == weights[0].shape(), "stacked weights of different shapes");
+        const std::vector<uint8_t> ordered = cu::mxfp4_kernel_codes(rows, cols, weights[e].codes().data());
+        DSV4_CU(cudaMemcpy(static_cast<std::byte*>(codes) + e * code_bytes, ordered.data(), code_bytes,
+                           cudaMemcpyHostToDevice));
+        const std::vector<uint8_t> tiled =
+            cu::mxfp4_tile_scales(rows, cols, weights[e].fp4_exponents().data());
+        DSV4_CU(cudaMemcpy(static_cast<std::byte*>(scales) + e * scale_bytes, tiled.data(), scale_bytes,
+                           cudaMemcpyHostToDevice));
+      }
+      code_table = pointers(codes, code_bytes, weights.size());
+      scale_table = pointers(scales, scale_bytes, weights.size());
+    };
+    upload_fp4(l.experts_w13, d.experts_w13, d.expert_w13_pointers, d.expert_w13_scale_pointers);
+    upload_fp4(l.experts_w2, d.experts_w2, d.expert_w2_pointers, d.expert_w2_scale_pointers);
+  } else {
+    d.experts_w13 = m.upload_stacked(l.experts_w13);
+    d.experts_w2 = m.upload_stacked(l.experts_w2);
+    const auto each = [&](const std::vector<LinearWeight>& weights) {
+      return weights.empty()
+                 ? size_t{0}
+                 : static_cast<size_t>(weights[0].rows() * weights[0].cols()) * m.weight_element_bytes();
+    };
+    d.expert_w13_pointers = pointers(d.experts_w13, each(l.experts_w13), experts);
+    d.expert_w2_pointers = pointers(d.experts_w2, each(l.experts_w2), experts);
+  }
   d.shared_w13 = m.upload_weight(l.shared_w13);
   d.shared_w2 = m.upload_weight(l.shared_w2);
   m.layers.push_back(d);
@@ -602,10 +653,21 @@ bool cuda_device_available() {
 
 // ---------------------------------------------------------------------------------------------------------------
 
-// Smallest power of two ≥ value (≥ 1).
-// Steps of at least this many tokens run the MoE as per-expert cuBLASLt GEMMs (moe_host_grouped).
-constexpr int64_t kHostGroupedMoeMinTokens = 256;
+// Steps of at least this many tokens run the bf16 MoE as per-expert cuBLASLt GEMMs (moe_host_grouped); by
+// default none do: the grouped kernel's 128 × 128 tiles measured faster at every prefill size of the bench
+// (4-layer V4-Flash cut, 16 experts, H200: 1K tokens 10.1 ms against 26.7–38.8 ms for the whole prefill, 8K
+// tokens 68.3 against 68.4–80.8 ms; docs/PERF.md). DSV4_HOST_GROUPED_MOE_MIN_TOKENS=N brings it back for
+// steps of ≥ N tokens (a measuring knob).
+int64_t host_grouped_moe_min_tokens() {
+  static const int64_t value = [] {
+    const char* text = std::getenv("DSV4_HOST_GROUPED_MOE_MIN_TOKENS");
+    return text != nullptr && *text != 0 ? std::max<int64_t>(1, std::atoll(text))
+                                         : std::numeric_limits<int64_t>::max();
+  }();
+  return value;
+}
 
+// Smallest power of two ≥ value (≥ 1).
 int64_t round_up_pow2(int64_t value) {
   int64_t p = 1;
   while (p < value) p *= 2;
@@ -1277,7 +1339,8 @@ void DeepseekV4CudaModel::Impl::moe(int64_t layer, const Step& step, const float
   rp.routed_scaling_factor = static_cast<float>(c.routed_scaling_factor);
   DSV4_CU(cu::route(rp, logits, hash ? nullptr : l.gate_bias, hash ? l.tid2eid : nullptr, step.token_ids, chosen,
                     weights, nullptr, stream));
-  if (N >= kHostGroupedMoeMinTokens && !capturing) {
+  // (MXFP4 experts: cuBLASLt cannot read them, the grouped kernel decodes them at every size.)
+  if (N >= host_grouped_moe_min_tokens() && !capturing && !l.mxfp4_experts) {
     moe_host_grouped(layer, step, x_operand, chosen, weights, out);
     return;
   }
@@ -1288,8 +1351,12 @@ void DeepseekV4CudaModel::Impl::moe(int64_t layer, const Step& step, const float
   mp.hidden = D;
   mp.intermediate = c.moe_intermediate_size;
   mp.swiglu_limit = static_cast<float>(c.swiglu_limit);
-  mp.dtype = bf16 ? cu::MoeWeightDtype::kBf16 : cu::MoeWeightDtype::kFp32;
-  const cu::MoeExpertWeights ew{l.expert_w13_pointers, l.expert_w2_pointers, l.shared_w13, l.shared_w2};
+  mp.dtype = l.mxfp4_experts ? cu::MoeWeightDtype::kMxfp4
+             : bf16          ? cu::MoeWeightDtype::kBf16
+                             : cu::MoeWeightDtype::kFp32;
+  const cu::MoeExpertWeights ew{
+      l.expert_w13_pointers, l.expert_w2_pointers,        l.shared_w13,
+      l.shared_w2,           l.expert_w13_scale_pointers, l.expert_w2_scale_pointers};
   const size_t workspace_bytes = cu::moe_experts_workspace_bytes(mp);
   void* workspace = buffer<std::byte>("moe_workspace", workspace_bytes);
   DSV4_CU(cu::moe_experts(mp, ew, x, chosen, weights, out, workspace, workspace_bytes, stream));

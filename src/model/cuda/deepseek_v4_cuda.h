@@ -29,9 +29,13 @@ struct CudaModelOptions {
   // The dense projections a checkpoint stores FP8 (wq_a, wq_b, wkv, wo_b, indexer wq_b) stay FP8 on the
   // device and run DeepSeek's FP8 linear (per-128 activation quantization, block-scaled GEMM, ops/cuda/gemm.h
   // linear_fp8), as vLLM serves block-FP8 checkpoints; false: they are decoded to the weight dtype at upload.
-  // dsv4's CLI turns it on in bf16 mode (DSV4_FP8_WEIGHTS=0 turns it off); docs/gpu.md "FP8 weights on the
-  // device".
+  // dsv4's CLI turns it on in bf16 mode with DSV4_FP8_WEIGHTS=1 (opt-in: prefill is slower, docs/gpu.md "FP8
+  // weights on the device").
   bool fp8_weights = false;
+  // Routed experts a checkpoint stores MXFP4 (the release) stay MXFP4 on the device in bf16 mode (4.25
+  // bits/param instead of 16) and are decoded inside the grouped expert GEMM (ops/cuda/moe_experts.h kMxfp4);
+  // bitwise the same results as decoding them to bf16 at upload, which false does (DSV4_MXFP4_EXPERTS=0).
+  bool mxfp4_experts = true;
 };
 
 class DeepseekV4CudaModel final : public ModelBackend {

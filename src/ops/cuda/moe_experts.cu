@@ -31,7 +31,7 @@ struct Layout {
 };
 
 Layout layout(const MoeExpertsParams& p) {
-  const bool bf16 = p.dtype == MoeWeightDtype::kBf16;
+  const bool bf16 = p.dtype != MoeWeightDtype::kFp32;
   const auto routed = static_cast<size_t>(p.tokens * p.top_k);
   const size_t rows = routed + static_cast<size_t>(p.tokens);
   size_t at = 0;
@@ -226,6 +226,7 @@ struct GemmArgs {
   const int32_t* row_token;     // gemm1 only
   const void* const* weights;   // [E] device pointers
   const void* shared_weight;    // expert E
+  const void* const* scales;    // kMxfp4: [E] device pointers to the routed experts' tile-major UE8M0 scales
   const int32_t* offsets;       // [E + 2]
   const int2* items;            // (expert, row tile)
   const int32_t* num_items;
@@ -263,32 +264,89 @@ __device__ __forceinline__ uint32_t swizzle(int row, int chunk) {
   return static_cast<uint32_t>(row * 128 + ((chunk ^ (row & 7)) << 4));
 }
 
-// gemm1 (kGateUp): the CTA's weight rows are 16-row groups of 8 gate rows j0 + 8q .. + 7 and the 8 matching up
-// rows I + j0 + 8q ..; a warp's n8 tiles 2p / 2p + 1 are then the gate and up of the same 8 columns, and the
-// epilogue writes h = silu(min(g, L)) · clamp(u, −L, L) in bf16. gemm2: plain columns, y in fp32.
+// MXFP4 weight tiles (kMxfp4). The device keeps each routed expert's codes in the kernel's order
+// (mxfp4_kernel_codes): per weight row and 64-wide k tile 32 bytes, lane t (= lane % 4) of the mma's B
+// fragment owning bytes 8t .. 8t + 7 — one u32 per 32-wide scale group holding its 8 e2m1 pairs of that
+// group's two k16 steps, each pair's two nibbles at bits 12 − 4i and 28 − 4i. So a lane reads its B fragments
+// with one 8-byte shared load per n8 tile and k tile and turns a pair into a bf16x2 register with a shift and
+// two masks (the nibble's sign to bf16's sign bit, its 3 exponent/mantissa bits to the bottom of bf16's
+// exponent: e2m1 · 2^-126, exact with bf16 subnormals) and one bf16 multiply by 2^(e − 1) that applies the
+// UE8M0 scale 2^(e − 127) and the 2^126 (exact: e ≤ 128, mxfp4_kernel_scales_supported). No decoded tile, no
+// table, no extra barrier: a shared-memory round trip per value was measured at 25 % of copy bandwidth. Per
+// stage: the A tile, the codes (kBN × 32 bytes), the scales (kBN × 2 bytes: 8 slots per 16-byte chunk of the
+// k-tile-major scale layout).
+//
+// Stages: a k tile's weight bytes are a quarter of bf16's, so the memory-bound decode tiles get 3× the stages
+// to keep as many bytes in flight; prefill tiles are bound by the mma and keep theirs.
+template <class C>
+struct Fp4Layout {
+  static constexpr int kStages = C::kBM <= 16 ? 12 : C::kBM <= 64 ? 8 : C::kStages;
+  static constexpr int kCodeBytes = C::kBN * 32;
+  static constexpr int kScaleBytes = C::kBN * 2;
+  static constexpr int kStageBytes = C::kBM * 128 + kCodeBytes + kScaleBytes;
+  static constexpr int kSmemBytes = kStageBytes * kStages;
+  static constexpr int kCodeChunks = C::kBN * 2 / C::kThreads;  // 16-byte code chunks per thread and stage
+  static constexpr int kScaleChunks = C::kBN / 8;               // loaded by threads 0 .. kScaleChunks - 1
+  static_assert(C::kBN * 2 % C::kThreads == 0 && kScaleChunks <= C::kThreads, "whole chunks per thread");
+};
+
+template <class C, bool kFp4Routed>
+constexpr int kernel_smem_bytes() {
+  return kFp4Routed && Fp4Layout<C>::kSmemBytes > C::kSmemBytes ? Fp4Layout<C>::kSmemBytes : C::kSmemBytes;
+}
+
+// The 4 bf16x2 B-fragment registers of one scale group (two k16 steps: b0, b1 of the first, then of the
+// second) from its u32 of e2m1 pairs and the bf16x2 multiplier 2^(e − 1).
+__device__ __forceinline__ void e2m1_group_to_bf16(uint32_t packed, __nv_bfloat162 multiplier,
+                                                   uint32_t (&out)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t x = packed << (4 * i);
+    const uint32_t bits = (x & 0x80008000u) | ((x >> 6) & 0x01C001C0u);
+    const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&bits), multiplier);
+    out[i] = *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+
+__device__ __forceinline__ __nv_bfloat162 ue8m0_multiplier(uint32_t e) {
+  const uint32_t bits = (e + 126) << 7;  // bf16 2^(e − 1)
+  const uint32_t pair = bits | bits << 16;
+  return *reinterpret_cast<const __nv_bfloat162*>(&pair);
+}
+
+// The output column of B slot s (a CTA weight row) and its row in W. gemm1 (kGateUp): the CTA's weight rows
+// are 16-row groups of 8 gate rows j0 + 8q .. + 7 and the 8 matching up rows I + j0 + 8q ..; a warp's n8
+// tiles 2p / 2p + 1 are then the gate and up of the same 8 columns. gemm2: plain columns.
 template <class C, bool kGateUp>
-__global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) expert_gemm_kernel(const GemmArgs a) {
-  wait_for_prior_grid();
-  allow_dependents();
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-  __trap();  // bf16 mma.sync needs sm_80+; the host wrapper refuses to launch such a build
-#else
-  const int item = blockIdx.y;
-  if (item >= *a.num_items) return;
-  const int2 work = a.items[item];
-  const int expert = work.x;
-  const int row_begin = a.offsets[expert] + work.y * C::kBM;
-  const int rows = min(C::kBM, a.offsets[expert + 1] - row_begin);
-  const auto* W = static_cast<const uint16_t*>(expert < a.experts ? a.weights[expert] : a.shared_weight);
+__device__ __forceinline__ int slot_column(int s, int64_t& wrow, int N) {
+  if constexpr (kGateUp) {
+    const int col = blockIdx.x * (C::kBN / 2) + (s >> 4) * 8 + (s & 7);
+    wrow = ((s & 15) >= 8 ? N : 0) + col;
+    return col;
+  } else {
+    const int col = blockIdx.x * C::kBN + s;
+    wrow = col;
+    return col;
+  }
+}
+
+// One CTA's tile: C[rows of one work item, column tile] = A · Wᵀ, W [n, K] row-major (K contiguous), W bf16
+// or (kFp4) MXFP4 decoded per k tile; gemm1 writes h = silu(min(g, L)) · clamp(u, −L, L) in bf16, gemm2 y in
+// fp32.
+template <class C, bool kGateUp, bool kFp4>
+__device__ __forceinline__ void gemm_tile(const GemmArgs& a, int expert, int row_begin, int rows,
+                                          unsigned char* smem) {
+  const void* W = expert < a.experts ? a.weights[expert] : a.shared_weight;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int warp_m = warp / C::kWarpsN, warp_n = warp % C::kWarpsN;
   const int chunk = tid & 7;
   constexpr int kRowStep = C::kThreads / 8;
+  constexpr int kStageBytes = kFp4 ? Fp4Layout<C>::kStageBytes : C::kStageBytes;
+  constexpr int kStages = kFp4 ? Fp4Layout<C>::kStages : C::kStages;
+  const auto smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
 
-  extern __shared__ __align__(128) unsigned char dynamic_smem[];
-  const auto smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(dynamic_smem));
-
-  // This thread's 16-byte chunks of each stage: fixed rows, fixed chunk column.
+  const int k_tiles = (a.K + C::kBK - 1) / C::kBK;
+  // This thread's 16-byte A chunks of each stage: fixed rows, fixed chunk column.
   const uint16_t* a_src[C::kAChunks];
   uint32_t a_dst[C::kAChunks];
 #pragma unroll
@@ -302,41 +360,67 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) expert_gemm_kernel
     a_src[j] = src;
     a_dst[j] = swizzle(r, chunk);
   }
-  const uint16_t* b_src[C::kBChunks];
-  uint32_t b_dst[C::kBChunks];
+  // B sources: bf16 16-byte chunks of whole rows, or (kFp4) code chunks (two per row and k tile) and the
+  // scale chunk of 8 slots.
+  constexpr int kBSources = kFp4 ? Fp4Layout<C>::kCodeChunks : C::kBChunks;
+  const unsigned char* b_src[kBSources];
+  uint32_t b_dst[kBSources];
+  const unsigned char* scale_src = nullptr;
+  const auto* W_bytes = static_cast<const unsigned char*>(W);
 #pragma unroll
-  for (int j = 0; j < C::kBChunks; ++j) {
-    const int s = tid / 8 + j * kRowStep;
-    int col;
+  for (int j = 0; j < kBSources; ++j) {
     int64_t wrow;
-    if constexpr (kGateUp) {
-      col = blockIdx.x * (C::kBN / 2) + (s >> 4) * 8 + (s & 7);
-      wrow = ((s & 15) >= 8 ? a.N : 0) + col;
+    if constexpr (kFp4) {
+      const int index = tid + j * C::kThreads, s = index >> 1, half = index & 1;
+      const int col = slot_column<C, kGateUp>(s, wrow, a.N);
+      b_src[j] = col < a.N ? W_bytes + wrow * k_tiles * 32 + half * 16 : nullptr;
+      b_dst[j] = C::kBM * 128 + s * 32 + half * 16;
     } else {
-      col = blockIdx.x * C::kBN + s;
-      wrow = col;
+      const int s = tid / 8 + j * kRowStep;
+      const int col = slot_column<C, kGateUp>(s, wrow, a.N);
+      b_src[j] = col < a.N ? W_bytes + (wrow * a.K + chunk * 8) * 2 : nullptr;
+      b_dst[j] = C::kBM * 128 + swizzle(s, chunk);
     }
-    b_src[j] = col < a.N ? W + wrow * a.K + chunk * 8 : nullptr;
-    b_dst[j] = C::kBM * 128 + swizzle(s, chunk);
+  }
+  const int weight_rows = kGateUp ? 2 * a.N : a.N;
+  if constexpr (kFp4) {
+    if (tid < Fp4Layout<C>::kScaleChunks) {
+      int64_t wrow;
+      const int col = slot_column<C, kGateUp>(tid * 8, wrow, a.N);
+      if (col < a.N) scale_src = static_cast<const unsigned char*>(a.scales[expert]) + wrow * 2;
+    }
   }
 
-  const int k_tiles = (a.K + C::kBK - 1) / C::kBK;
   auto load_stage = [&](int slot, int kt) {
     const int k0 = kt * C::kBK;
-    const bool k_ok = k0 + chunk * 8 < a.K;
-    const uint32_t base = smem_base + slot * C::kStageBytes;
+    const uint32_t base = smem_base + slot * kStageBytes;
+    const bool a_ok = k0 + chunk * 8 < a.K;
 #pragma unroll
     for (int j = 0; j < C::kAChunks; ++j) {
-      const bool ok = k_ok && a_src[j] != nullptr;
+      const bool ok = a_ok && a_src[j] != nullptr;
       cp_async16(base + a_dst[j], ok ? a_src[j] + k0 : a.a, ok);
     }
 #pragma unroll
-    for (int j = 0; j < C::kBChunks; ++j) {
-      const bool ok = k_ok && b_src[j] != nullptr;
-      cp_async16(base + b_dst[j], ok ? b_src[j] + k0 : W, ok);
+    for (int j = 0; j < kBSources; ++j) {
+      bool ok;
+      int64_t offset;
+      if constexpr (kFp4) {
+        ok = b_src[j] != nullptr;  // rows are whole k tiles (zero padded)
+        offset = static_cast<int64_t>(kt) * 32;
+      } else {
+        ok = a_ok && b_src[j] != nullptr;
+        offset = int64_t{k0} * 2;
+      }
+      cp_async16(base + b_dst[j], ok ? b_src[j] + offset : W_bytes, ok);
+    }
+    if constexpr (kFp4) {
+      if (tid < Fp4Layout<C>::kScaleChunks) {
+        const bool ok = scale_src != nullptr;
+        cp_async16(base + C::kBM * 128 + Fp4Layout<C>::kCodeBytes + tid * 16,
+                   ok ? scale_src + static_cast<int64_t>(kt) * weight_rows * 2 : W_bytes, ok);
+      }
     }
   };
-
   float acc[C::kMTiles][C::kNTiles][4];
 #pragma unroll
   for (int mt = 0; mt < C::kMTiles; ++mt)
@@ -346,7 +430,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) expert_gemm_kernel
       for (int v = 0; v < 4; ++v) acc[mt][nt][v] = 0.0f;
 
 #pragma unroll
-  for (int s = 0; s < C::kStages - 1; ++s) {
+  for (int s = 0; s < kStages - 1; ++s) {
     if (s < k_tiles) load_stage(s, s);
     cp_async_commit();
   }
@@ -356,24 +440,52 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) expert_gemm_kernel
   const int b_row = warp_n * C::kNTiles * 8 + (lane >> 4) * 8 + (lane & 7);
   const int b_half = (lane >> 3) & 1;
   for (int kt = 0; kt < k_tiles; ++kt) {
-    cp_async_wait<C::kStages - 2>();
+    cp_async_wait<kStages - 2>();
     __syncthreads();  // tile kt landed for every thread; slot (kt - 1) % kStages is free
-    const int next = kt + C::kStages - 1;
-    if (next < k_tiles) load_stage(next % C::kStages, next);
+    const int next = kt + kStages - 1;
+    if (next < k_tiles) load_stage(next % kStages, next);
     cp_async_commit();
-    const uint32_t As = smem_base + (kt % C::kStages) * C::kStageBytes;
+    const uint32_t As = smem_base + (kt % kStages) * kStageBytes;
     const uint32_t Bs = As + C::kBM * 128;
+    // kFp4: this lane's codes of both scale groups and the two scales, per n8 tile (slot warp_n·kNTiles·8 +
+    // 8·nt + lane / 4).
+    uint2 fp4_codes[C::kNTiles];
+    uint32_t fp4_scales[C::kNTiles];
+    uint32_t fp4_b[C::kNTiles][4];
+    if constexpr (kFp4) {
+      const unsigned char* stage = smem + (kt % kStages) * kStageBytes + C::kBM * 128;
+#pragma unroll
+      for (int nt = 0; nt < C::kNTiles; ++nt) {
+        const int slot = warp_n * C::kNTiles * 8 + nt * 8 + (lane >> 2);
+        fp4_codes[nt] = *reinterpret_cast<const uint2*>(stage + slot * 32 + (lane & 3) * 8);
+        fp4_scales[nt] = *reinterpret_cast<const uint16_t*>(stage + Fp4Layout<C>::kCodeBytes + slot * 2);
+      }
+    }
 #pragma unroll
     for (int kk = 0; kk < C::kBK / 16; ++kk) {
       uint32_t b[C::kNTiles][2];
+      if constexpr (kFp4) {
+        if (kk % 2 == 0) {
 #pragma unroll
-      for (int np = 0; np < C::kNTiles / 2; ++np) {
-        uint32_t r[4];
-        ldmatrix_x4(r, Bs + swizzle(b_row + np * 16, kk * 2 + b_half));
-        b[2 * np][0] = r[0];
-        b[2 * np][1] = r[1];
-        b[2 * np + 1][0] = r[2];
-        b[2 * np + 1][1] = r[3];
+          for (int nt = 0; nt < C::kNTiles; ++nt)
+            e2m1_group_to_bf16(kk == 0 ? fp4_codes[nt].x : fp4_codes[nt].y,
+                               ue8m0_multiplier((fp4_scales[nt] >> (kk == 0 ? 0 : 8)) & 0xff), fp4_b[nt]);
+        }
+#pragma unroll
+        for (int nt = 0; nt < C::kNTiles; ++nt) {
+          b[nt][0] = fp4_b[nt][(kk % 2) * 2];
+          b[nt][1] = fp4_b[nt][(kk % 2) * 2 + 1];
+        }
+      } else {
+#pragma unroll
+        for (int np = 0; np < C::kNTiles / 2; ++np) {
+          uint32_t r[4];
+          ldmatrix_x4(r, Bs + swizzle(b_row + np * 16, kk * 2 + b_half));
+          b[2 * np][0] = r[0];
+          b[2 * np][1] = r[1];
+          b[2 * np + 1][0] = r[2];
+          b[2 * np + 1][1] = r[3];
+        }
       }
 #pragma unroll
       for (int mt = 0; mt < C::kMTiles; ++mt) {
@@ -416,6 +528,30 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) expert_gemm_kernel
         }
       }
     }
+}
+
+// kFp4Routed: the routed experts' CTAs decode MXFP4 tiles, the shared expert's (expert E) read bf16.
+template <class C, bool kGateUp, bool kFp4Routed>
+__global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) expert_gemm_kernel(const GemmArgs a) {
+  wait_for_prior_grid();
+  allow_dependents();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  __trap();  // bf16 mma.sync needs sm_80+; the host wrapper refuses to launch such a build
+#else
+  const int item = blockIdx.y;
+  if (item >= *a.num_items) return;
+  const int2 work = a.items[item];
+  const int expert = work.x;
+  const int row_begin = a.offsets[expert] + work.y * C::kBM;
+  const int rows = min(C::kBM, a.offsets[expert + 1] - row_begin);
+  extern __shared__ __align__(128) unsigned char dynamic_smem[];
+  if constexpr (kFp4Routed) {
+    if (expert < a.experts) {
+      gemm_tile<C, kGateUp, true>(a, expert, row_begin, rows, dynamic_smem);
+      return;
+    }
+  }
+  gemm_tile<C, kGateUp, false>(a, expert, row_begin, rows, dynamic_smem);
 #endif
 }
 
@@ -554,7 +690,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const float* _
 bool has_tensor_core_build() {
   static const bool ok = [] {
     cudaFuncAttributes attributes{};
-    if (cudaFuncGetAttributes(&attributes, expert_gemm_kernel<SmallTiles, true>) != cudaSuccess) {
+    if (cudaFuncGetAttributes(&attributes, expert_gemm_kernel<SmallTiles, true, false>) != cudaSuccess) {
       cudaGetLastError();
       return false;
     }
@@ -569,38 +705,98 @@ cudaError_t allow_smem(Kernel kernel, size_t bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
 }
 
-template <class C>
-cudaError_t run_bf16_gemms(const MoeExpertsParams& p, GemmArgs args, const uint16_t* xb, uint16_t* h, float* y,
-                           const MoeExpertWeights& w, cudaStream_t stream) {
+template <class C, bool kFp4Routed>
+cudaError_t run_bf16_gemms(const MoeExpertsParams& p, GemmArgs args, const uint16_t* xb, uint16_t* h,
+                           float* y, const MoeExpertWeights& w, cudaStream_t stream) {
   const int64_t items = items_bound(p, C::kBM);
   if (items > 65535) return cudaErrorInvalidValue;
-  cudaError_t status = allow_smem(expert_gemm_kernel<C, true>, C::kSmemBytes);
-  if (status == cudaSuccess) status = allow_smem(expert_gemm_kernel<C, false>, C::kSmemBytes);
+  constexpr int kSmem = kernel_smem_bytes<C, kFp4Routed>();
+  cudaError_t status = allow_smem(expert_gemm_kernel<C, true, kFp4Routed>, kSmem);
+  if (status == cudaSuccess) status = allow_smem(expert_gemm_kernel<C, false, kFp4Routed>, kSmem);
   if (status != cudaSuccess) return status;
   // gemm1: x · w13ᵀ -> SwiGLU -> h
   args.a = xb;
   args.weights = w.w13;
+  args.scales = w.w13_scales;
   args.shared_weight = w.shared_w13;
   args.out = h;
   args.K = static_cast<int>(p.hidden);
   args.N = static_cast<int>(p.intermediate);
   const dim3 grid1(static_cast<unsigned>((p.intermediate + C::kBN / 2 - 1) / (C::kBN / 2)),
                    static_cast<unsigned>(items));
-  launch_dependent(expert_gemm_kernel<C, true>, grid1, C::kThreads, C::kSmemBytes, stream, args);
+  launch_dependent(expert_gemm_kernel<C, true, kFp4Routed>, grid1, C::kThreads, kSmem, stream, args);
   if ((status = cudaGetLastError()) != cudaSuccess) return status;
   // gemm2: h · w2ᵀ -> y
   args.a = h;
   args.weights = w.w2;
+  args.scales = w.w2_scales;
   args.shared_weight = w.shared_w2;
   args.out = y;
   args.K = static_cast<int>(p.intermediate);
   args.N = static_cast<int>(p.hidden);
   const dim3 grid2(static_cast<unsigned>((p.hidden + C::kBN - 1) / C::kBN), static_cast<unsigned>(items));
-  launch_dependent(expert_gemm_kernel<C, false>, grid2, C::kThreads, C::kSmemBytes, stream, args);
+  launch_dependent(expert_gemm_kernel<C, false, kFp4Routed>, grid2, C::kThreads, kSmem, stream, args);
   return cudaGetLastError();
 }
 
+template <bool kFp4Routed>
+cudaError_t run_tiled_gemms(int tile_rows, const MoeExpertsParams& p, const GemmArgs& args,
+                            const uint16_t* xb, uint16_t* h, float* y, const MoeExpertWeights& w,
+                            cudaStream_t stream) {
+  return tile_rows == 16   ? run_bf16_gemms<SmallTiles, kFp4Routed>(p, args, xb, h, y, w, stream)
+         : tile_rows == 64 ? run_bf16_gemms<MidTiles, kFp4Routed>(p, args, xb, h, y, w, stream)
+                           : run_bf16_gemms<LargeTiles, kFp4Routed>(p, args, xb, h, y, w, stream);
+}
+
 }  // namespace
+
+size_t mxfp4_kernel_code_bytes(int64_t rows, int64_t cols) {
+  return static_cast<size_t>(rows * ((cols + 63) / 64) * 32);
+}
+
+std::vector<uint8_t> mxfp4_kernel_codes(int64_t rows, int64_t cols, const uint8_t* packed) {
+  const int64_t tiles = (cols + 63) / 64;
+  std::vector<uint8_t> out(mxfp4_kernel_code_bytes(rows, cols), 0);
+  auto nibble = [&](int64_t r, int64_t k) -> uint32_t {
+    if (k >= cols) return 0;
+    const uint8_t byte = packed[(r * cols + k) / 2];
+    return k % 2 == 0 ? byte & 15u : byte >> 4;
+  };
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t tile = 0; tile < tiles; ++tile)
+      for (int g = 0; g < 2; ++g)
+        for (int t = 0; t < 4; ++t) {
+          // pair i = (k16 step 2g + i / 2, fragment register i % 2): inputs 8i + 2t and 8i + 2t + 1 of the
+          // group
+          uint32_t word = 0;
+          for (int i = 0; i < 4; ++i) {
+            const int64_t k = tile * 64 + g * 32 + 8 * i + 2 * t;
+            word |= nibble(r, k) << (12 - 4 * i) | nibble(r, k + 1) << (28 - 4 * i);
+          }
+          uint8_t* at = out.data() + (r * tiles + tile) * 32 + 8 * t + 4 * g;
+          for (int b = 0; b < 4; ++b) at[b] = static_cast<uint8_t>(word >> (8 * b));
+        }
+  return out;
+}
+
+bool mxfp4_kernel_scales_supported(size_t count, const uint8_t* exponents) {
+  for (size_t i = 0; i < count; ++i)
+    if (exponents[i] > 128) return false;
+  return true;
+}
+
+size_t mxfp4_tile_scale_bytes(int64_t rows, int64_t cols) {
+  return static_cast<size_t>((cols + 63) / 64 * rows * 2);
+}
+
+std::vector<uint8_t> mxfp4_tile_scales(int64_t rows, int64_t cols, const uint8_t* row_major_exponents) {
+  std::vector<uint8_t> tiled(mxfp4_tile_scale_bytes(rows, cols), 0);
+  const int64_t groups = cols / 32;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g)
+      tiled[static_cast<size_t>(((g / 2) * rows + r) * 2 + g % 2)] = row_major_exponents[r * groups + g];
+  return tiled;
+}
 
 size_t moe_experts_workspace_bytes(const MoeExpertsParams& p) {
   if (p.tokens <= 0 || p.top_k <= 0 || p.experts <= 0) return 256;
@@ -625,7 +821,10 @@ cudaError_t moe_experts(const MoeExpertsParams& p, const MoeExpertWeights& w, co
     return cudaErrorInvalidValue;
   const Layout l = layout(p);
   if (workspace_bytes < l.total) return cudaErrorInvalidValue;
-  const bool bf16 = p.dtype == MoeWeightDtype::kBf16;
+  const bool bf16 = p.dtype != MoeWeightDtype::kFp32;
+  const bool mxfp4 = p.dtype == MoeWeightDtype::kMxfp4;
+  if (mxfp4 && (p.hidden % 32 != 0 || p.intermediate % 32 != 0 || !w.w13_scales || !w.w2_scales))
+    return cudaErrorInvalidValue;
   int tile_rows = p.tile_rows;
   if (tile_rows == 0) {
     // Measured on the H200 (docs/PERF.md "MoE experts"): 16-row tiles win while experts get few rows (V4-Flash
@@ -671,9 +870,8 @@ cudaError_t moe_experts(const MoeExpertsParams& p, const MoeExpertWeights& w, co
     args.experts = static_cast<int>(p.experts);
     args.limit = p.swiglu_limit;
     auto* hb = static_cast<uint16_t*>(h);
-    status = tile_rows == 16   ? run_bf16_gemms<SmallTiles>(p, args, xb, hb, y, w, stream)
-             : tile_rows == 64 ? run_bf16_gemms<MidTiles>(p, args, xb, hb, y, w, stream)
-                               : run_bf16_gemms<LargeTiles>(p, args, xb, hb, y, w, stream);
+    status = mxfp4 ? run_tiled_gemms<true>(tile_rows, p, args, xb, hb, y, w, stream)
+                   : run_tiled_gemms<false>(tile_rows, p, args, xb, hb, y, w, stream);
     if (status != cudaSuccess) return status;
   } else {
     Fp32Args args{x,        w.w13,     w.w2,       w.shared_w13,          w.shared_w2,

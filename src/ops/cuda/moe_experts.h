@@ -2,12 +2,13 @@
 // DeepseekV4Model::moe (ops/cpu/linear.h + ops/cpu/moe.h swiglu_clamped), routing already computed.
 //
 //   out[t] = Σ_k weights[t, k] · expert_{chosen[t, k]}(x[t]) + shared(x[t])
-//   expert(x) = w2 · (silu(min(g, limit)) · clamp(u, −limit, limit)),  g = w13[0 : I] · x,  u = w13[I : 2I] · x
+//   expert(x) = w2 · (silu(min(g, limit)) · clamp(u, −limit, limit)),  g = w13[0 : I] · x,  u = w13[I : 2I] ·
+//   x
 //
 // Steps, all on the device, no host synchronisation, no allocation (CUDA-graph capturable):
 //   1. prep: one CTA counts the rows per expert, scans them into offsets, lists the GEMM work items
-//      (expert, 16/64/128-row block) and permutes the (token, k) rows expert by expert, stable in token order;
-//      the shared expert is expert E with every token; further CTAs convert x to bf16 (bf16 mode).
+//      (expert, 16/64/128-row block) and permutes the (token, k) rows expert by expert, stable in token
+//      order; the shared expert is expert E with every token; further CTAs convert x to bf16 (bf16 mode).
 //   2. gate/up GEMM with the clamped SwiGLU fused in its epilogue -> h [rows, I] (bf16 in bf16 mode).
 //   3. down GEMM -> y [rows, D] fp32, one row per (token, k) and per token for the shared expert.
 //   4. combine: out[t] = Σ_k weights[t, k] · y[row(t, k)] in k order, then + y[shared row of t]
@@ -15,22 +16,32 @@
 // The GEMMs run on a grid sized from host-known numbers only (tokens, top_k, E, D, I); CTAs whose work item
 // is past the device-computed item count exit at once.
 //
-// bf16 mode (serving): weights bf16, x rounded to bf16, mma.sync m16n8k16 with fp32 accumulation, h rounded to
-// bf16 before the down projection; each CTA streams its weight columns once through a cp.async pipeline
-// (16-byte loads, 64-wide k tiles, swizzled shared memory), one CTA per (work item, column tile). Tiles (rows ×
-// weight rows): 16 × 64 (4 warps, 4 stages) for decode, 64 × 64 (4 warps) for mid batches, 128 × 128 (8 warps,
-// 3 stages) for prefill; the gate/up tile pairs 8 gate rows with the 8 matching up rows so SwiGLU stays in
-// registers. Grid: x = column tiles (fastest, so a work item's A rows stay in L2), y = the work-item bound.
-// fp32 mode (exact): plain fp32 FMA, one warp per output dot product; for correctness, not speed.
+// bf16 mode (serving): weights bf16, x rounded to bf16, mma.sync m16n8k16 with fp32 accumulation, h rounded
+// to bf16 before the down projection; each CTA streams its weight columns once through a cp.async pipeline
+// (16-byte loads, 64-wide k tiles, swizzled shared memory), one CTA per (work item, column tile). Tiles (rows
+// × weight rows): 16 × 64 (4 warps, 4 stages) for decode, 64 × 64 (4 warps) for mid batches, 128 × 128 (8
+// warps, 3 stages) for prefill; the gate/up tile pairs 8 gate rows with the 8 matching up rows so SwiGLU
+// stays in registers. Grid: x = column tiles (fastest, so a work item's A rows stay in L2), y = the work-item
+// bound. fp32 mode (exact): plain fp32 FMA, one warp per output dot product; for correctness, not speed.
+//
+// MXFP4 mode (the released checkpoints' routed experts, kept 4.25 bits/param on the device): the bf16 mode
+// with the routed experts' weights read as e2m1 codes + one UE8M0 scale per 32 inputs and decoded in the
+// kernel (Hopper has no FP4 tensor cores; vLLM's Marlin path does the same, W4A16). Each k tile's codes and
+// scales come in through the same cp.async pipeline (a quarter of the bf16 bytes); every lane turns its own
+// codes straight into its mma B-fragment registers (a shift, two masks and one exact power-of-two bf16
+// multiply per pair: the codes are stored in the fragment order, mxfp4_kernel_codes). Every decoded value is
+// exact in bf16 and the mma order is the bf16 mode's, so the result is bitwise the bf16 mode's over the
+// decoded weights. The shared expert stays bf16.
 #pragma once
+#include <cuda_runtime.h>
+
 #include <cstddef>
 #include <cstdint>
-
-#include <cuda_runtime.h>
+#include <vector>
 
 namespace dsv4::ops::cuda {
 
-enum class MoeWeightDtype { kBf16, kFp32 };
+enum class MoeWeightDtype { kBf16, kFp32, kMxfp4 };
 
 struct MoeExpertsParams {
   int64_t tokens = 0;        // rows of x and out
@@ -49,12 +60,36 @@ struct MoeExpertsParams {
 // Expert weights in the checkpoint's [out, in] row-major layout, bf16 (uint16_t bits) or fp32 per `dtype`.
 // w13 and w2 are DEVICE arrays of `experts` device pointers (one per expert; entries may alias), so the
 // experts need not be contiguous. Every pointer 16-byte aligned.
+//
+// kMxfp4: w13 / w2 point at each routed expert's codes in the kernel's order (mxfp4_kernel_codes below),
+// w13_scales / w2_scales at its UE8M0 scale bytes in the kernel's k-tile-major layout (mxfp4_tile_scales),
+// every exponent ≤ 128 (mxfp4_kernel_scales_supported); D and I multiples of 32. The shared expert is bf16.
 struct MoeExpertWeights {
   const void* const* w13 = nullptr;  // [E] -> [2I, D]: gate rows 0..I-1, then up rows I..2I-1
   const void* const* w2 = nullptr;   // [E] -> [D, I]
   const void* shared_w13 = nullptr;  // [2I, D]
   const void* shared_w2 = nullptr;   // [D, I]
+  const void* const* w13_scales = nullptr;  // kMxfp4: [E] -> mxfp4_tile_scales(2I, D)
+  const void* const* w2_scales = nullptr;   // kMxfp4: [E] -> mxfp4_tile_scales(D, I)
 };
+
+// The UE8M0 scales of an MXFP4 [rows, cols] matrix, given row-major [rows, cols / 32] (the checkpoint's
+// layout), rearranged for the kernel: [ceil(cols / 64)][rows][2] — per 64-wide k tile the two scales of each
+// row, so the scales of 8 consecutive rows are one 16-byte load (a missing second group of a last, 32-wide
+// tile is 0). rows a multiple of 8, cols of 32.
+std::vector<uint8_t> mxfp4_tile_scales(int64_t rows, int64_t cols, const uint8_t* row_major_exponents);
+size_t mxfp4_tile_scale_bytes(int64_t rows, int64_t cols);
+// The e2m1 codes of an MXFP4 [rows, cols] matrix, given as the checkpoint packs them ([rows, cols / 2] bytes,
+// the even input in the low nibble), rearranged into the mma B-fragment order: per row and 64-wide k tile 32
+// bytes, bytes 8t + 4g .. + 3 the u32 of fragment lane t (0..3) for scale group g (0, 1) — its pair i (0..3)
+// is inputs 32g + 8i + 2t and + 1, nibbles at bits 12 − 4i and 28 − 4i. A last 32-wide half tile is zero
+// padded (mxfp4_kernel_code_bytes = rows · ceil(cols / 64) · 32). cols a multiple of 32.
+std::vector<uint8_t> mxfp4_kernel_codes(int64_t rows, int64_t cols, const uint8_t* packed);
+size_t mxfp4_kernel_code_bytes(int64_t rows, int64_t cols);
+// The kernel applies 2^(e − 127) as a bf16 factor 2^(e − 1) (the decoded pairs carry 2^-126): exact for e ≤
+// 128, i.e. scales ≤ 2 (real weights sit far below; amax ≤ 12 per group). False: decode such a matrix at
+// upload.
+bool mxfp4_kernel_scales_supported(size_t count, const uint8_t* exponents);
 
 // Device workspace for one call: the routing tables, x in bf16, h [(tokens·(top_k + 1)), I] and
 // y [(tokens·(top_k + 1)), D] fp32 (the largest part: tokens · (top_k + 1) · D · 4 bytes).

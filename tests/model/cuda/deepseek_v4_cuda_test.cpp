@@ -97,7 +97,8 @@ ModelWeights rounded_to_bf16(ModelWeights weights) {
 }
 
 Comparison compare(const ModelConfig& config, const ModelWeights& weights, CudaPrecision precision,
-                   const std::vector<Script>& scripts, bool fp8_weights = true, bool cpu_twin = true) {
+                   const std::vector<Script>& scripts, bool fp8_weights = true, bool cpu_twin = true,
+                   bool mxfp4_experts = true) {
   // The CPU twin of the GPU's FP8 linears (bf16 mode) quantizes their inputs the same way (cpu_twin false:
   // the plain CPU model, to measure what the twin accounts for).
   ModelConfig cpu_config = config;
@@ -108,6 +109,7 @@ Comparison compare(const ModelConfig& config, const ModelWeights& weights, CudaP
   CudaModelOptions options;
   options.precision = precision;
   options.fp8_weights = fp8_weights;
+  options.mxfp4_experts = mxfp4_experts;
   DeepseekV4CudaModel gpu(config, weights, options);
   PrefixCacheOptions cache_options;
   cache_options.enabled = false;
@@ -323,6 +325,40 @@ TEST(CudaModel, Bf16WithFp8LinearsTracksCpuOnAnFp8Checkpoint) {
   // almost no step).
   EXPECT_LT(median(twin.errors), median(exact.errors));
   EXPECT_GE(static_cast<double>(twin.agreed), 0.7 * static_cast<double>(twin.compared));
+}
+
+// MXFP4 routed experts decoded inside the grouped expert kernel (the default in bf16 mode) against the same
+// experts decoded to bf16 at upload: every decoded value is exact in bf16 and the kernel's mma order is the
+// bf16 path's, so the logits must be bitwise equal — while the device holds the experts in 4.25 bits instead
+// of 16. mixed_scripts' first steps have 300 tokens (the 128 × 128 prefill tiles), later ones decode (16-row
+// tiles).
+TEST(CudaModel, Mxfp4ExpertsInKernelEqualExpertsDecodedAtUpload) {
+  SKIP_WITHOUT_GPU();
+  const char* override_root = std::getenv("DSV4_FIXTURES");
+  const std::filesystem::path dir = std::filesystem::path(override_root ? override_root : DSV4_FIXTURES) /
+                                    "deepseek_goldens" / "tiny_fp8_fp4";
+  if (!std::filesystem::is_regular_file(dir / "model.safetensors")) GTEST_SKIP() << "no fixture at " << dir;
+  const ModelConfig config = ModelConfig::from_file((dir / "config.json").string());
+  const ModelWeights weights = ModelWeights::load(config, dir.string());
+  ASSERT_EQ(weights.layers[0].experts_w13[0].encoding(), WeightEncoding::kFp4E2M1);
+  int64_t bytes[2] = {};
+  for (const bool fp4 : {false, true}) {
+    CudaModelOptions options;
+    options.mxfp4_experts = fp4;
+    bytes[fp4] = DeepseekV4CudaModel(config, weights, options).weight_bytes();
+  }
+  std::printf("device weight bytes: %lld with MXFP4 experts, %lld decoded to bf16\n",
+              static_cast<long long>(bytes[1]), static_cast<long long>(bytes[0]));
+  EXPECT_LT(bytes[1], bytes[0]);
+  const std::vector<Script> scripts = mixed_scripts(config.vocab_size);
+  const Comparison decoded = compare(config, weights, CudaPrecision::kBf16, scripts, false, true, false);
+  const Comparison in_kernel = compare(config, weights, CudaPrecision::kBf16, scripts, false, true, true);
+  ASSERT_EQ(decoded.gpu_logits.size(), in_kernel.gpu_logits.size());
+  for (size_t i = 0; i < decoded.gpu_logits.size(); ++i)
+    EXPECT_EQ(0, std::memcmp(decoded.gpu_logits[i].data(), in_kernel.gpu_logits[i].data(),
+                             decoded.gpu_logits[i].size() * sizeof(float)))
+        << "step " << i;
+  expect_bf16_tolerance(in_kernel);
 }
 
 TEST(CudaModel, Bf16TunedKernelsTrackCpuOnAV4ShapedModel) {

@@ -363,5 +363,164 @@ TEST_F(CudaMoeExperts, Bf16GraphReplayFollowsDeviceRouting) {
   cudaStreamDestroy(stream);
 }
 
+// MXFP4 routed experts (kMxfp4): random packed e2m1 codes and UE8M0 scales per 32 inputs, decoded in the
+// kernel. The decoded values are exact in bf16, so the result must equal bitwise the bf16 mode run on the
+// same weights decoded on the host (naive formula below), at every tile configuration; and track the CPU
+// reference.
+struct Fp4ExpertSets {
+  int64_t D = 0, I = 0;
+  ExpertSets decoded;  // bf16 device copies + the fp32 values (the reference)
+  std::vector<void*> device_codes13, device_codes2, device_scales13, device_scales2;  // routed sets only
+
+  static float e2m1(uint8_t nibble) {
+    static constexpr float kMagnitude[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    return (nibble & 8 ? -1.0f : 1.0f) * kMagnitude[nibble & 7];
+  }
+  // Random codes [rows, cols / 2] and exponents [rows, cols / 32] around 2^-5 (so |w| ≲ 0.2); fp32 values
+  // out.
+  static std::vector<float> random_fp4(int64_t rows, int64_t cols, std::mt19937& rng,
+                                       std::vector<uint8_t>& codes, std::vector<uint8_t>& exponents) {
+    codes.resize(static_cast<size_t>(rows * cols / 2));
+    exponents.resize(static_cast<size_t>(rows * cols / 32));
+    for (auto& c : codes) c = static_cast<uint8_t>(rng());
+    for (auto& e : exponents) e = static_cast<uint8_t>(127 - 8 + rng() % 5);
+    // A few groups at the ends of the kernel's range: scale 2^-127 (e 0, subnormal products) and 2 (e 128).
+    for (size_t i = 7; i < exponents.size(); i += 101) exponents[i] = i % 2 == 0 ? 0 : 128;
+    std::vector<float> values(static_cast<size_t>(rows * cols));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) {
+        const uint8_t byte = codes[static_cast<size_t>((r * cols + c) / 2)];
+        const uint8_t nibble = c % 2 == 0 ? byte & 15 : byte >> 4;
+        values[static_cast<size_t>(r * cols + c)] =
+            std::ldexp(e2m1(nibble), exponents[static_cast<size_t>(r * (cols / 32) + c / 32)] - 127);
+      }
+    return values;
+  }
+  static void* upload_bytes(const std::vector<uint8_t>& bytes) {
+    void* d = nullptr;
+    if (cudaMalloc(&d, bytes.size()) != cudaSuccess) return nullptr;
+    cudaMemcpy(d, bytes.data(), bytes.size(), cudaMemcpyHostToDevice);
+    return d;
+  }
+
+  Fp4ExpertSets(int64_t d, int64_t i, int sets, uint32_t seed) : D(d), I(i), decoded(d, i, sets, true, seed) {
+    std::mt19937 rng(seed + 1);
+    std::vector<uint8_t> codes, exponents;
+    for (int s = 0; s < sets; ++s) {  // the routed sets become MXFP4; the shared expert stays bf16
+      decoded.w13[s] = random_fp4(2 * I, D, rng, codes, exponents);
+      device_codes13.push_back(upload_bytes(mxfp4_kernel_codes(2 * I, D, codes.data())));
+      device_scales13.push_back(upload_bytes(mxfp4_tile_scales(2 * I, D, exponents.data())));
+      decoded.w2[s] = random_fp4(D, I, rng, codes, exponents);
+      device_codes2.push_back(upload_bytes(mxfp4_kernel_codes(D, I, codes.data())));
+      device_scales2.push_back(upload_bytes(mxfp4_tile_scales(D, I, exponents.data())));
+      cudaFree(decoded.device_w13[s]);
+      cudaFree(decoded.device_w2[s]);
+      decoded.device_w13[s] = decoded.upload(decoded.w13[s]);
+      decoded.device_w2[s] = decoded.upload(decoded.w2[s]);
+    }
+  }
+  Fp4ExpertSets(const Fp4ExpertSets&) = delete;
+  Fp4ExpertSets& operator=(const Fp4ExpertSets&) = delete;
+  ~Fp4ExpertSets() {
+    for (auto* list : {&device_codes13, &device_codes2, &device_scales13, &device_scales2})
+      for (void* p : *list) cudaFree(p);
+  }
+};
+
+// Points a DeviceRun built on the decoded bf16 sets at the MXFP4 codes and scales instead.
+struct Fp4Tables {
+  const void** tables[4] = {nullptr, nullptr, nullptr, nullptr};
+  Fp4Tables(DeviceRun& dev, const Problem& pr, const Fp4ExpertSets& sets) {
+    const std::vector<void*>* sources[4] = {&sets.device_codes13, &sets.device_codes2, &sets.device_scales13,
+                                            &sets.device_scales2};
+    for (int k = 0; k < 4; ++k) {
+      std::vector<const void*> host(static_cast<size_t>(pr.experts));
+      for (int64_t e = 0; e < pr.experts; ++e) host[e] = (*sources[k])[pr.expert_set[e]];
+      cudaMalloc(reinterpret_cast<void**>(&tables[k]), host.size() * sizeof(void*));
+      cudaMemcpy(tables[k], host.data(), host.size() * sizeof(void*), cudaMemcpyHostToDevice);
+    }
+    dev.params.dtype = MoeWeightDtype::kMxfp4;
+    dev.weights.w13 = tables[0];
+    dev.weights.w2 = tables[1];
+    dev.weights.w13_scales = tables[2];
+    dev.weights.w2_scales = tables[3];
+  }
+  Fp4Tables(const Fp4Tables&) = delete;
+  Fp4Tables& operator=(const Fp4Tables&) = delete;
+  ~Fp4Tables() {
+    for (const void** t : tables) cudaFree(t);
+  }
+};
+
+void expect_mxfp4_equals_bf16(const Fp4ExpertSets& sets, int64_t tokens, int64_t experts, uint32_t seed) {
+  const Problem pr = random_problem(tokens, 6, experts, sets.D, sets.decoded.routed_sets(), 2.0f, seed);
+  const std::vector<float> expected = reference(pr, sets.decoded, true);
+  DeviceRun bf16_run(pr, sets.decoded);
+  DeviceRun fp4_run(pr, sets.decoded);
+  const Fp4Tables tables(fp4_run, pr, sets);
+  for (const int tile_rows : {0, 16, 64, 128}) {
+    const std::vector<float> want = bf16_run.run(tile_rows);
+    const std::vector<float> got = fp4_run.run(tile_rows);
+    EXPECT_TRUE(bitwise_equal(got, want)) << "D " << sets.D << " tokens " << tokens << " tile_rows "
+                                          << tile_rows << ": rel L2 to the bf16 mode " << rel_l2(got, want);
+    EXPECT_LE(rel_l2(got, expected), 1e-2) << "tokens " << tokens << " tile_rows " << tile_rows;
+    if (tile_rows == 0) EXPECT_TRUE(bitwise_equal(got, fp4_run.run(0))) << "not bitwise repeatable";
+  }
+}
+
+TEST_F(CudaMoeExperts, Mxfp4EqualsBf16OnDecodedWeightsFlashShape) {
+  const Fp4ExpertSets sets(4096, 2048, 4, 4242);
+  for (const int64_t tokens : {1, 7, 130}) expect_mxfp4_equals_bf16(sets, tokens, 256, 900 + tokens);
+  expect_mxfp4_equals_bf16(sets, 300, 16, 917);  // dozens of rows per expert
+}
+
+TEST_F(CudaMoeExperts, Mxfp4HalfKTilesAndRaggedColumns) {
+  // D 160 and I 96: both end in a 32-wide half k tile; the column counts are not multiples of a CTA's tile.
+  const Fp4ExpertSets sets(160, 96, 4, 4343);
+  for (const int64_t tokens : {1, 9, 64}) expect_mxfp4_equals_bf16(sets, tokens, 8, 950 + tokens);
+}
+
+TEST_F(CudaMoeExperts, Mxfp4RefusesWidthsOffTheScaleGroups) {
+  const Fp4ExpertSets sets(160, 96, 2, 4444);
+  const Problem pr = random_problem(4, 6, 8, sets.D, sets.decoded.routed_sets(), 2.0f, 4445);
+  DeviceRun dev(pr, sets.decoded);
+  const Fp4Tables tables(dev, pr, sets);
+  dev.params.intermediate = 88;  // a multiple of 8, not of 32
+  EXPECT_EQ(dev.launch(), cudaErrorInvalidValue);
+  dev.params.intermediate = 96;
+  dev.weights.w2_scales = nullptr;
+  EXPECT_EQ(dev.launch(), cudaErrorInvalidValue);
+}
+
+TEST(Mxfp4KernelLayout, CodesAndScalesLandWhereTheFragmentsReadThem) {
+  // Row 1 of a [2, 96] matrix: inputs k = 0 .. 95 carry codes k % 16; 96 = one whole k tile + a half one.
+  std::vector<uint8_t> packed(2 * 96 / 2);
+  for (int64_t r = 0; r < 2; ++r)
+    for (int64_t k = 0; k < 96; k += 2)
+      packed[(r * 96 + k) / 2] = static_cast<uint8_t>((k % 16) | ((k + 1) % 16) << 4);
+  const std::vector<uint8_t> ordered = mxfp4_kernel_codes(2, 96, packed.data());
+  ASSERT_EQ(ordered.size(), mxfp4_kernel_code_bytes(2, 96));
+  ASSERT_EQ(ordered.size(), size_t{2 * 2 * 32});
+  auto word = [&](int64_t r, int64_t tile, int g, int t) {
+    const uint8_t* at = ordered.data() + (r * 2 + tile) * 32 + 8 * t + 4 * g;
+    return static_cast<uint32_t>(at[0]) | at[1] << 8 | at[2] << 16 | static_cast<uint32_t>(at[3]) << 24;
+  };
+  for (int64_t tile = 0; tile < 2; ++tile)
+    for (int g = 0; g < 2; ++g)
+      for (int t = 0; t < 4; ++t)
+        for (int i = 0; i < 4; ++i) {
+          const int64_t k = tile * 64 + g * 32 + 8 * i + 2 * t;
+          const uint32_t w = word(1, tile, g, t);
+          EXPECT_EQ((w >> (12 - 4 * i)) & 15, k < 96 ? static_cast<uint32_t>(k % 16) : 0u) << k;
+          EXPECT_EQ((w >> (28 - 4 * i)) & 15, k < 96 ? static_cast<uint32_t>((k + 1) % 16) : 0u) << k;
+        }
+  // Scales: [rows, 3 groups] -> [tile][row][2], the missing 4th group 0.
+  const std::vector<uint8_t> exponents = {1, 2, 3, 4, 5, 6};
+  EXPECT_EQ(mxfp4_tile_scales(2, 96, exponents.data()), (std::vector<uint8_t>{1, 2, 4, 5, 3, 0, 6, 0}));
+  EXPECT_TRUE(mxfp4_kernel_scales_supported(exponents.size(), exponents.data()));
+  const std::vector<uint8_t> too_large = {127, 128, 129};
+  EXPECT_FALSE(mxfp4_kernel_scales_supported(too_large.size(), too_large.data()));
+}
+
 }  // namespace
 }  // namespace dsv4::ops::cuda
