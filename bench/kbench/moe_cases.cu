@@ -4,9 +4,10 @@
 // replayed from a CUDA graph. Routing: random distinct experts per token (host mt19937), copied to the device
 // before timing. Bytes = the unique expert weight bytes the call must read ((distinct chosen experts + the
 // shared one) · 3·D·I·2), FLOPs = 2 · (tokens · (top_k + 1)) · 3·D·I. The L2 is flushed before every timed
-// call (kbench.h). "mxfp4" cases: the routed experts as the release stores them (packed e2m1 + UE8M0 per 32,
-// decoded in the kernel; the shared expert bf16), bytes = distinct routed experts · 3·D·I·(1/2 + 1/32) + the
-// shared bf16 one.
+// call (kbench.h). "mxfp4" / "q3" / "q2" cases: the routed experts as the release stores them (packed e2m1 +
+// UE8M0 per 32) or requantized by --expert-bits (3.5 / 2.5 bits/param with bf16 scales), decoded in the
+// kernel, the shared expert bf16; bytes = distinct routed experts · 3·D·I · bits/param / 8 + the shared bf16
+// one.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -55,11 +56,14 @@ struct MoeBench {
   __nv_bfloat16 *w13 = nullptr, *w2 = nullptr;  // experts 0..255 then the shared one (index 256)
   const void** w13_table = nullptr;
   const void** w2_table = nullptr;
-  uint8_t *codes13 = nullptr, *codes2 = nullptr, *scales13 = nullptr, *scales2 = nullptr;  // MXFP4 routed
-  const void** code13_table = nullptr;
-  const void** code2_table = nullptr;
-  const void** scale13_table = nullptr;
-  const void** scale2_table = nullptr;
+  struct Grouped {  // routed experts in one grouped format
+    uint8_t *codes13 = nullptr, *codes2 = nullptr, *scales13 = nullptr, *scales2 = nullptr;
+    const void** code13_table = nullptr;
+    const void** code2_table = nullptr;
+    const void** scale13_table = nullptr;
+    const void** scale2_table = nullptr;
+  };
+  Grouped grouped[3];  // MXFP4, Q3, Q2 (format 1, 2, 3)
   float *x = nullptr, *routing = nullptr, *out = nullptr;
   int32_t* chosen = nullptr;
   void* workspace = nullptr;
@@ -79,29 +83,44 @@ struct MoeBench {
     }
     w13_table = to_device_ptrs(t13);
     w2_table = to_device_ptrs(t2);
-    const size_t code13 = w13_elems / 2, code2 = w2_elems / 2;
-    const size_t scale13 = ops::cuda::mxfp4_tile_scale_bytes(2 * kI, kD),
-                 scale2 = ops::cuda::mxfp4_tile_scale_bytes(kD, kI);
-    DSV4_CUDA_OK(cudaMalloc(&codes13, kMaxExperts * code13));
-    DSV4_CUDA_OK(cudaMalloc(&codes2, kMaxExperts * code2));
-    DSV4_CUDA_OK(cudaMalloc(&scales13, kMaxExperts * scale13));
-    DSV4_CUDA_OK(cudaMalloc(&scales2, kMaxExperts * scale2));
-    fill_bytes<<<4096, 256>>>(codes13, kMaxExperts * code13, 21, 0, 256);
-    fill_bytes<<<4096, 256>>>(codes2, kMaxExperts * code2, 22, 0, 256);
-    fill_bytes<<<1024, 256>>>(scales13, kMaxExperts * scale13, 23, 119, 3);
-    fill_bytes<<<1024, 256>>>(scales2, kMaxExperts * scale2, 24, 119, 3);
-    DSV4_CUDA_OK(cudaGetLastError());
-    std::vector<const void*> c13, c2, s13, s2;
-    for (int64_t e = 0; e < kMaxExperts; ++e) {
-      c13.push_back(codes13 + e * code13);
-      c2.push_back(codes2 + e * code2);
-      s13.push_back(scales13 + e * scale13);
-      s2.push_back(scales2 + e * scale2);
+    // Routed experts in the grouped formats: random code bytes (any byte is a valid code), scales near 2^-6.
+    for (int f = 0; f < 3; ++f) {
+      const int bits = 4 - f;
+      Grouped& g = grouped[f];
+      const size_t code13 = ops::cuda::moe_kernel_code_bytes(bits, 2 * kI, kD);
+      const size_t code2 = ops::cuda::moe_kernel_code_bytes(bits, kD, kI);
+      const size_t scale13 = bits == 4 ? ops::cuda::mxfp4_tile_scale_bytes(2 * kI, kD)
+                                       : ops::cuda::grouped_tile_scale_bytes(2 * kI, kD);
+      const size_t scale2 =
+          bits == 4 ? ops::cuda::mxfp4_tile_scale_bytes(kD, kI) : ops::cuda::grouped_tile_scale_bytes(kD, kI);
+      DSV4_CUDA_OK(cudaMalloc(&g.codes13, kMaxExperts * code13));
+      DSV4_CUDA_OK(cudaMalloc(&g.codes2, kMaxExperts * code2));
+      DSV4_CUDA_OK(cudaMalloc(&g.scales13, kMaxExperts * scale13));
+      DSV4_CUDA_OK(cudaMalloc(&g.scales2, kMaxExperts * scale2));
+      fill_bytes<<<4096, 256>>>(g.codes13, kMaxExperts * code13, 21 + f, 0, 256);
+      fill_bytes<<<4096, 256>>>(g.codes2, kMaxExperts * code2, 22 + f, 0, 256);
+      if (bits == 4) {
+        fill_bytes<<<1024, 256>>>(g.scales13, kMaxExperts * scale13, 23, 119, 3);
+        fill_bytes<<<1024, 256>>>(g.scales2, kMaxExperts * scale2, 24, 119, 3);
+      } else {
+        fill_bf16<<<1024, 256>>>(reinterpret_cast<__nv_bfloat16*>(g.scales13), kMaxExperts * scale13 / 2, 25,
+                                 0.02f);
+        fill_bf16<<<1024, 256>>>(reinterpret_cast<__nv_bfloat16*>(g.scales2), kMaxExperts * scale2 / 2, 26,
+                                 0.02f);
+      }
+      DSV4_CUDA_OK(cudaGetLastError());
+      std::vector<const void*> c13, c2, s13, s2;
+      for (int64_t e = 0; e < kMaxExperts; ++e) {
+        c13.push_back(g.codes13 + e * code13);
+        c2.push_back(g.codes2 + e * code2);
+        s13.push_back(g.scales13 + e * scale13);
+        s2.push_back(g.scales2 + e * scale2);
+      }
+      g.code13_table = to_device_ptrs(c13);
+      g.code2_table = to_device_ptrs(c2);
+      g.scale13_table = to_device_ptrs(s13);
+      g.scale2_table = to_device_ptrs(s2);
     }
-    code13_table = to_device_ptrs(c13);
-    code2_table = to_device_ptrs(c2);
-    scale13_table = to_device_ptrs(s13);
-    scale2_table = to_device_ptrs(s2);
     std::mt19937 rng(5);
     std::normal_distribution<float> normal(0.0f, 1.0f);
     std::vector<float> hx(static_cast<size_t>(kMaxTokens * kD));
@@ -120,11 +139,12 @@ struct MoeBench {
                     static_cast<void*>(w2_table), static_cast<void*>(x), static_cast<void*>(routing),
                     static_cast<void*>(out), static_cast<void*>(chosen), workspace})
       cudaFree(p);
-    for (void* p :
-         {static_cast<void*>(codes13), static_cast<void*>(codes2), static_cast<void*>(scales13),
-          static_cast<void*>(scales2), static_cast<void*>(code13_table), static_cast<void*>(code2_table),
-          static_cast<void*>(scale13_table), static_cast<void*>(scale2_table)})
-      cudaFree(p);
+    for (const Grouped& g : grouped)
+      for (void* p : {static_cast<void*>(g.codes13), static_cast<void*>(g.codes2),
+                      static_cast<void*>(g.scales13), static_cast<void*>(g.scales2),
+                      static_cast<void*>(g.code13_table), static_cast<void*>(g.code2_table),
+                      static_cast<void*>(g.scale13_table), static_cast<void*>(g.scale2_table)})
+        cudaFree(p);
   }
   static const void** to_device_ptrs(const std::vector<const void*>& host) {
     const void** d = nullptr;
@@ -132,8 +152,8 @@ struct MoeBench {
     DSV4_CUDA_OK(cudaMemcpy(d, host.data(), host.size() * sizeof(void*), cudaMemcpyHostToDevice));
     return d;
   }
-  static ops::cuda::MoeExpertsParams params(int64_t tokens, int64_t experts, int tile_rows,
-                                            bool mxfp4 = false) {
+  // format: 0 bf16, 1 MXFP4, 2 Q3, 3 Q2 (routed experts).
+  static ops::cuda::MoeExpertsParams params(int64_t tokens, int64_t experts, int tile_rows, int format = 0) {
     ops::cuda::MoeExpertsParams p;
     p.tokens = tokens;
     p.top_k = kTopK;
@@ -141,16 +161,21 @@ struct MoeBench {
     p.hidden = kD;
     p.intermediate = kI;
     p.swiglu_limit = 10.0f;
-    p.dtype = mxfp4 ? ops::cuda::MoeWeightDtype::kMxfp4 : ops::cuda::MoeWeightDtype::kBf16;
+    constexpr ops::cuda::MoeWeightDtype kFormats[4] = {
+        ops::cuda::MoeWeightDtype::kBf16, ops::cuda::MoeWeightDtype::kMxfp4,
+        ops::cuda::MoeWeightDtype::kQ3G32, ops::cuda::MoeWeightDtype::kQ2G32};
+    p.dtype = kFormats[format];
     p.tile_rows = tile_rows;
     return p;
   }
-  ops::cuda::MoeExpertWeights weights(bool mxfp4 = false) const {
+  ops::cuda::MoeExpertWeights weights(int format = 0) const {
     ops::cuda::MoeExpertWeights w;
-    w.w13 = mxfp4 ? code13_table : w13_table;
-    w.w2 = mxfp4 ? code2_table : w2_table;
-    w.w13_scales = scale13_table;
-    w.w2_scales = scale2_table;
+    w.w13 = format ? grouped[format - 1].code13_table : w13_table;
+    w.w2 = format ? grouped[format - 1].code2_table : w2_table;
+    if (format) {
+      w.w13_scales = grouped[format - 1].scale13_table;
+      w.w2_scales = grouped[format - 1].scale2_table;
+    }
     w.shared_w13 = w13 + kMaxExperts * size_t{2} * kI * kD;
     w.shared_w2 = w2 + kMaxExperts * size_t{kD} * kI;
     return w;
@@ -204,10 +229,10 @@ bool output_finite(const MoeBench& b, int64_t tokens) {
 }
 
 CaseResult run_case(MoeBench& b, const Ceilings& ceilings, int64_t tokens, int64_t experts, int tile_rows,
-                    bool graph, int iterations, bool mxfp4) {
+                    bool graph, int iterations, int format) {
   const int64_t active = b.route(tokens, experts, static_cast<uint32_t>(tokens * 1000 + experts));
-  const ops::cuda::MoeExpertsParams p = MoeBench::params(tokens, experts, tile_rows, mxfp4);
-  const ops::cuda::MoeExpertWeights w = b.weights(mxfp4);
+  const ops::cuda::MoeExpertsParams p = MoeBench::params(tokens, experts, tile_rows, format);
+  const ops::cuda::MoeExpertWeights w = b.weights(format);
   cudaStream_t stream = nullptr;
   cudaGraphExec_t exec = nullptr;
   cudaGraph_t g = nullptr;
@@ -234,10 +259,12 @@ CaseResult run_case(MoeBench& b, const Ceilings& ceilings, int64_t tokens, int64
     cudaStreamDestroy(stream);
   }
   const double expert_bytes = 3.0 * kD * kI * 2;
-  const double routed_bytes = mxfp4 ? 3.0 * kD * kI * (0.5 + 1.0 / 32) : expert_bytes;
+  constexpr double kBitsPerParam[4] = {16.0, 4.25, 3.5, 2.5};  // scales included
+  const double routed_bytes = 3.0 * kD * kI * kBitsPerParam[format] / 8.0;
+  constexpr const char* kFormatNames[4] = {"", " mxfp4", " q3", " q2"};
   CaseResult r;
   char name[128];
-  std::snprintf(name, sizeof name, "moe%s E=%lld %s=%lld tiles=%s%s", mxfp4 ? " mxfp4" : "",
+  std::snprintf(name, sizeof name, "moe%s E=%lld %s=%lld tiles=%s%s", kFormatNames[format],
                 static_cast<long long>(experts), tokens > 128 ? "prefill" : "b",
                 static_cast<long long>(tokens), tile_rows == 0 ? "auto" : std::to_string(tile_rows).c_str(),
                 graph ? " graph" : "");
@@ -262,30 +289,30 @@ std::vector<CaseResult> moe_suite(const Ceilings& ceilings, const Options& optio
     int64_t tokens, experts;
     int tile_rows;
     bool graph;
-    bool mxfp4 = false;
+    int format = 0;
   };
   std::vector<Case> cases = {{1, 256, 0, false},   {1, 256, 0, true},    {8, 256, 0, false},
                              {32, 256, 0, false},  {32, 256, 16, false}, {128, 256, 0, false},
                              {128, 256, 16, false}, {128, 256, 128, false}, {1, 16, 0, false},
                              {32, 16, 0, false},   {128, 16, 0, false},  {128, 16, 16, false},
                              {4096, 256, 0, false}, {4096, 256, 64, false}};
-  // MXFP4 routed experts beside their bf16 twins above.
-  for (const Case c : std::vector<Case>{{1, 256, 0, false},
-                                        {1, 256, 0, true},
-                                        {8, 256, 0, false},
-                                        {32, 256, 0, false},
-                                        {128, 256, 0, false},
-                                        {1, 16, 0, false},
-                                        {128, 16, 0, false},
-                                        {4096, 256, 0, false},
-                                        {4096, 256, 64, false}})
-    cases.push_back({c.tokens, c.experts, c.tile_rows, c.graph, true});
+  // Grouped routed experts beside their bf16 twins above: MXFP4 (1), Q3 (2), Q2 (3).
+  for (int format = 1; format <= 3; ++format)
+    for (const Case c : std::vector<Case>{{1, 256, 0, false},
+                                          {1, 256, 0, true},
+                                          {8, 256, 0, false},
+                                          {32, 256, 0, false},
+                                          {128, 256, 0, false},
+                                          {1, 16, 0, false},
+                                          {128, 16, 0, false},
+                                          {4096, 256, 0, false}})
+      cases.push_back({c.tokens, c.experts, c.tile_rows, c.graph, format});
   if (options.quick)
-    cases = {{1, 256, 0, false},       {128, 256, 0, false},       {4096, 256, 0, false},
-             {1, 256, 0, false, true}, {128, 256, 0, false, true}, {4096, 256, 0, false, true}};
+    cases = {{1, 256, 0, false},      {128, 256, 0, false},     {4096, 256, 0, false}, {1, 256, 0, false, 1},
+             {128, 256, 0, false, 1}, {4096, 256, 0, false, 1}, {1, 256, 0, false, 3}};
   for (const Case& c : cases)
     results.push_back(run_case(b, ceilings, c.tokens, c.experts, c.tile_rows, c.graph,
-                               c.tokens > 128 ? std::max(5, iterations / 3) : iterations, c.mxfp4));
+                               c.tokens > 128 ? std::max(5, iterations / 3) : iterations, c.format));
   return results;
 }
 

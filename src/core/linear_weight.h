@@ -83,6 +83,8 @@ class LinearWeight {
   const std::vector<uint8_t>& codes() const { return codes_; }
   // kFp4E2M1: the UE8M0 scale bytes [rows, cols / 32] (value = e2m1(code) · 2^(e − 127)).
   const std::vector<uint8_t>& fp4_exponents() const { return fp4_exponents_; }
+  // kQ3G32 / kQ2G32: the bf16 scale bits [rows, cols / 32] (codes() holds the groups' bit streams).
+  const std::vector<uint16_t>& group_scales() const { return group_scales_; }
   // kF8E4M3: the checkpoint's block scales [ceil(rows/128), ceil(cols/128)] into `out`; false (out untouched)
   // when some 128-row block's rows do not share their scales (a w1 ‖ w3 stack at a row count off the blocks).
   bool fp8_block_scales(std::vector<float>& out) const;

@@ -131,9 +131,12 @@ struct LayerDevice {
   void *experts_w13 = nullptr, *experts_w2 = nullptr;  // [E, 2I, D], [E, D, I] in the weight dtype
   const void* const* expert_w13_pointers = nullptr;      // device [E]: expert e's w13 / w2 (ops/cuda/moe_experts.h)
   const void* const* expert_w2_pointers = nullptr;
-  // MXFP4 routed experts (CudaModelOptions::mxfp4_experts): the pointers above address packed e2m1 codes,
-  // these the kernel's tile-major UE8M0 scales.
-  bool mxfp4_experts = false;
+  // Routed experts kept in a grouped low-bit format (CudaModelOptions::low_bit_experts): the pointers above
+  // address their codes in the kernel's order, these their tile-major scales.
+  cu::MoeWeightDtype routed_dtype = cu::MoeWeightDtype::kBf16;
+  bool low_bit_experts() const {
+    return routed_dtype != cu::MoeWeightDtype::kBf16 && routed_dtype != cu::MoeWeightDtype::kFp32;
+  }
   const void* const* expert_w13_scale_pointers = nullptr;
   const void* const* expert_w2_scale_pointers = nullptr;
   void *shared_w13 = nullptr, *shared_w2 = nullptr;
@@ -503,45 +506,55 @@ void DeepseekV4CudaModel::upload_layer(const LayerWeights& l) {
     DSV4_CU(cudaMemcpy(device, host.data(), host.size() * sizeof(void*), cudaMemcpyHostToDevice));
     return device;
   };
-  const auto all_fp4 = [](const std::vector<LinearWeight>& weights) {
-    return !weights.empty() && std::all_of(weights.begin(), weights.end(), [](const LinearWeight& w) {
-      return w.encoding() == WeightEncoding::kFp4E2M1;
-    });
-  };
   const size_t experts = l.experts_w13.size();
-  const auto scales_supported = [](const std::vector<LinearWeight>& weights) {
-    return std::all_of(weights.begin(), weights.end(), [](const LinearWeight& w) {
-      return cu::mxfp4_kernel_scales_supported(w.fp4_exponents().size(), w.fp4_exponents().data());
+  // Routed experts in a grouped low-bit encoding (the release's MXFP4, or --expert-bits' Q3 / Q2) stay so and
+  // are decoded inside the expert GEMM (CudaModelOptions::low_bit_experts, bf16 mode).
+  const WeightEncoding encoding = experts ? l.experts_w13[0].encoding() : WeightEncoding::kF32;
+  const bool grouped_encoding = encoding == WeightEncoding::kFp4E2M1 || encoding == WeightEncoding::kQ3G32 ||
+                                encoding == WeightEncoding::kQ2G32;
+  const auto kernel_can_read = [&](const std::vector<LinearWeight>& weights) {
+    return std::all_of(weights.begin(), weights.end(), [&](const LinearWeight& w) {
+      if (w.encoding() != encoding) return false;
+      return encoding == WeightEncoding::kFp4E2M1
+                 ? cu::mxfp4_kernel_scales_supported(w.fp4_exponents().size(), w.fp4_exponents().data())
+                 : cu::grouped_kernel_scales_supported(w.group_scales().size(), w.group_scales().data());
     });
   };
-  d.mxfp4_experts = m.bf16 && m.options.mxfp4_experts && all_fp4(l.experts_w13) && all_fp4(l.experts_w2) &&
-                    m.config.hidden_size % 32 == 0 && m.config.moe_intermediate_size % 32 == 0 &&
-                    scales_supported(l.experts_w13) && scales_supported(l.experts_w2);
-  if (d.mxfp4_experts) {
-    // Codes and scales rearranged for the kernel (ops/cuda/moe_experts.h mxfp4_kernel_codes,
-    // mxfp4_tile_scales).
-    auto upload_fp4 = [&](const std::vector<LinearWeight>& weights, void*& codes,
-                          const void* const*& code_table, const void* const*& scale_table) {
+  d.routed_dtype = m.bf16 ? cu::MoeWeightDtype::kBf16 : cu::MoeWeightDtype::kFp32;
+  if (m.bf16 && m.options.low_bit_experts && grouped_encoding && m.config.hidden_size % 32 == 0 &&
+      m.config.moe_intermediate_size % 32 == 0 && kernel_can_read(l.experts_w13) &&
+      kernel_can_read(l.experts_w2))
+    d.routed_dtype = encoding == WeightEncoding::kFp4E2M1 ? cu::MoeWeightDtype::kMxfp4
+                     : encoding == WeightEncoding::kQ3G32 ? cu::MoeWeightDtype::kQ3G32
+                                                          : cu::MoeWeightDtype::kQ2G32;
+  if (d.low_bit_experts()) {
+    // Codes and scales rearranged for the kernel (ops/cuda/moe_experts.h moe_kernel_codes, *_tile_scales).
+    const int bits = encoding == WeightEncoding::kFp4E2M1 ? 4 : encoding == WeightEncoding::kQ3G32 ? 3 : 2;
+    auto upload_grouped = [&](const std::vector<LinearWeight>& weights, void*& codes,
+                              const void* const*& code_table, const void* const*& scale_table) {
       const int64_t rows = weights[0].rows(), cols = weights[0].cols();
-      const size_t code_bytes = cu::mxfp4_kernel_code_bytes(rows, cols);
-      const size_t scale_bytes = cu::mxfp4_tile_scale_bytes(rows, cols);
+      const size_t code_bytes = cu::moe_kernel_code_bytes(bits, rows, cols);
+      const size_t scale_bytes =
+          bits == 4 ? cu::mxfp4_tile_scale_bytes(rows, cols) : cu::grouped_tile_scale_bytes(rows, cols);
       codes = m.weights_memory.allocate(code_bytes * weights.size());
       void* scales = m.weights_memory.allocate(scale_bytes * weights.size());
       for (size_t e = 0; e < weights.size(); ++e) {
         DSV4_CHECK(weights[e].shape() == weights[0].shape(), "stacked weights of different shapes");
-        const std::vector<uint8_t> ordered = cu::mxfp4_kernel_codes(rows, cols, weights[e].codes().data());
+        const std::vector<uint8_t> ordered =
+            cu::moe_kernel_codes(bits, rows, cols, weights[e].codes().data());
         DSV4_CU(cudaMemcpy(static_cast<std::byte*>(codes) + e * code_bytes, ordered.data(), code_bytes,
                            cudaMemcpyHostToDevice));
         const std::vector<uint8_t> tiled =
-            cu::mxfp4_tile_scales(rows, cols, weights[e].fp4_exponents().data());
+            bits == 4 ? cu::mxfp4_tile_scales(rows, cols, weights[e].fp4_exponents().data())
+                      : cu::grouped_tile_scales(rows, cols, weights[e].group_scales().data());
         DSV4_CU(cudaMemcpy(static_cast<std::byte*>(scales) + e * scale_bytes, tiled.data(), scale_bytes,
                            cudaMemcpyHostToDevice));
       }
       code_table = pointers(codes, code_bytes, weights.size());
       scale_table = pointers(scales, scale_bytes, weights.size());
     };
-    upload_fp4(l.experts_w13, d.experts_w13, d.expert_w13_pointers, d.expert_w13_scale_pointers);
-    upload_fp4(l.experts_w2, d.experts_w2, d.expert_w2_pointers, d.expert_w2_scale_pointers);
+    upload_grouped(l.experts_w13, d.experts_w13, d.expert_w13_pointers, d.expert_w13_scale_pointers);
+    upload_grouped(l.experts_w2, d.experts_w2, d.expert_w2_pointers, d.expert_w2_scale_pointers);
   } else {
     d.experts_w13 = m.upload_stacked(l.experts_w13);
     d.experts_w2 = m.upload_stacked(l.experts_w2);
@@ -1340,7 +1353,7 @@ void DeepseekV4CudaModel::Impl::moe(int64_t layer, const Step& step, const float
   DSV4_CU(cu::route(rp, logits, hash ? nullptr : l.gate_bias, hash ? l.tid2eid : nullptr, step.token_ids, chosen,
                     weights, nullptr, stream));
   // (MXFP4 experts: cuBLASLt cannot read them, the grouped kernel decodes them at every size.)
-  if (N >= host_grouped_moe_min_tokens() && !capturing && !l.mxfp4_experts) {
+  if (N >= host_grouped_moe_min_tokens() && !capturing && !l.low_bit_experts()) {
     moe_host_grouped(layer, step, x_operand, chosen, weights, out);
     return;
   }
@@ -1351,9 +1364,7 @@ void DeepseekV4CudaModel::Impl::moe(int64_t layer, const Step& step, const float
   mp.hidden = D;
   mp.intermediate = c.moe_intermediate_size;
   mp.swiglu_limit = static_cast<float>(c.swiglu_limit);
-  mp.dtype = l.mxfp4_experts ? cu::MoeWeightDtype::kMxfp4
-             : bf16          ? cu::MoeWeightDtype::kBf16
-                             : cu::MoeWeightDtype::kFp32;
+  mp.dtype = l.routed_dtype;
   const cu::MoeExpertWeights ew{
       l.expert_w13_pointers, l.expert_w2_pointers,        l.shared_w13,
       l.shared_w2,           l.expert_w13_scale_pointers, l.expert_w2_scale_pointers};

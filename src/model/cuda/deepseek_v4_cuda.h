@@ -32,10 +32,11 @@ struct CudaModelOptions {
   // dsv4's CLI turns it on in bf16 mode with DSV4_FP8_WEIGHTS=1 (opt-in: prefill is slower, docs/gpu.md "FP8
   // weights on the device").
   bool fp8_weights = false;
-  // Routed experts a checkpoint stores MXFP4 (the release) stay MXFP4 on the device in bf16 mode (4.25
-  // bits/param instead of 16) and are decoded inside the grouped expert GEMM (ops/cuda/moe_experts.h kMxfp4);
-  // bitwise the same results as decoding them to bf16 at upload, which false does (DSV4_MXFP4_EXPERTS=0).
-  bool mxfp4_experts = true;
+  // Routed experts in a grouped low-bit encoding — MXFP4 as the release stores them (4.25 bits/param), or
+  // requantized by --expert-bits (3.5 / 2.5) — stay so on the device in bf16 mode and are decoded inside the
+  // grouped expert GEMM (ops/cuda/moe_experts.h); bitwise the same results as decoding them to bf16 at
+  // upload, which false does (DSV4_LOW_BIT_EXPERTS=0).
+  bool low_bit_experts = true;
 };
 
 class DeepseekV4CudaModel final : public ModelBackend {

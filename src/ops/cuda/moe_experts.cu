@@ -264,54 +264,96 @@ __device__ __forceinline__ uint32_t swizzle(int row, int chunk) {
   return static_cast<uint32_t>(row * 128 + ((chunk ^ (row & 7)) << 4));
 }
 
-// MXFP4 weight tiles (kMxfp4). The device keeps each routed expert's codes in the kernel's order
-// (mxfp4_kernel_codes): per weight row and 64-wide k tile 32 bytes, lane t (= lane % 4) of the mma's B
-// fragment owning bytes 8t .. 8t + 7 — one u32 per 32-wide scale group holding its 8 e2m1 pairs of that
-// group's two k16 steps, each pair's two nibbles at bits 12 − 4i and 28 − 4i. So a lane reads its B fragments
-// with one 8-byte shared load per n8 tile and k tile and turns a pair into a bf16x2 register with a shift and
-// two masks (the nibble's sign to bf16's sign bit, its 3 exponent/mantissa bits to the bottom of bf16's
-// exponent: e2m1 · 2^-126, exact with bf16 subnormals) and one bf16 multiply by 2^(e − 1) that applies the
-// UE8M0 scale 2^(e − 127) and the 2^126 (exact: e ≤ 128, mxfp4_kernel_scales_supported). No decoded tile, no
-// table, no extra barrier: a shared-memory round trip per value was measured at 25 % of copy bandwidth. Per
-// stage: the A tile, the codes (kBN × 32 bytes), the scales (kBN × 2 bytes: 8 slots per 16-byte chunk of the
-// k-tile-major scale layout).
+// Routed experts in a grouped low-bit format (MoeWeightDtype kMxfp4, kQ3G32, kQ2G32), decoded in the kernel.
+// The device keeps each routed expert's codes k-tile-major in the mma's B-fragment order (moe_kernel_codes):
+// per 64-wide k tile and weight row `kRowCodeBytes`, lane t (= lane % 4) of the fragment owning its own bytes
+// — for each 32-wide scale group g (0, 1) the 8 value pairs i of its two k16 steps (pair i = inputs 8i + 2t,
+// + 1: fragment register i % 2 of k16 step 2g + i / 2). So a lane reads its B fragments with one or two
+// shared loads per n8 tile and k tile and turns each pair into a bf16x2 register with shifts, masks and one
+// or two exact bf16 operations:
+//   MXFP4: per lane 8 bytes (a u32 per group, pair i's nibbles at bits 12 − 4i and 28 − 4i). The nibble's
+//   sign
+//     goes to bf16's sign bit, its 3 exponent/mantissa bits to the bottom of bf16's exponent (e2m1 · 2^-126,
+//     exact with bf16 subnormals); one multiply by 2^(e − 1) applies the UE8M0 scale 2^(e − 127) and the
+//     2^126 (exact for e ≤ 128, moe_kernel_scales_supported).
+//   Q3 (value (c − 4)·s, bf16 s): per lane 4 bytes of the codes' low 2 bits (group g pair i: bits 8g + 2i and
+//     16 + 8g + 2i) and 2 bytes of their third bits (bits 4g + i and 8 + 4g + i); c is put into the mantissa
+//     of 128 (bf16 0x4300 + c = 128 + c), 132 is subtracted (exact) and s multiplied (one rounding: the bf16
+//     of (c − 4)·s, as the decode at upload).
+//   Q2 (value (c − 1.5)·s): per lane 4 bytes as Q3's low bits; 128 + 2c − 131 = 2c − 3 (exact), times s / 2.
+// No decoded tile, no table, no extra barrier: a shared-memory round trip per value was measured at 25 % of
+// copy bandwidth. Per stage: the A tile, the codes (kBN · kRowCodeBytes), the scales (kBN · kRowScaleBytes,
+// k-tile-major too: MXFP4 one UE8M0 byte per group, Q3 / Q2 one bf16 per group).
 //
-// Stages: a k tile's weight bytes are a quarter of bf16's, so the memory-bound decode tiles get 3× the stages
-// to keep as many bytes in flight; prefill tiles are bound by the mma and keep theirs.
-template <class C>
-struct Fp4Layout {
+// Stages: a k tile's weight bytes are a quarter of bf16's (or less), so the memory-bound decode tiles get 3×
+// the stages to keep as many bytes in flight; prefill tiles are bound by the mma and keep theirs.
+enum class RoutedFormat { kBf16, kMxfp4, kQ3, kQ2 };
+
+template <class C, RoutedFormat F>
+struct GroupLayout {
+  static constexpr int kRowCodeBytes = F == RoutedFormat::kMxfp4 ? 32 : F == RoutedFormat::kQ3 ? 24 : 16;
+  static constexpr int kRowScaleBytes = F == RoutedFormat::kMxfp4 ? 2 : 4;
   static constexpr int kStages = C::kBM <= 16 ? 12 : C::kBM <= 64 ? 8 : C::kStages;
-  static constexpr int kCodeBytes = C::kBN * 32;
-  static constexpr int kScaleBytes = C::kBN * 2;
+  static constexpr int kCodeBytes = C::kBN * kRowCodeBytes;
+  static constexpr int kScaleBytes = C::kBN * kRowScaleBytes;
   static constexpr int kStageBytes = C::kBM * 128 + kCodeBytes + kScaleBytes;
   static constexpr int kSmemBytes = kStageBytes * kStages;
-  static constexpr int kCodeChunks = C::kBN * 2 / C::kThreads;  // 16-byte code chunks per thread and stage
-  static constexpr int kScaleChunks = C::kBN / 8;               // loaded by threads 0 .. kScaleChunks - 1
-  static_assert(C::kBN * 2 % C::kThreads == 0 && kScaleChunks <= C::kThreads, "whole chunks per thread");
+  // 16-byte chunks per stage, per 8 consecutive weight rows (contiguous in the k-tile-major layouts).
+  static constexpr int kCodeChunksPer8 = kRowCodeBytes / 2, kScaleChunksPer8 = kRowScaleBytes / 2;
+  static constexpr int kCodeChunks =
+      (C::kBN / 8 * kCodeChunksPer8 + C::kThreads - 1) / C::kThreads;  // per thread
+  static constexpr int kScaleChunks =
+      C::kBN / 8 * kScaleChunksPer8;  // threads 0 .. kScaleChunks - 1, one each
+  static_assert(kScaleChunks <= C::kThreads, "one scale chunk per thread");
 };
 
-template <class C, bool kFp4Routed>
+template <class C, RoutedFormat F>
 constexpr int kernel_smem_bytes() {
-  return kFp4Routed && Fp4Layout<C>::kSmemBytes > C::kSmemBytes ? Fp4Layout<C>::kSmemBytes : C::kSmemBytes;
+  return F != RoutedFormat::kBf16 && GroupLayout<C, F>::kSmemBytes > C::kSmemBytes
+             ? GroupLayout<C, F>::kSmemBytes
+             : C::kSmemBytes;
 }
 
-// The 4 bf16x2 B-fragment registers of one scale group (two k16 steps: b0, b1 of the first, then of the
-// second) from its u32 of e2m1 pairs and the bf16x2 multiplier 2^(e − 1).
-__device__ __forceinline__ void e2m1_group_to_bf16(uint32_t packed, __nv_bfloat162 multiplier,
-                                                   uint32_t (&out)[4]) {
+__device__ __forceinline__ uint32_t bits_of(__nv_bfloat162 v) {
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+__device__ __forceinline__ __nv_bfloat162 bf16x2_of(uint32_t bits) {
+  return *reinterpret_cast<const __nv_bfloat162*>(&bits);
+}
+// x shifted right by `shift` bits (left for a negative shift); a constant after unrolling.
+__device__ __forceinline__ uint32_t shift_right(uint32_t x, int shift) {
+  return shift >= 0 ? x >> shift : x << -shift;
+}
+
+// One scale group's 4 B-fragment registers (b0, b1 of its first k16 step, then of its second).
+// MXFP4: `low` is the group's u32 of e2m1 pairs, `factor` 2^(e − 1).
+template <RoutedFormat F, int kGroup>
+__device__ __forceinline__ void decode_group(uint32_t low, uint32_t high, __nv_bfloat162 factor,
+                                             uint32_t (&out)[4]) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const uint32_t x = packed << (4 * i);
-    const uint32_t bits = (x & 0x80008000u) | ((x >> 6) & 0x01C001C0u);
-    const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&bits), multiplier);
-    out[i] = *reinterpret_cast<const uint32_t*>(&v);
+    if constexpr (F == RoutedFormat::kMxfp4) {
+      const uint32_t x = low << (4 * i);
+      const uint32_t bits = (x & 0x80008000u) | ((x >> 6) & 0x01C001C0u);
+      out[i] = bits_of(__hmul2(bf16x2_of(bits), factor));
+    } else if constexpr (F == RoutedFormat::kQ3) {
+      // low: the lane's low-2-bit word (both groups); high: its third bits, byte 0 at bits 0-7, byte 1 at
+      // 16-23.
+      uint32_t bits = 0x43004300u | (shift_right(low, 8 * kGroup + 2 * i) & 0x00030003u);
+      bits |= shift_right(high, 4 * kGroup + i - 2) & 0x00040004u;
+      const __nv_bfloat162 centered = __hsub2(bf16x2_of(bits), bf16x2_of(0x43044304u));  // − 132
+      out[i] = bits_of(__hmul2(centered, factor));
+    } else {  // kQ2
+      const uint32_t bits = 0x43004300u | (shift_right(low, 8 * kGroup + 2 * i - 1) & 0x00060006u);
+      const __nv_bfloat162 centered = __hsub2(bf16x2_of(bits), bf16x2_of(0x43034303u));  // − 131
+      out[i] = bits_of(__hmul2(centered, factor));
+    }
   }
 }
 
 __device__ __forceinline__ __nv_bfloat162 ue8m0_multiplier(uint32_t e) {
   const uint32_t bits = (e + 126) << 7;  // bf16 2^(e − 1)
-  const uint32_t pair = bits | bits << 16;
-  return *reinterpret_cast<const __nv_bfloat162*>(&pair);
+  return bf16x2_of(bits | bits << 16);
 }
 
 // The output column of B slot s (a CTA weight row) and its row in W. gemm1 (kGateUp): the CTA's weight rows
@@ -331,18 +373,20 @@ __device__ __forceinline__ int slot_column(int s, int64_t& wrow, int N) {
 }
 
 // One CTA's tile: C[rows of one work item, column tile] = A · Wᵀ, W [n, K] row-major (K contiguous), W bf16
-// or (kFp4) MXFP4 decoded per k tile; gemm1 writes h = silu(min(g, L)) · clamp(u, −L, L) in bf16, gemm2 y in
-// fp32.
-template <class C, bool kGateUp, bool kFp4>
+// or (F ≠ kBf16) a grouped low-bit format decoded per k tile; gemm1 writes h = silu(min(g, L)) · clamp(u, −L,
+// L) in bf16, gemm2 y in fp32.
+template <class C, bool kGateUp, RoutedFormat F>
 __device__ __forceinline__ void gemm_tile(const GemmArgs& a, int expert, int row_begin, int rows,
                                           unsigned char* smem) {
+  constexpr bool kGrouped = F != RoutedFormat::kBf16;
+  using G = GroupLayout<C, F>;
   const void* W = expert < a.experts ? a.weights[expert] : a.shared_weight;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int warp_m = warp / C::kWarpsN, warp_n = warp % C::kWarpsN;
   const int chunk = tid & 7;
   constexpr int kRowStep = C::kThreads / 8;
-  constexpr int kStageBytes = kFp4 ? Fp4Layout<C>::kStageBytes : C::kStageBytes;
-  constexpr int kStages = kFp4 ? Fp4Layout<C>::kStages : C::kStages;
+  constexpr int kStageBytes = kGrouped ? G::kStageBytes : C::kStageBytes;
+  constexpr int kStages = kGrouped ? G::kStages : C::kStages;
   const auto smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
 
   const int k_tiles = (a.K + C::kBK - 1) / C::kBK;
@@ -360,9 +404,11 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, int expert, int row
     a_src[j] = src;
     a_dst[j] = swizzle(r, chunk);
   }
-  // B sources: bf16 16-byte chunks of whole rows, or (kFp4) code chunks (two per row and k tile) and the
-  // scale chunk of 8 slots.
-  constexpr int kBSources = kFp4 ? Fp4Layout<C>::kCodeChunks : C::kBChunks;
+  // B sources: bf16 16-byte chunks of whole rows, or (kGrouped) the code chunks of 8-row groups (contiguous
+  // in the k-tile-major layout: base + (tile · weight rows + first row) · kRowCodeBytes) and the scale
+  // chunks.
+  const int weight_rows = kGateUp ? 2 * a.N : a.N;
+  constexpr int kBSources = kGrouped ? G::kCodeChunks : C::kBChunks;
   const unsigned char* b_src[kBSources];
   uint32_t b_dst[kBSources];
   const unsigned char* scale_src = nullptr;
@@ -370,11 +416,13 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, int expert, int row
 #pragma unroll
   for (int j = 0; j < kBSources; ++j) {
     int64_t wrow;
-    if constexpr (kFp4) {
-      const int index = tid + j * C::kThreads, s = index >> 1, half = index & 1;
-      const int col = slot_column<C, kGateUp>(s, wrow, a.N);
-      b_src[j] = col < a.N ? W_bytes + wrow * k_tiles * 32 + half * 16 : nullptr;
-      b_dst[j] = C::kBM * 128 + s * 32 + half * 16;
+    if constexpr (kGrouped) {
+      const int index = tid + j * C::kThreads;
+      const int group = index / G::kCodeChunksPer8, part = index % G::kCodeChunksPer8;
+      const bool in_tile = group < C::kBN / 8;
+      const int col = in_tile ? slot_column<C, kGateUp>(group * 8, wrow, a.N) : a.N;
+      b_src[j] = col < a.N ? W_bytes + wrow * G::kRowCodeBytes + part * 16 : nullptr;
+      b_dst[j] = in_tile ? C::kBM * 128 + group * 8 * G::kRowCodeBytes + part * 16 : ~0u;
     } else {
       const int s = tid / 8 + j * kRowStep;
       const int col = slot_column<C, kGateUp>(s, wrow, a.N);
@@ -382,12 +430,14 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, int expert, int row
       b_dst[j] = C::kBM * 128 + swizzle(s, chunk);
     }
   }
-  const int weight_rows = kGateUp ? 2 * a.N : a.N;
-  if constexpr (kFp4) {
-    if (tid < Fp4Layout<C>::kScaleChunks) {
+  if constexpr (kGrouped) {
+    if (tid < G::kScaleChunks) {
       int64_t wrow;
-      const int col = slot_column<C, kGateUp>(tid * 8, wrow, a.N);
-      if (col < a.N) scale_src = static_cast<const unsigned char*>(a.scales[expert]) + wrow * 2;
+      const int group = tid / G::kScaleChunksPer8, part = tid % G::kScaleChunksPer8;
+      const int col = slot_column<C, kGateUp>(group * 8, wrow, a.N);
+      if (col < a.N)
+        scale_src =
+            static_cast<const unsigned char*>(a.scales[expert]) + wrow * G::kRowScaleBytes + part * 16;
     }
   }
 
@@ -404,20 +454,22 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, int expert, int row
     for (int j = 0; j < kBSources; ++j) {
       bool ok;
       int64_t offset;
-      if constexpr (kFp4) {
-        ok = b_src[j] != nullptr;  // rows are whole k tiles (zero padded)
-        offset = static_cast<int64_t>(kt) * 32;
+      if constexpr (kGrouped) {
+        if (b_dst[j] == ~0u) continue;
+        ok = b_src[j] != nullptr;  // whole k tiles (zero padded)
+        offset = static_cast<int64_t>(kt) * weight_rows * G::kRowCodeBytes;
       } else {
         ok = a_ok && b_src[j] != nullptr;
         offset = int64_t{k0} * 2;
       }
       cp_async16(base + b_dst[j], ok ? b_src[j] + offset : W_bytes, ok);
     }
-    if constexpr (kFp4) {
-      if (tid < Fp4Layout<C>::kScaleChunks) {
+    if constexpr (kGrouped) {
+      if (tid < G::kScaleChunks) {
         const bool ok = scale_src != nullptr;
-        cp_async16(base + C::kBM * 128 + Fp4Layout<C>::kCodeBytes + tid * 16,
-                   ok ? scale_src + static_cast<int64_t>(kt) * weight_rows * 2 : W_bytes, ok);
+        const int group = tid / G::kScaleChunksPer8, part = tid % G::kScaleChunksPer8;
+        cp_async16(base + C::kBM * 128 + G::kCodeBytes + group * 8 * G::kRowScaleBytes + part * 16,
+                   ok ? scale_src + static_cast<int64_t>(kt) * weight_rows * G::kRowScaleBytes : W_bytes, ok);
       }
     }
   };
@@ -447,34 +499,61 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, int expert, int row
     cp_async_commit();
     const uint32_t As = smem_base + (kt % kStages) * kStageBytes;
     const uint32_t Bs = As + C::kBM * 128;
-    // kFp4: this lane's codes of both scale groups and the two scales, per n8 tile (slot warp_n·kNTiles·8 +
-    // 8·nt + lane / 4).
-    uint2 fp4_codes[C::kNTiles];
-    uint32_t fp4_scales[C::kNTiles];
-    uint32_t fp4_b[C::kNTiles][4];
-    if constexpr (kFp4) {
+    // kGrouped: this lane's codes of both scale groups and their scales, per n8 tile (slot warp_n·kNTiles·8 +
+    // 8·nt + lane / 4): `low` (MXFP4: group 0's word, Q: the low bits of both), `high` (MXFP4: group 1's
+    // word, Q3: the third bits spread to bytes 0 and 2), factors per group.
+    uint32_t code_low[C::kNTiles], code_high[C::kNTiles];
+    __nv_bfloat162 factor[C::kNTiles][2];
+    uint32_t group_b[C::kNTiles][4];
+    if constexpr (kGrouped) {
       const unsigned char* stage = smem + (kt % kStages) * kStageBytes + C::kBM * 128;
+      const int t = lane & 3;
 #pragma unroll
       for (int nt = 0; nt < C::kNTiles; ++nt) {
         const int slot = warp_n * C::kNTiles * 8 + nt * 8 + (lane >> 2);
-        fp4_codes[nt] = *reinterpret_cast<const uint2*>(stage + slot * 32 + (lane & 3) * 8);
-        fp4_scales[nt] = *reinterpret_cast<const uint16_t*>(stage + Fp4Layout<C>::kCodeBytes + slot * 2);
+        const unsigned char* codes = stage + slot * G::kRowCodeBytes;
+        const unsigned char* scales = stage + G::kCodeBytes + slot * G::kRowScaleBytes;
+        if constexpr (F == RoutedFormat::kMxfp4) {
+          const uint2 words = *reinterpret_cast<const uint2*>(codes + 8 * t);
+          code_low[nt] = words.x;
+          code_high[nt] = words.y;
+          const uint32_t e = *reinterpret_cast<const uint16_t*>(scales);
+          factor[nt][0] = ue8m0_multiplier(e & 0xff);
+          factor[nt][1] = ue8m0_multiplier(e >> 8);
+        } else {
+          code_low[nt] = *reinterpret_cast<const uint32_t*>(codes + 4 * t);
+          if constexpr (F == RoutedFormat::kQ3)
+            code_high[nt] = __byte_perm(*reinterpret_cast<const uint16_t*>(codes + 16 + 2 * t), 0, 0x4140);
+          else
+            code_high[nt] = 0;
+          const uint32_t pair = *reinterpret_cast<const uint32_t*>(scales);  // bf16 s of group 0, group 1
+          const __nv_bfloat162 s01 = bf16x2_of(pair);
+          // Q2's factor is s / 2 (exact for the normal scales moe_kernel_scales_supported admits).
+          const __nv_bfloat162 scaled = F == RoutedFormat::kQ2 ? __hmul2(s01, bf16x2_of(0x3F003F00u)) : s01;
+          factor[nt][0] = __low2bfloat162(scaled);
+          factor[nt][1] = __high2bfloat162(scaled);
+        }
       }
     }
 #pragma unroll
     for (int kk = 0; kk < C::kBK / 16; ++kk) {
       uint32_t b[C::kNTiles][2];
-      if constexpr (kFp4) {
+      if constexpr (kGrouped) {
         if (kk % 2 == 0) {
 #pragma unroll
-          for (int nt = 0; nt < C::kNTiles; ++nt)
-            e2m1_group_to_bf16(kk == 0 ? fp4_codes[nt].x : fp4_codes[nt].y,
-                               ue8m0_multiplier((fp4_scales[nt] >> (kk == 0 ? 0 : 8)) & 0xff), fp4_b[nt]);
+          for (int nt = 0; nt < C::kNTiles; ++nt) {
+            if (kk == 0)
+              decode_group<F, 0>(code_low[nt], code_high[nt], factor[nt][0], group_b[nt]);
+            else if constexpr (F == RoutedFormat::kMxfp4)
+              decode_group<F, 0>(code_high[nt], 0, factor[nt][1], group_b[nt]);  // group 1's own word
+            else
+              decode_group<F, 1>(code_low[nt], code_high[nt], factor[nt][1], group_b[nt]);
+          }
         }
 #pragma unroll
         for (int nt = 0; nt < C::kNTiles; ++nt) {
-          b[nt][0] = fp4_b[nt][(kk % 2) * 2];
-          b[nt][1] = fp4_b[nt][(kk % 2) * 2 + 1];
+          b[nt][0] = group_b[nt][(kk % 2) * 2];
+          b[nt][1] = group_b[nt][(kk % 2) * 2 + 1];
         }
       } else {
 #pragma unroll
@@ -530,8 +609,8 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, int expert, int row
     }
 }
 
-// kFp4Routed: the routed experts' CTAs decode MXFP4 tiles, the shared expert's (expert E) read bf16.
-template <class C, bool kGateUp, bool kFp4Routed>
+// F ≠ kBf16: the routed experts' CTAs decode that format's tiles, the shared expert's (expert E) read bf16.
+template <class C, bool kGateUp, RoutedFormat F>
 __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) expert_gemm_kernel(const GemmArgs a) {
   wait_for_prior_grid();
   allow_dependents();
@@ -545,13 +624,13 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) expert_gemm_kernel
   const int row_begin = a.offsets[expert] + work.y * C::kBM;
   const int rows = min(C::kBM, a.offsets[expert + 1] - row_begin);
   extern __shared__ __align__(128) unsigned char dynamic_smem[];
-  if constexpr (kFp4Routed) {
+  if constexpr (F != RoutedFormat::kBf16) {
     if (expert < a.experts) {
-      gemm_tile<C, kGateUp, true>(a, expert, row_begin, rows, dynamic_smem);
+      gemm_tile<C, kGateUp, F>(a, expert, row_begin, rows, dynamic_smem);
       return;
     }
   }
-  gemm_tile<C, kGateUp, false>(a, expert, row_begin, rows, dynamic_smem);
+  gemm_tile<C, kGateUp, RoutedFormat::kBf16>(a, expert, row_begin, rows, dynamic_smem);
 #endif
 }
 
@@ -690,7 +769,8 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const float* _
 bool has_tensor_core_build() {
   static const bool ok = [] {
     cudaFuncAttributes attributes{};
-    if (cudaFuncGetAttributes(&attributes, expert_gemm_kernel<SmallTiles, true, false>) != cudaSuccess) {
+    if (cudaFuncGetAttributes(&attributes, expert_gemm_kernel<SmallTiles, true, RoutedFormat::kBf16>) !=
+        cudaSuccess) {
       cudaGetLastError();
       return false;
     }
@@ -705,14 +785,14 @@ cudaError_t allow_smem(Kernel kernel, size_t bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
 }
 
-template <class C, bool kFp4Routed>
+template <class C, RoutedFormat F>
 cudaError_t run_bf16_gemms(const MoeExpertsParams& p, GemmArgs args, const uint16_t* xb, uint16_t* h,
                            float* y, const MoeExpertWeights& w, cudaStream_t stream) {
   const int64_t items = items_bound(p, C::kBM);
   if (items > 65535) return cudaErrorInvalidValue;
-  constexpr int kSmem = kernel_smem_bytes<C, kFp4Routed>();
-  cudaError_t status = allow_smem(expert_gemm_kernel<C, true, kFp4Routed>, kSmem);
-  if (status == cudaSuccess) status = allow_smem(expert_gemm_kernel<C, false, kFp4Routed>, kSmem);
+  constexpr int kSmem = kernel_smem_bytes<C, F>();
+  cudaError_t status = allow_smem(expert_gemm_kernel<C, true, F>, kSmem);
+  if (status == cudaSuccess) status = allow_smem(expert_gemm_kernel<C, false, F>, kSmem);
   if (status != cudaSuccess) return status;
   // gemm1: x · w13ᵀ -> SwiGLU -> h
   args.a = xb;
@@ -724,7 +804,7 @@ cudaError_t run_bf16_gemms(const MoeExpertsParams& p, GemmArgs args, const uint1
   args.N = static_cast<int>(p.intermediate);
   const dim3 grid1(static_cast<unsigned>((p.intermediate + C::kBN / 2 - 1) / (C::kBN / 2)),
                    static_cast<unsigned>(items));
-  launch_dependent(expert_gemm_kernel<C, true, kFp4Routed>, grid1, C::kThreads, kSmem, stream, args);
+  launch_dependent(expert_gemm_kernel<C, true, F>, grid1, C::kThreads, kSmem, stream, args);
   if ((status = cudaGetLastError()) != cudaSuccess) return status;
   // gemm2: h · w2ᵀ -> y
   args.a = h;
@@ -735,47 +815,76 @@ cudaError_t run_bf16_gemms(const MoeExpertsParams& p, GemmArgs args, const uint1
   args.K = static_cast<int>(p.intermediate);
   args.N = static_cast<int>(p.hidden);
   const dim3 grid2(static_cast<unsigned>((p.hidden + C::kBN - 1) / C::kBN), static_cast<unsigned>(items));
-  launch_dependent(expert_gemm_kernel<C, false, kFp4Routed>, grid2, C::kThreads, kSmem, stream, args);
+  launch_dependent(expert_gemm_kernel<C, false, F>, grid2, C::kThreads, kSmem, stream, args);
   return cudaGetLastError();
 }
 
-template <bool kFp4Routed>
+template <RoutedFormat F>
 cudaError_t run_tiled_gemms(int tile_rows, const MoeExpertsParams& p, const GemmArgs& args,
                             const uint16_t* xb, uint16_t* h, float* y, const MoeExpertWeights& w,
                             cudaStream_t stream) {
-  return tile_rows == 16   ? run_bf16_gemms<SmallTiles, kFp4Routed>(p, args, xb, h, y, w, stream)
-         : tile_rows == 64 ? run_bf16_gemms<MidTiles, kFp4Routed>(p, args, xb, h, y, w, stream)
-                           : run_bf16_gemms<LargeTiles, kFp4Routed>(p, args, xb, h, y, w, stream);
+  return tile_rows == 16   ? run_bf16_gemms<SmallTiles, F>(p, args, xb, h, y, w, stream)
+         : tile_rows == 64 ? run_bf16_gemms<MidTiles, F>(p, args, xb, h, y, w, stream)
+                           : run_bf16_gemms<LargeTiles, F>(p, args, xb, h, y, w, stream);
 }
 
 }  // namespace
 
-size_t mxfp4_kernel_code_bytes(int64_t rows, int64_t cols) {
-  return static_cast<size_t>(rows * ((cols + 63) / 64) * 32);
+namespace {
+int64_t k_tiles_of(int64_t cols) { return (cols + 63) / 64; }
+int row_code_bytes(int bits) { return bits == 4 ? 32 : bits == 3 ? 24 : 16; }
+}  // namespace
+
+size_t moe_kernel_code_bytes(int bits, int64_t rows, int64_t cols) {
+  return static_cast<size_t>(k_tiles_of(cols) * rows * row_code_bytes(bits));
 }
 
-std::vector<uint8_t> mxfp4_kernel_codes(int64_t rows, int64_t cols, const uint8_t* packed) {
-  const int64_t tiles = (cols + 63) / 64;
-  std::vector<uint8_t> out(mxfp4_kernel_code_bytes(rows, cols), 0);
-  auto nibble = [&](int64_t r, int64_t k) -> uint32_t {
+std::vector<uint8_t> moe_kernel_codes(int bits, int64_t rows, int64_t cols, const uint8_t* codes) {
+  const int64_t tiles = k_tiles_of(cols), groups = cols / 32;
+  const int row_bytes = row_code_bytes(bits);
+  std::vector<uint8_t> out(moe_kernel_code_bytes(bits, rows, cols), 0);
+  // Code of input k of row r as stored: MXFP4 nibbles (the even input low), Q3 / Q2 little-endian bit streams
+  // of 4·bits bytes per group of 32.
+  auto code = [&](int64_t r, int64_t k) -> uint32_t {
     if (k >= cols) return 0;
-    const uint8_t byte = packed[(r * cols + k) / 2];
-    return k % 2 == 0 ? byte & 15u : byte >> 4;
+    if (bits == 4) {
+      const uint8_t byte = codes[(r * cols + k) / 2];
+      return k % 2 == 0 ? byte & 15u : byte >> 4;
+    }
+    const uint8_t* group = codes + (r * groups + k / 32) * 4 * bits;
+    const int bit = static_cast<int>(k % 32) * bits;
+    const uint32_t word = group[bit / 8] | (bit / 8 + 1 < 4 * bits ? uint32_t{group[bit / 8 + 1]} << 8 : 0u);
+    return (word >> (bit % 8)) & ((1u << bits) - 1);
   };
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t tile = 0; tile < tiles; ++tile)
-      for (int g = 0; g < 2; ++g)
-        for (int t = 0; t < 4; ++t) {
-          // pair i = (k16 step 2g + i / 2, fragment register i % 2): inputs 8i + 2t and 8i + 2t + 1 of the
-          // group
-          uint32_t word = 0;
+  auto put = [](uint8_t* at, uint32_t word, int bytes) {
+    for (int b = 0; b < bytes; ++b) at[b] |= static_cast<uint8_t>(word >> (8 * b));
+  };
+  for (int64_t tile = 0; tile < tiles; ++tile)
+    for (int64_t r = 0; r < rows; ++r) {
+      uint8_t* row = out.data() + (tile * rows + r) * row_bytes;
+      for (int t = 0; t < 4; ++t) {
+        uint32_t low = 0, high = 0;
+        for (int g = 0; g < 2; ++g)
           for (int i = 0; i < 4; ++i) {
+            // pair i of group g = inputs 8i + 2t, + 1 (fragment register i % 2 of k16 step 2g + i / 2)
             const int64_t k = tile * 64 + g * 32 + 8 * i + 2 * t;
-            word |= nibble(r, k) << (12 - 4 * i) | nibble(r, k + 1) << (28 - 4 * i);
+            const uint32_t lo = code(r, k), hi = code(r, k + 1);
+            if (bits == 4) {
+              (g == 0 ? low : high) |= lo << (12 - 4 * i) | hi << (28 - 4 * i);
+            } else {
+              low |= (lo & 3) << (8 * g + 2 * i) | (hi & 3) << (16 + 8 * g + 2 * i);
+              high |= (lo >> 2) << (4 * g + i) | (hi >> 2) << (8 + 4 * g + i);
+            }
           }
-          uint8_t* at = out.data() + (r * tiles + tile) * 32 + 8 * t + 4 * g;
-          for (int b = 0; b < 4; ++b) at[b] = static_cast<uint8_t>(word >> (8 * b));
+        if (bits == 4) {
+          put(row + 8 * t, low, 4);
+          put(row + 8 * t + 4, high, 4);
+        } else {
+          put(row + 4 * t, low, 4);
+          if (bits == 3) put(row + 16 + 2 * t, high, 2);
         }
+      }
+    }
   return out;
 }
 
@@ -785,8 +894,16 @@ bool mxfp4_kernel_scales_supported(size_t count, const uint8_t* exponents) {
   return true;
 }
 
+bool grouped_kernel_scales_supported(size_t count, const uint16_t* scales) {
+  for (size_t i = 0; i < count; ++i) {
+    const uint32_t exponent = (scales[i] >> 7) & 0xff;
+    if (scales[i] != 0 && (exponent < 8 || exponent == 0xff)) return false;  // below 2^-119, or inf / NaN
+  }
+  return true;
+}
+
 size_t mxfp4_tile_scale_bytes(int64_t rows, int64_t cols) {
-  return static_cast<size_t>((cols + 63) / 64 * rows * 2);
+  return static_cast<size_t>(k_tiles_of(cols) * rows * 2);
 }
 
 std::vector<uint8_t> mxfp4_tile_scales(int64_t rows, int64_t cols, const uint8_t* row_major_exponents) {
@@ -795,6 +912,23 @@ std::vector<uint8_t> mxfp4_tile_scales(int64_t rows, int64_t cols, const uint8_t
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < groups; ++g)
       tiled[static_cast<size_t>(((g / 2) * rows + r) * 2 + g % 2)] = row_major_exponents[r * groups + g];
+  return tiled;
+}
+
+size_t grouped_tile_scale_bytes(int64_t rows, int64_t cols) {
+  return static_cast<size_t>(k_tiles_of(cols) * rows * 4);
+}
+
+std::vector<uint8_t> grouped_tile_scales(int64_t rows, int64_t cols, const uint16_t* row_major_scales) {
+  std::vector<uint8_t> tiled(grouped_tile_scale_bytes(rows, cols), 0);
+  const int64_t groups = cols / 32;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint16_t v = row_major_scales[r * groups + g];
+      const size_t at = static_cast<size_t>(((g / 2) * rows + r) * 4 + (g % 2) * 2);
+      tiled[at] = static_cast<uint8_t>(v & 0xff);
+      tiled[at + 1] = static_cast<uint8_t>(v >> 8);
+    }
   return tiled;
 }
 
@@ -822,8 +956,9 @@ cudaError_t moe_experts(const MoeExpertsParams& p, const MoeExpertWeights& w, co
   const Layout l = layout(p);
   if (workspace_bytes < l.total) return cudaErrorInvalidValue;
   const bool bf16 = p.dtype != MoeWeightDtype::kFp32;
-  const bool mxfp4 = p.dtype == MoeWeightDtype::kMxfp4;
-  if (mxfp4 && (p.hidden % 32 != 0 || p.intermediate % 32 != 0 || !w.w13_scales || !w.w2_scales))
+  const bool grouped = p.dtype == MoeWeightDtype::kMxfp4 || p.dtype == MoeWeightDtype::kQ3G32 ||
+                       p.dtype == MoeWeightDtype::kQ2G32;
+  if (grouped && (p.hidden % 32 != 0 || p.intermediate % 32 != 0 || !w.w13_scales || !w.w2_scales))
     return cudaErrorInvalidValue;
   int tile_rows = p.tile_rows;
   if (tile_rows == 0) {
@@ -870,8 +1005,19 @@ cudaError_t moe_experts(const MoeExpertsParams& p, const MoeExpertWeights& w, co
     args.experts = static_cast<int>(p.experts);
     args.limit = p.swiglu_limit;
     auto* hb = static_cast<uint16_t*>(h);
-    status = mxfp4 ? run_tiled_gemms<true>(tile_rows, p, args, xb, hb, y, w, stream)
-                   : run_tiled_gemms<false>(tile_rows, p, args, xb, hb, y, w, stream);
+    switch (p.dtype) {
+      case MoeWeightDtype::kMxfp4:
+        status = run_tiled_gemms<RoutedFormat::kMxfp4>(tile_rows, p, args, xb, hb, y, w, stream);
+        break;
+      case MoeWeightDtype::kQ3G32:
+        status = run_tiled_gemms<RoutedFormat::kQ3>(tile_rows, p, args, xb, hb, y, w, stream);
+        break;
+      case MoeWeightDtype::kQ2G32:
+        status = run_tiled_gemms<RoutedFormat::kQ2>(tile_rows, p, args, xb, hb, y, w, stream);
+        break;
+      default:
+        status = run_tiled_gemms<RoutedFormat::kBf16>(tile_rows, p, args, xb, hb, y, w, stream);
+    }
     if (status != cudaSuccess) return status;
   } else {
     Fp32Args args{x,        w.w13,     w.w2,       w.shared_w13,          w.shared_w2,

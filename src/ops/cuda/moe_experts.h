@@ -41,7 +41,10 @@
 
 namespace dsv4::ops::cuda {
 
-enum class MoeWeightDtype { kBf16, kFp32, kMxfp4 };
+// kMxfp4 / kQ3G32 / kQ2G32: the routed experts in that grouped low-bit format (the release's MXFP4, or
+// --expert-bits 3.5 / 2.5: per 32 inputs a bf16 scale s and codes c, value (c − 4)·s / (c − 1.5)·s), decoded
+// in the kernel; bf16 arithmetic otherwise, the shared expert bf16.
+enum class MoeWeightDtype { kBf16, kFp32, kMxfp4, kQ3G32, kQ2G32 };
 
 struct MoeExpertsParams {
   int64_t tokens = 0;        // rows of x and out
@@ -61,35 +64,39 @@ struct MoeExpertsParams {
 // w13 and w2 are DEVICE arrays of `experts` device pointers (one per expert; entries may alias), so the
 // experts need not be contiguous. Every pointer 16-byte aligned.
 //
-// kMxfp4: w13 / w2 point at each routed expert's codes in the kernel's order (mxfp4_kernel_codes below),
-// w13_scales / w2_scales at its UE8M0 scale bytes in the kernel's k-tile-major layout (mxfp4_tile_scales),
-// every exponent ≤ 128 (mxfp4_kernel_scales_supported); D and I multiples of 32. The shared expert is bf16.
+// Grouped formats: w13 / w2 point at each routed expert's codes in the kernel's order (moe_kernel_codes
+// below), w13_scales / w2_scales at its scales in the kernel's k-tile-major layout (mxfp4_tile_scales: UE8M0
+// bytes, every exponent ≤ 128, mxfp4_kernel_scales_supported; grouped_tile_scales: bf16,
+// grouped_kernel_scales_supported); D and I multiples of 32. The shared expert is bf16.
 struct MoeExpertWeights {
   const void* const* w13 = nullptr;  // [E] -> [2I, D]: gate rows 0..I-1, then up rows I..2I-1
   const void* const* w2 = nullptr;   // [E] -> [D, I]
   const void* shared_w13 = nullptr;  // [2I, D]
   const void* shared_w2 = nullptr;   // [D, I]
-  const void* const* w13_scales = nullptr;  // kMxfp4: [E] -> mxfp4_tile_scales(2I, D)
-  const void* const* w2_scales = nullptr;   // kMxfp4: [E] -> mxfp4_tile_scales(D, I)
+  const void* const* w13_scales = nullptr;  // grouped formats: [E] -> the tile scales of [2I, D]
+  const void* const* w2_scales = nullptr;   // grouped formats: [E] -> the tile scales of [D, I]
 };
 
-// The UE8M0 scales of an MXFP4 [rows, cols] matrix, given row-major [rows, cols / 32] (the checkpoint's
-// layout), rearranged for the kernel: [ceil(cols / 64)][rows][2] — per 64-wide k tile the two scales of each
-// row, so the scales of 8 consecutive rows are one 16-byte load (a missing second group of a last, 32-wide
-// tile is 0). rows a multiple of 8, cols of 32.
+// The codes of a grouped [rows, cols] matrix (cols a multiple of 32) as the host keeps them — bits 4: MXFP4,
+// [rows, cols / 2] bytes, the even input in the low nibble; 3 / 2: kQ3G32 / kQ2G32, per row and group of 32 a
+// little-endian bit stream of 4·bits bytes (core/linear_weight.h) — rearranged k-tile-major into the mma
+// B-fragment order: per 64-wide k tile (a last 32-wide half tile zero padded) and row 32 / 24 / 16 bytes,
+// lane t's share (0..3) at 8t (MXFP4: one u32 per group g, pair i's nibbles at bits 12 − 4i, 28 − 4i) or at
+// 4t (Q: the low 2 bits, group g pair i at bits 8g + 2i and 16 + 8g + 2i) plus, Q3, 2 bytes at 16 + 2t (the
+// third bits at 4g + i and 8 + 4g + i); pair i of group g = inputs 32g + 8i + 2t and + 1.
+std::vector<uint8_t> moe_kernel_codes(int bits, int64_t rows, int64_t cols, const uint8_t* codes);
+size_t moe_kernel_code_bytes(int bits, int64_t rows, int64_t cols);
+// The scales, given row-major [rows, cols / 32], rearranged [ceil(cols / 64)][rows][2 groups] (a missing
+// second group of a last half tile is 0): MXFP4 UE8M0 bytes, Q3 / Q2 bf16 bits. rows a multiple of 8.
 std::vector<uint8_t> mxfp4_tile_scales(int64_t rows, int64_t cols, const uint8_t* row_major_exponents);
 size_t mxfp4_tile_scale_bytes(int64_t rows, int64_t cols);
-// The e2m1 codes of an MXFP4 [rows, cols] matrix, given as the checkpoint packs them ([rows, cols / 2] bytes,
-// the even input in the low nibble), rearranged into the mma B-fragment order: per row and 64-wide k tile 32
-// bytes, bytes 8t + 4g .. + 3 the u32 of fragment lane t (0..3) for scale group g (0, 1) — its pair i (0..3)
-// is inputs 32g + 8i + 2t and + 1, nibbles at bits 12 − 4i and 28 − 4i. A last 32-wide half tile is zero
-// padded (mxfp4_kernel_code_bytes = rows · ceil(cols / 64) · 32). cols a multiple of 32.
-std::vector<uint8_t> mxfp4_kernel_codes(int64_t rows, int64_t cols, const uint8_t* packed);
-size_t mxfp4_kernel_code_bytes(int64_t rows, int64_t cols);
-// The kernel applies 2^(e − 127) as a bf16 factor 2^(e − 1) (the decoded pairs carry 2^-126): exact for e ≤
-// 128, i.e. scales ≤ 2 (real weights sit far below; amax ≤ 12 per group). False: decode such a matrix at
-// upload.
+std::vector<uint8_t> grouped_tile_scales(int64_t rows, int64_t cols, const uint16_t* row_major_scales);
+size_t grouped_tile_scale_bytes(int64_t rows, int64_t cols);
+// MXFP4: the kernel applies 2^(e − 127) as a bf16 factor 2^(e − 1) (the decoded pairs carry 2^-126): exact
+// for e ≤ 128, i.e. scales ≤ 2 (real weights sit far below). Q3 / Q2: the scales must be 0 or normal above
+// 2^-120 (Q2 multiplies by s / 2). False: decode such a matrix at upload.
 bool mxfp4_kernel_scales_supported(size_t count, const uint8_t* exponents);
+bool grouped_kernel_scales_supported(size_t count, const uint16_t* scales);
 
 // Device workspace for one call: the routing tables, x in bf16, h [(tokens·(top_k + 1)), I] and
 // y [(tokens·(top_k + 1)), D] fp32 (the largest part: tokens · (top_k + 1) · D · 4 bytes).

@@ -109,7 +109,7 @@ Comparison compare(const ModelConfig& config, const ModelWeights& weights, CudaP
   CudaModelOptions options;
   options.precision = precision;
   options.fp8_weights = fp8_weights;
-  options.mxfp4_experts = mxfp4_experts;
+  options.low_bit_experts = mxfp4_experts;
   DeepseekV4CudaModel gpu(config, weights, options);
   PrefixCacheOptions cache_options;
   cache_options.enabled = false;
@@ -344,7 +344,7 @@ TEST(CudaModel, Mxfp4ExpertsInKernelEqualExpertsDecodedAtUpload) {
   int64_t bytes[2] = {};
   for (const bool fp4 : {false, true}) {
     CudaModelOptions options;
-    options.mxfp4_experts = fp4;
+    options.low_bit_experts = fp4;
     bytes[fp4] = DeepseekV4CudaModel(config, weights, options).weight_bytes();
   }
   std::printf("device weight bytes: %lld with MXFP4 experts, %lld decoded to bf16\n",
@@ -359,6 +359,43 @@ TEST(CudaModel, Mxfp4ExpertsInKernelEqualExpertsDecodedAtUpload) {
                              decoded.gpu_logits[i].size() * sizeof(float)))
         << "step " << i;
   expect_bf16_tolerance(in_kernel);
+}
+
+// --expert-bits 3.5 / 2.5 experts (kQ3G32 / kQ2G32, requantized from the fixture's MXFP4 as
+// RequantizedExpertsSource does) decoded in the kernel against the same experts decoded to bf16 at upload:
+// the kernel rounds (c − offset)·s to bf16 once, as the upload does, so the logits must be bitwise equal.
+TEST(CudaModel, ThreeAndTwoBitExpertsInKernelEqualExpertsDecodedAtUpload) {
+  SKIP_WITHOUT_GPU();
+  const char* override_root = std::getenv("DSV4_FIXTURES");
+  const std::filesystem::path dir = std::filesystem::path(override_root ? override_root : DSV4_FIXTURES) /
+                                    "deepseek_goldens" / "tiny_fp8_fp4";
+  if (!std::filesystem::is_regular_file(dir / "model.safetensors")) GTEST_SKIP() << "no fixture at " << dir;
+  const ModelConfig config = ModelConfig::from_file((dir / "config.json").string());
+  const ModelWeights loaded = ModelWeights::load(config, dir.string());
+  for (const WeightEncoding encoding : {WeightEncoding::kQ3G32, WeightEncoding::kQ2G32}) {
+    ModelWeights weights = loaded;
+    for (LayerWeights& layer : weights.layers)
+      for (auto* experts : {&layer.experts_w13, &layer.experts_w2})
+        for (LinearWeight& w : *experts) w = w.requantized(encoding);
+    int64_t bytes[2] = {};
+    for (const bool in_kernel : {false, true}) {
+      CudaModelOptions options;
+      options.low_bit_experts = in_kernel;
+      bytes[in_kernel] = DeepseekV4CudaModel(config, weights, options).weight_bytes();
+    }
+    std::printf("%s experts: device weight bytes %lld in the kernel's layout, %lld decoded to bf16\n",
+                encoding == WeightEncoding::kQ3G32 ? "3.5-bit" : "2.5-bit", static_cast<long long>(bytes[1]),
+                static_cast<long long>(bytes[0]));
+    EXPECT_LT(bytes[1], bytes[0]);
+    const std::vector<Script> scripts = mixed_scripts(config.vocab_size);
+    const Comparison decoded = compare(config, weights, CudaPrecision::kBf16, scripts, false, true, false);
+    const Comparison in_kernel = compare(config, weights, CudaPrecision::kBf16, scripts, false, true, true);
+    ASSERT_EQ(decoded.gpu_logits.size(), in_kernel.gpu_logits.size());
+    for (size_t i = 0; i < decoded.gpu_logits.size(); ++i)
+      EXPECT_EQ(0, std::memcmp(decoded.gpu_logits[i].data(), in_kernel.gpu_logits[i].data(),
+                               decoded.gpu_logits[i].size() * sizeof(float)))
+          << "step " << i;
+  }
 }
 
 TEST(CudaModel, Bf16TunedKernelsTrackCpuOnAV4ShapedModel) {

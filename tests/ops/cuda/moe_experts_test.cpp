@@ -4,6 +4,9 @@
 // bf16-rounded weights and inputs, every tile configuration, hot and never-chosen experts, out-of-range ids,
 // bitwise repeats and a CUDA-graph replay. Outputs and workspaces are poisoned before every call. Skips
 // without a GPU.
+#include "ops/cuda/moe_experts.h"
+
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -13,13 +16,11 @@
 #include <random>
 #include <vector>
 
-#include <cuda_runtime.h>
-
 #include "core/dtype.h"
+#include "core/linear_weight.h"
 #include "ops/cpu/linear.h"
 #include "ops/cpu/moe.h"
 #include "ops/cuda/device.h"
-#include "ops/cuda/moe_experts.h"
 
 namespace dsv4::ops::cuda {
 namespace {
@@ -363,11 +364,14 @@ TEST_F(CudaMoeExperts, Bf16GraphReplayFollowsDeviceRouting) {
   cudaStreamDestroy(stream);
 }
 
-// MXFP4 routed experts (kMxfp4): random packed e2m1 codes and UE8M0 scales per 32 inputs, decoded in the
-// kernel. The decoded values are exact in bf16, so the result must equal bitwise the bf16 mode run on the
-// same weights decoded on the host (naive formula below), at every tile configuration; and track the CPU
-// reference.
-struct Fp4ExpertSets {
+// Routed experts in a grouped low-bit format, decoded in the kernel: MXFP4 (random packed e2m1 codes and
+// UE8M0 scales per 32 inputs, decoded by the naive formula below) and kQ3G32 / kQ2G32 (random dense experts
+// requantized by LinearWeight, as --expert-bits does). The bf16 mode over the same weights decoded on the
+// host to bf16 is the reference: the kernel's decode is exact (MXFP4) or rounds (c − offset)·s to bf16 once
+// (Q3 / Q2), as the upload does, and the mma order is the same, so the results must be bitwise equal at every
+// tile configuration; and track the CPU reference.
+struct GroupedExpertSets {
+  int bits = 4;
   int64_t D = 0, I = 0;
   ExpertSets decoded;  // bf16 device copies + the fp32 values (the reference)
   std::vector<void*> device_codes13, device_codes2, device_scales13, device_scales2;  // routed sets only
@@ -402,35 +406,54 @@ struct Fp4ExpertSets {
     cudaMemcpy(d, bytes.data(), bytes.size(), cudaMemcpyHostToDevice);
     return d;
   }
+  // One routed matrix: its kernel codes and scales on the device, its fp32 values back.
+  std::vector<float> make(int64_t rows, int64_t cols, std::mt19937& rng, std::vector<void*>& codes_out,
+                          std::vector<void*>& scales_out) {
+    if (bits == 4) {
+      std::vector<uint8_t> codes, exponents;
+      std::vector<float> values = random_fp4(rows, cols, rng, codes, exponents);
+      codes_out.push_back(upload_bytes(moe_kernel_codes(4, rows, cols, codes.data())));
+      scales_out.push_back(upload_bytes(mxfp4_tile_scales(rows, cols, exponents.data())));
+      return values;
+    }
+    Tensor dense({rows, cols});
+    const float scale = 2.5f / std::sqrt(static_cast<float>(cols));
+    for (float& v : dense.data) v = scale * uniform(rng);
+    const LinearWeight q = LinearWeight(std::move(dense))
+                               .requantized(bits == 3 ? WeightEncoding::kQ3G32 : WeightEncoding::kQ2G32);
+    codes_out.push_back(upload_bytes(moe_kernel_codes(bits, rows, cols, q.codes().data())));
+    scales_out.push_back(upload_bytes(grouped_tile_scales(rows, cols, q.group_scales().data())));
+    EXPECT_TRUE(grouped_kernel_scales_supported(q.group_scales().size(), q.group_scales().data()));
+    return q.dequantized().data;
+  }
 
-  Fp4ExpertSets(int64_t d, int64_t i, int sets, uint32_t seed) : D(d), I(i), decoded(d, i, sets, true, seed) {
+  GroupedExpertSets(int code_bits, int64_t d, int64_t i, int sets, uint32_t seed)
+      : bits(code_bits), D(d), I(i), decoded(d, i, sets, true, seed) {
     std::mt19937 rng(seed + 1);
-    std::vector<uint8_t> codes, exponents;
-    for (int s = 0; s < sets; ++s) {  // the routed sets become MXFP4; the shared expert stays bf16
-      decoded.w13[s] = random_fp4(2 * I, D, rng, codes, exponents);
-      device_codes13.push_back(upload_bytes(mxfp4_kernel_codes(2 * I, D, codes.data())));
-      device_scales13.push_back(upload_bytes(mxfp4_tile_scales(2 * I, D, exponents.data())));
-      decoded.w2[s] = random_fp4(D, I, rng, codes, exponents);
-      device_codes2.push_back(upload_bytes(mxfp4_kernel_codes(D, I, codes.data())));
-      device_scales2.push_back(upload_bytes(mxfp4_tile_scales(D, I, exponents.data())));
+    for (int s = 0; s < sets; ++s) {  // the routed sets become grouped; the shared expert stays bf16
+      decoded.w13[s] = make(2 * I, D, rng, device_codes13, device_scales13);
+      decoded.w2[s] = make(D, I, rng, device_codes2, device_scales2);
       cudaFree(decoded.device_w13[s]);
       cudaFree(decoded.device_w2[s]);
-      decoded.device_w13[s] = decoded.upload(decoded.w13[s]);
+      decoded.device_w13[s] = decoded.upload(decoded.w13[s]);  // bf16 round to nearest, as the model's upload
       decoded.device_w2[s] = decoded.upload(decoded.w2[s]);
     }
   }
-  Fp4ExpertSets(const Fp4ExpertSets&) = delete;
-  Fp4ExpertSets& operator=(const Fp4ExpertSets&) = delete;
-  ~Fp4ExpertSets() {
+  GroupedExpertSets(const GroupedExpertSets&) = delete;
+  GroupedExpertSets& operator=(const GroupedExpertSets&) = delete;
+  ~GroupedExpertSets() {
     for (auto* list : {&device_codes13, &device_codes2, &device_scales13, &device_scales2})
       for (void* p : *list) cudaFree(p);
   }
+  MoeWeightDtype dtype() const {
+    return bits == 4 ? MoeWeightDtype::kMxfp4 : bits == 3 ? MoeWeightDtype::kQ3G32 : MoeWeightDtype::kQ2G32;
+  }
 };
 
-// Points a DeviceRun built on the decoded bf16 sets at the MXFP4 codes and scales instead.
-struct Fp4Tables {
+// Points a DeviceRun built on the decoded bf16 sets at the grouped codes and scales instead.
+struct GroupedTables {
   const void** tables[4] = {nullptr, nullptr, nullptr, nullptr};
-  Fp4Tables(DeviceRun& dev, const Problem& pr, const Fp4ExpertSets& sets) {
+  GroupedTables(DeviceRun& dev, const Problem& pr, const GroupedExpertSets& sets) {
     const std::vector<void*>* sources[4] = {&sets.device_codes13, &sets.device_codes2, &sets.device_scales13,
                                             &sets.device_scales2};
     for (int k = 0; k < 4; ++k) {
@@ -439,52 +462,63 @@ struct Fp4Tables {
       cudaMalloc(reinterpret_cast<void**>(&tables[k]), host.size() * sizeof(void*));
       cudaMemcpy(tables[k], host.data(), host.size() * sizeof(void*), cudaMemcpyHostToDevice);
     }
-    dev.params.dtype = MoeWeightDtype::kMxfp4;
+    dev.params.dtype = sets.dtype();
     dev.weights.w13 = tables[0];
     dev.weights.w2 = tables[1];
     dev.weights.w13_scales = tables[2];
     dev.weights.w2_scales = tables[3];
   }
-  Fp4Tables(const Fp4Tables&) = delete;
-  Fp4Tables& operator=(const Fp4Tables&) = delete;
-  ~Fp4Tables() {
+  GroupedTables(const GroupedTables&) = delete;
+  GroupedTables& operator=(const GroupedTables&) = delete;
+  ~GroupedTables() {
     for (const void** t : tables) cudaFree(t);
   }
 };
 
-void expect_mxfp4_equals_bf16(const Fp4ExpertSets& sets, int64_t tokens, int64_t experts, uint32_t seed) {
+void expect_grouped_equals_bf16(const GroupedExpertSets& sets, int64_t tokens, int64_t experts,
+                                uint32_t seed) {
   const Problem pr = random_problem(tokens, 6, experts, sets.D, sets.decoded.routed_sets(), 2.0f, seed);
   const std::vector<float> expected = reference(pr, sets.decoded, true);
   DeviceRun bf16_run(pr, sets.decoded);
-  DeviceRun fp4_run(pr, sets.decoded);
-  const Fp4Tables tables(fp4_run, pr, sets);
+  DeviceRun grouped_run(pr, sets.decoded);
+  const GroupedTables tables(grouped_run, pr, sets);
   for (const int tile_rows : {0, 16, 64, 128}) {
     const std::vector<float> want = bf16_run.run(tile_rows);
-    const std::vector<float> got = fp4_run.run(tile_rows);
-    EXPECT_TRUE(bitwise_equal(got, want)) << "D " << sets.D << " tokens " << tokens << " tile_rows "
-                                          << tile_rows << ": rel L2 to the bf16 mode " << rel_l2(got, want);
+    const std::vector<float> got = grouped_run.run(tile_rows);
+    EXPECT_TRUE(bitwise_equal(got, want))
+        << sets.bits << "-bit codes, D " << sets.D << " tokens " << tokens << " tile_rows " << tile_rows
+        << ": rel L2 to the bf16 mode " << rel_l2(got, want);
     EXPECT_LE(rel_l2(got, expected), 1e-2) << "tokens " << tokens << " tile_rows " << tile_rows;
-    if (tile_rows == 0) EXPECT_TRUE(bitwise_equal(got, fp4_run.run(0))) << "not bitwise repeatable";
+    if (tile_rows == 0) EXPECT_TRUE(bitwise_equal(got, grouped_run.run(0))) << "not bitwise repeatable";
   }
 }
 
 TEST_F(CudaMoeExperts, Mxfp4EqualsBf16OnDecodedWeightsFlashShape) {
-  const Fp4ExpertSets sets(4096, 2048, 4, 4242);
-  for (const int64_t tokens : {1, 7, 130}) expect_mxfp4_equals_bf16(sets, tokens, 256, 900 + tokens);
-  expect_mxfp4_equals_bf16(sets, 300, 16, 917);  // dozens of rows per expert
+  const GroupedExpertSets sets(4, 4096, 2048, 4, 4242);
+  for (const int64_t tokens : {1, 7, 130}) expect_grouped_equals_bf16(sets, tokens, 256, 900 + tokens);
+  expect_grouped_equals_bf16(sets, 300, 16, 917);  // dozens of rows per expert
 }
 
-TEST_F(CudaMoeExperts, Mxfp4HalfKTilesAndRaggedColumns) {
+TEST_F(CudaMoeExperts, ThreeAndTwoBitExpertsEqualBf16OnDecodedWeightsFlashShape) {
+  for (const int bits : {3, 2}) {
+    const GroupedExpertSets sets(bits, 4096, 2048, 3, 4300 + bits);
+    for (const int64_t tokens : {1, 130}) expect_grouped_equals_bf16(sets, tokens, 256, 930 + tokens + bits);
+  }
+}
+
+TEST_F(CudaMoeExperts, GroupedHalfKTilesAndRaggedColumns) {
   // D 160 and I 96: both end in a 32-wide half k tile; the column counts are not multiples of a CTA's tile.
-  const Fp4ExpertSets sets(160, 96, 4, 4343);
-  for (const int64_t tokens : {1, 9, 64}) expect_mxfp4_equals_bf16(sets, tokens, 8, 950 + tokens);
+  for (const int bits : {4, 3, 2}) {
+    const GroupedExpertSets sets(bits, 160, 96, 4, 4343 + bits);
+    for (const int64_t tokens : {1, 9, 64}) expect_grouped_equals_bf16(sets, tokens, 8, 950 + tokens + bits);
+  }
 }
 
-TEST_F(CudaMoeExperts, Mxfp4RefusesWidthsOffTheScaleGroups) {
-  const Fp4ExpertSets sets(160, 96, 2, 4444);
+TEST_F(CudaMoeExperts, GroupedRefusesWidthsOffTheScaleGroups) {
+  const GroupedExpertSets sets(4, 160, 96, 2, 4444);
   const Problem pr = random_problem(4, 6, 8, sets.D, sets.decoded.routed_sets(), 2.0f, 4445);
   DeviceRun dev(pr, sets.decoded);
-  const Fp4Tables tables(dev, pr, sets);
+  const GroupedTables tables(dev, pr, sets);
   dev.params.intermediate = 88;  // a multiple of 8, not of 32
   EXPECT_EQ(dev.launch(), cudaErrorInvalidValue);
   dev.params.intermediate = 96;
@@ -492,34 +526,66 @@ TEST_F(CudaMoeExperts, Mxfp4RefusesWidthsOffTheScaleGroups) {
   EXPECT_EQ(dev.launch(), cudaErrorInvalidValue);
 }
 
-TEST(Mxfp4KernelLayout, CodesAndScalesLandWhereTheFragmentsReadThem) {
-  // Row 1 of a [2, 96] matrix: inputs k = 0 .. 95 carry codes k % 16; 96 = one whole k tile + a half one.
-  std::vector<uint8_t> packed(2 * 96 / 2);
-  for (int64_t r = 0; r < 2; ++r)
-    for (int64_t k = 0; k < 96; k += 2)
-      packed[(r * 96 + k) / 2] = static_cast<uint8_t>((k % 16) | ((k + 1) % 16) << 4);
-  const std::vector<uint8_t> ordered = mxfp4_kernel_codes(2, 96, packed.data());
-  ASSERT_EQ(ordered.size(), mxfp4_kernel_code_bytes(2, 96));
-  ASSERT_EQ(ordered.size(), size_t{2 * 2 * 32});
-  auto word = [&](int64_t r, int64_t tile, int g, int t) {
-    const uint8_t* at = ordered.data() + (r * 2 + tile) * 32 + 8 * t + 4 * g;
-    return static_cast<uint32_t>(at[0]) | at[1] << 8 | at[2] << 16 | static_cast<uint32_t>(at[3]) << 24;
-  };
-  for (int64_t tile = 0; tile < 2; ++tile)
-    for (int g = 0; g < 2; ++g)
-      for (int t = 0; t < 4; ++t)
-        for (int i = 0; i < 4; ++i) {
-          const int64_t k = tile * 64 + g * 32 + 8 * i + 2 * t;
-          const uint32_t w = word(1, tile, g, t);
-          EXPECT_EQ((w >> (12 - 4 * i)) & 15, k < 96 ? static_cast<uint32_t>(k % 16) : 0u) << k;
-          EXPECT_EQ((w >> (28 - 4 * i)) & 15, k < 96 ? static_cast<uint32_t>((k + 1) % 16) : 0u) << k;
-        }
-  // Scales: [rows, 3 groups] -> [tile][row][2], the missing 4th group 0.
+// The fragment order of moe_kernel_codes, read back by the documented bit positions.
+TEST(MoeKernelLayout, CodesAndScalesLandWhereTheFragmentsReadThem) {
+  // [3, 96] matrices (96 = one whole k tile + a half one); input k of row r carries code (k + r) mod 2^bits.
+  const int64_t rows = 3, cols = 96;
+  for (const int bits : {4, 3, 2}) {
+    const uint32_t mask = (1u << bits) - 1;
+    std::vector<uint8_t> stored(static_cast<size_t>(rows * cols * bits / 8), 0);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t k = 0; k < cols; ++k) {
+        const uint32_t c = static_cast<uint32_t>(k + r) & mask;
+        // MXFP4: two nibbles per byte; Q: a little-endian bit stream per row and group (rows·cols·bits/8
+        // bytes).
+        const int64_t bit = (r * cols + k) * bits;
+        stored[static_cast<size_t>(bit / 8)] |= static_cast<uint8_t>(c << (bit % 8));
+        if (bit % 8 + bits > 8)
+          stored[static_cast<size_t>(bit / 8 + 1)] |= static_cast<uint8_t>(c >> (8 - bit % 8));
+      }
+    const std::vector<uint8_t> ordered = moe_kernel_codes(bits, rows, cols, stored.data());
+    const int row_bytes = bits == 4 ? 32 : bits == 3 ? 24 : 16;
+    ASSERT_EQ(ordered.size(), moe_kernel_code_bytes(bits, rows, cols));
+    ASSERT_EQ(ordered.size(), static_cast<size_t>(2 * rows * row_bytes));
+    auto word = [&](int64_t offset, int bytes) {
+      uint32_t w = 0;
+      for (int b = 0; b < bytes; ++b)
+        w |= static_cast<uint32_t>(ordered[static_cast<size_t>(offset + b)]) << (8 * b);
+      return w;
+    };
+    int64_t wrong = 0;
+    for (int64_t tile = 0; tile < 2; ++tile)
+      for (int64_t r = 0; r < rows; ++r)
+        for (int t = 0; t < 4; ++t)
+          for (int g = 0; g < 2; ++g)
+            for (int i = 0; i < 4; ++i)
+              for (int half = 0; half < 2; ++half) {
+                const int64_t k = tile * 64 + g * 32 + 8 * i + 2 * t + half;
+                const uint32_t want = k < cols ? static_cast<uint32_t>(k + r) & mask : 0u;
+                const int64_t base = (tile * rows + r) * row_bytes;
+                uint32_t got = 0;
+                if (bits == 4) {
+                  got = (word(base + 8 * t + 4 * g, 4) >> (12 - 4 * i + 16 * half)) & 15;
+                } else {
+                  got = (word(base + 4 * t, 4) >> (8 * g + 2 * i + 16 * half)) & 3;
+                  if (bits == 3) got |= ((word(base + 16 + 2 * t, 2) >> (4 * g + i + 8 * half)) & 1) << 2;
+                }
+                wrong += got != want;
+              }
+    EXPECT_EQ(wrong, 0) << bits << "-bit codes";
+  }
+  // Scales: [rows 2, 3 groups] -> [tile][row][2], the missing 4th group 0.
   const std::vector<uint8_t> exponents = {1, 2, 3, 4, 5, 6};
   EXPECT_EQ(mxfp4_tile_scales(2, 96, exponents.data()), (std::vector<uint8_t>{1, 2, 4, 5, 3, 0, 6, 0}));
+  const std::vector<uint16_t> bf16_scales = {0x3c01, 0x3c02, 0x3c03, 0x3c04, 0x3c05, 0x3c06};
+  EXPECT_EQ(grouped_tile_scales(2, 96, bf16_scales.data()),
+            (std::vector<uint8_t>{1, 0x3c, 2, 0x3c, 4, 0x3c, 5, 0x3c, 3, 0x3c, 0, 0, 6, 0x3c, 0, 0}));
   EXPECT_TRUE(mxfp4_kernel_scales_supported(exponents.size(), exponents.data()));
   const std::vector<uint8_t> too_large = {127, 128, 129};
   EXPECT_FALSE(mxfp4_kernel_scales_supported(too_large.size(), too_large.data()));
+  EXPECT_TRUE(grouped_kernel_scales_supported(bf16_scales.size(), bf16_scales.data()));
+  const std::vector<uint16_t> tiny = {0x3c00, 0x0001};  // a subnormal scale
+  EXPECT_FALSE(grouped_kernel_scales_supported(tiny.size(), tiny.data()));
 }
 
 }  // namespace
