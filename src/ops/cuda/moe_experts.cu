@@ -3,6 +3,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "ops/cuda/launch.cuh"
 
@@ -902,17 +903,24 @@ bool grouped_kernel_scales_supported(size_t count, const uint16_t* scales) {
   return true;
 }
 
-size_t mxfp4_tile_scale_bytes(int64_t rows, int64_t cols) {
-  return static_cast<size_t>(k_tiles_of(cols) * rows * 2);
-}
-
-std::vector<uint8_t> mxfp4_tile_scales(int64_t rows, int64_t cols, const uint8_t* row_major_exponents) {
-  std::vector<uint8_t> tiled(mxfp4_tile_scale_bytes(rows, cols), 0);
+namespace {
+// [rows, cols / 32] scales -> [ceil(cols / 64)][rows][2], element by element (UE8M0 bytes or bf16 bits).
+template <class Scale>
+std::vector<uint8_t> k_tile_major_scales(int64_t rows, int64_t cols, const Scale* row_major) {
+  std::vector<uint8_t> tiled(static_cast<size_t>(k_tiles_of(cols) * rows * 2) * sizeof(Scale), 0);
   const int64_t groups = cols / 32;
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < groups; ++g)
-      tiled[static_cast<size_t>(((g / 2) * rows + r) * 2 + g % 2)] = row_major_exponents[r * groups + g];
+      std::memcpy(tiled.data() + (((g / 2) * rows + r) * 2 + g % 2) * sizeof(Scale), row_major + r * groups + g,
+                  sizeof(Scale));
   return tiled;
+}
+}  // namespace
+
+size_t mxfp4_tile_scale_bytes(int64_t rows, int64_t cols) { return static_cast<size_t>(k_tiles_of(cols) * rows * 2); }
+
+std::vector<uint8_t> mxfp4_tile_scales(int64_t rows, int64_t cols, const uint8_t* row_major_exponents) {
+  return k_tile_major_scales(rows, cols, row_major_exponents);
 }
 
 size_t grouped_tile_scale_bytes(int64_t rows, int64_t cols) {
@@ -920,16 +928,7 @@ size_t grouped_tile_scale_bytes(int64_t rows, int64_t cols) {
 }
 
 std::vector<uint8_t> grouped_tile_scales(int64_t rows, int64_t cols, const uint16_t* row_major_scales) {
-  std::vector<uint8_t> tiled(grouped_tile_scale_bytes(rows, cols), 0);
-  const int64_t groups = cols / 32;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < groups; ++g) {
-      const uint16_t v = row_major_scales[r * groups + g];
-      const size_t at = static_cast<size_t>(((g / 2) * rows + r) * 4 + (g % 2) * 2);
-      tiled[at] = static_cast<uint8_t>(v & 0xff);
-      tiled[at + 1] = static_cast<uint8_t>(v >> 8);
-    }
-  return tiled;
+  return k_tile_major_scales(rows, cols, row_major_scales);
 }
 
 size_t moe_experts_workspace_bytes(const MoeExpertsParams& p) {

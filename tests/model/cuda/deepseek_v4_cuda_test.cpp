@@ -173,6 +173,20 @@ Comparison compare(const ModelConfig& config, const ModelWeights& weights, CudaP
   return result;
 }
 
+// The tiny FP8 / MXFP4 checkpoint (tools/reference goldens), under DSV4_FIXTURES when set.
+std::filesystem::path fp8_fp4_fixture_dir() {
+  const char* override_root = std::getenv("DSV4_FIXTURES");
+  return std::filesystem::path(override_root ? override_root : DSV4_FIXTURES) / "deepseek_goldens" / "tiny_fp8_fp4";
+}
+
+// Every step's GPU logits identical bit for bit.
+void expect_bitwise_equal_logits(const Comparison& a, const Comparison& b) {
+  ASSERT_EQ(a.gpu_logits.size(), b.gpu_logits.size());
+  for (size_t i = 0; i < a.gpu_logits.size(); ++i)
+    EXPECT_EQ(0, std::memcmp(a.gpu_logits[i].data(), b.gpu_logits[i].data(), a.gpu_logits[i].size() * sizeof(float)))
+        << "step " << i;
+}
+
 std::vector<Script> mixed_scripts(int64_t vocab) {
   // Lengths cross the window (128), CSA entries (4) and the HCA ratio (128); chunks of different sizes; one
   // request decodes while the others prefill.
@@ -197,9 +211,7 @@ TEST(CudaModel, Fp32MatchesCpuOnTheTinyModel) {
 // CPU.
 TEST(CudaModel, Fp32MatchesCpuOnAnFp8Fp4Checkpoint) {
   SKIP_WITHOUT_GPU();
-  const char* override_root = std::getenv("DSV4_FIXTURES");
-  const std::filesystem::path dir = std::filesystem::path(override_root ? override_root : DSV4_FIXTURES) /
-                                    "deepseek_goldens" / "tiny_fp8_fp4";
+  const std::filesystem::path dir = fp8_fp4_fixture_dir();
   if (!std::filesystem::is_regular_file(dir / "model.safetensors")) GTEST_SKIP() << "no fixture at " << dir;
   const ModelConfig config = ModelConfig::from_file((dir / "config.json").string());
   const ModelWeights weights = ModelWeights::load(config, dir.string());
@@ -219,9 +231,7 @@ TEST(CudaModel, Fp32MatchesCpuOnAnFp8Fp4Checkpoint) {
 // agree as closely as the plain fp32 path does, bar the rare input that sits on an e4m3 rounding boundary.
 TEST(CudaModel, Fp32Fp8LinearsMatchTheCpuTwin) {
   SKIP_WITHOUT_GPU();
-  const char* override_root = std::getenv("DSV4_FIXTURES");
-  const std::filesystem::path dir = std::filesystem::path(override_root ? override_root : DSV4_FIXTURES) /
-                                    "deepseek_goldens" / "tiny_fp8_fp4";
+  const std::filesystem::path dir = fp8_fp4_fixture_dir();
   if (!std::filesystem::is_regular_file(dir / "model.safetensors")) GTEST_SKIP() << "no fixture at " << dir;
   const ModelConfig config = ModelConfig::from_file((dir / "config.json").string());
   const ModelWeights weights = ModelWeights::load(config, dir.string());
@@ -285,9 +295,7 @@ TEST(CudaModel, Bf16TracksCpuOnTheTinyModel) {
 // (ModelConfig::fp8_activations); and with the projections decoded to bf16 against the plain CPU model.
 TEST(CudaModel, Bf16WithFp8LinearsTracksCpuOnAnFp8Checkpoint) {
   SKIP_WITHOUT_GPU();
-  const char* override_root = std::getenv("DSV4_FIXTURES");
-  const std::filesystem::path dir = std::filesystem::path(override_root ? override_root : DSV4_FIXTURES) /
-                                    "deepseek_goldens" / "tiny_fp8_fp4";
+  const std::filesystem::path dir = fp8_fp4_fixture_dir();
   if (!std::filesystem::is_regular_file(dir / "model.safetensors")) GTEST_SKIP() << "no fixture at " << dir;
   const ModelConfig config = ModelConfig::from_file((dir / "config.json").string());
   const ModelWeights weights = ModelWeights::load(config, dir.string());
@@ -334,9 +342,7 @@ TEST(CudaModel, Bf16WithFp8LinearsTracksCpuOnAnFp8Checkpoint) {
 // tiles).
 TEST(CudaModel, Mxfp4ExpertsInKernelEqualExpertsDecodedAtUpload) {
   SKIP_WITHOUT_GPU();
-  const char* override_root = std::getenv("DSV4_FIXTURES");
-  const std::filesystem::path dir = std::filesystem::path(override_root ? override_root : DSV4_FIXTURES) /
-                                    "deepseek_goldens" / "tiny_fp8_fp4";
+  const std::filesystem::path dir = fp8_fp4_fixture_dir();
   if (!std::filesystem::is_regular_file(dir / "model.safetensors")) GTEST_SKIP() << "no fixture at " << dir;
   const ModelConfig config = ModelConfig::from_file((dir / "config.json").string());
   const ModelWeights weights = ModelWeights::load(config, dir.string());
@@ -353,11 +359,7 @@ TEST(CudaModel, Mxfp4ExpertsInKernelEqualExpertsDecodedAtUpload) {
   const std::vector<Script> scripts = mixed_scripts(config.vocab_size);
   const Comparison decoded = compare(config, weights, CudaPrecision::kBf16, scripts, false, true, false);
   const Comparison in_kernel = compare(config, weights, CudaPrecision::kBf16, scripts, false, true, true);
-  ASSERT_EQ(decoded.gpu_logits.size(), in_kernel.gpu_logits.size());
-  for (size_t i = 0; i < decoded.gpu_logits.size(); ++i)
-    EXPECT_EQ(0, std::memcmp(decoded.gpu_logits[i].data(), in_kernel.gpu_logits[i].data(),
-                             decoded.gpu_logits[i].size() * sizeof(float)))
-        << "step " << i;
+  expect_bitwise_equal_logits(decoded, in_kernel);
   expect_bf16_tolerance(in_kernel);
 }
 
@@ -366,9 +368,7 @@ TEST(CudaModel, Mxfp4ExpertsInKernelEqualExpertsDecodedAtUpload) {
 // the kernel rounds (c − offset)·s to bf16 once, as the upload does, so the logits must be bitwise equal.
 TEST(CudaModel, ThreeAndTwoBitExpertsInKernelEqualExpertsDecodedAtUpload) {
   SKIP_WITHOUT_GPU();
-  const char* override_root = std::getenv("DSV4_FIXTURES");
-  const std::filesystem::path dir = std::filesystem::path(override_root ? override_root : DSV4_FIXTURES) /
-                                    "deepseek_goldens" / "tiny_fp8_fp4";
+  const std::filesystem::path dir = fp8_fp4_fixture_dir();
   if (!std::filesystem::is_regular_file(dir / "model.safetensors")) GTEST_SKIP() << "no fixture at " << dir;
   const ModelConfig config = ModelConfig::from_file((dir / "config.json").string());
   const ModelWeights loaded = ModelWeights::load(config, dir.string());
@@ -390,11 +390,7 @@ TEST(CudaModel, ThreeAndTwoBitExpertsInKernelEqualExpertsDecodedAtUpload) {
     const std::vector<Script> scripts = mixed_scripts(config.vocab_size);
     const Comparison decoded = compare(config, weights, CudaPrecision::kBf16, scripts, false, true, false);
     const Comparison in_kernel = compare(config, weights, CudaPrecision::kBf16, scripts, false, true, true);
-    ASSERT_EQ(decoded.gpu_logits.size(), in_kernel.gpu_logits.size());
-    for (size_t i = 0; i < decoded.gpu_logits.size(); ++i)
-      EXPECT_EQ(0, std::memcmp(decoded.gpu_logits[i].data(), in_kernel.gpu_logits[i].data(),
-                               decoded.gpu_logits[i].size() * sizeof(float)))
-          << "step " << i;
+    expect_bitwise_equal_logits(decoded, in_kernel);
   }
 }
 
