@@ -38,6 +38,7 @@ struct EngineService::Job {
   Clock::time_point arrival;
   std::vector<ChoiceState> choices;
   int64_t unfinished = 0;
+  std::string engine_error;  // set when the engine failed one of its requests (a data-parallel rank died)
 };
 
 EngineService::EngineService(DeepseekV4Model& model, const Tokenizer& tokenizer, EngineConfig config,
@@ -226,9 +227,25 @@ void EngineService::process(const std::vector<RequestOutput>& outputs) {
         std::fprintf(stderr, "dsv4 serve: request %llu aborted by the engine: %s\n",
                      static_cast<unsigned long long>(output.id), output.error.c_str());
         metrics_.count_finished("error");
+        if (job.engine_error.empty()) job.engine_error = output.error;
       }
       finish_choice(job, choice, *choice_update, reason);
     }
+  }
+  // A job the engine failed ends as an error (HTTP 500, or an error event mid-stream, as vLLM answers a dead
+  // engine) rather than a quiet "abort": its other choices are aborted so that nothing of it keeps running.
+  for (auto& [job, update] : updates) {
+    if (job->engine_error.empty()) continue;
+    for (size_t i = 0; i < job->choices.size(); ++i) {
+      ChoiceState& choice = job->choices[i];
+      if (choice.finished) continue;
+      engine_->abort(choice.request);
+      ChoiceUpdate& aborted = update.choices.emplace_back();
+      aborted.index = static_cast<int64_t>(i);
+      finish_choice(*job, choice, aborted, "abort");
+    }
+    update.error_status = 500;
+    update.error = "the engine failed this request: " + job->engine_error;
   }
   for (auto& [job, update] : updates) {
     if (job->unfinished == 0) {

@@ -49,7 +49,8 @@ struct ChoiceUpdate {
 };
 
 // One delivery to a job's listener. The first one either accepts the job (`accepted`) or rejects it (`error`,
-// with the HTTP status); later ones carry choice updates; the last has `done` and the final usage.
+// with the HTTP status); later ones carry choice updates; the last has `done` and the final usage — and, when
+// the engine failed the job (a data-parallel rank died), `error_status` 500 with the engine's message.
 struct JobUpdate {
   bool accepted = false;
   int error_status = 0;

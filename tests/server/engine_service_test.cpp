@@ -31,6 +31,8 @@ struct Collector {
   std::map<int64_t, std::vector<int32_t>> tokens;
   std::map<int64_t, std::string> text;
   std::map<int64_t, std::string> finish;
+  int error_status = 0;
+  std::string error;
 
   JobListener listener() {
     return [this](JobUpdate update) {
@@ -39,6 +41,10 @@ struct Collector {
         tokens[choice.index].insert(tokens[choice.index].end(), choice.token_ids.begin(), choice.token_ids.end());
         text[choice.index] += choice.text;
         if (choice.finish_reason) finish[choice.index] = *choice.finish_reason;
+      }
+      if (update.error_status) {
+        error_status = update.error_status;
+        error = update.error;
       }
       if (update.done) done = true;
       updates.push_back(std::move(update));
@@ -206,8 +212,8 @@ class FaultInjectingBackend final : public ModelBackend {
 };
 
 // A rank failing under the server: every job still finishes (none hangs); the failed rank's choices end with
-// finish_reason "abort" and are counted as errors, every other job streams what a single Engine computes, and
-// the service goes on taking jobs.
+// finish_reason "abort" and an HTTP 500 error naming the engine failure, are counted as errors, every other
+// job streams what a single Engine computes, and the service goes on taking jobs.
 TEST(EngineService, AFailedDataParallelRankAbortsItsJobsAndTheOthersComplete) {
   REQUIRE_DEEPSEEK();
   const ModelConfig config = small_config();
@@ -248,8 +254,12 @@ TEST(EngineService, AFailedDataParallelRankAbortsItsJobsAndTheOthersComplete) {
       if (c.finish[0] == "abort") {
         ++aborted;
         EXPECT_LT(c.tokens[0].size(), expected[first + j].size());
+        // The client is told why (HTTP 500 / an error event), not just finish_reason "abort".
+        EXPECT_EQ(c.error_status, 500) << "job " << first + j;
+        EXPECT_NE(c.error.find("the engine failed this request"), std::string::npos) << c.error;
       } else {
         EXPECT_EQ(c.tokens[0], expected[first + j]) << "job " << first + j;
+        EXPECT_EQ(c.error_status, 0) << c.error;
       }
     }
     return aborted;
