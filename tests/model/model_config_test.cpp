@@ -121,6 +121,28 @@ TEST(ModelConfig, YarnDefaultsFollowTransformers) {
   EXPECT_EQ(c.rope_dim(RopeKind::kMain), 512);  // nested dict without partial_rotary_factor: HF uses 1.0
 }
 
+// The released config.json files: `quantization_config` (fp8, 128×128 blocks) and `expert_dtype` "fp4"
+// describe the storage layouts (what --load-format dummy reproduces); `dtype` wins over the legacy
+// `torch_dtype` either way.
+TEST(ModelConfig, ReleaseQuantizationKeysAreRead) {
+  json config = ModelConfig::preset("tiny").to_json();
+  config["dtype"] = "bfloat16";
+  config["torch_dtype"] = "float32";
+  EXPECT_FALSE(ModelConfig::from_json(config).fp8_block_weights);
+  EXPECT_FALSE(ModelConfig::from_json(config).fp4_routed_experts);
+  config["quantization_config"] = {
+      {"quant_method", "fp8"}, {"fmt", "e4m3"}, {"weight_block_size", {128, 128}}};
+  config["expert_dtype"] = "fp4";
+  const ModelConfig released = ModelConfig::from_json(config);
+  EXPECT_TRUE(released.fp8_block_weights);
+  EXPECT_TRUE(released.fp4_routed_experts);
+  EXPECT_EQ(released.torch_dtype, "bfloat16");
+  config.erase("dtype");
+  EXPECT_EQ(ModelConfig::from_json(config).torch_dtype, "float32");
+  config["expert_dtype"] = "fp8";  // the -Base checkpoints: FP8 experts, not MXFP4
+  EXPECT_FALSE(ModelConfig::from_json(config).fp4_routed_experts);
+}
+
 TEST(ModelConfig, BadConfigsNameTheFieldAndValue) {
   EXPECT_THAT(error_of({{"hidden_size", -4}}), HasSubstr("'hidden_size' = -4"));
   EXPECT_THAT(error_of({{"hidden_size", "big"}}), HasSubstr("'hidden_size' = \"big\""));
