@@ -98,22 +98,21 @@ LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& o
   cuda_options.precision =
       options.dtype == "f32" || options.dtype == "float32" ? CudaPrecision::kF32 : CudaPrecision::kBf16;
   // Switches for measuring what each mechanism gains (docs/gpu.md): DSV4_CUDA_GRAPHS=0,
-  // DSV4_INDEXER_STREAM=0, DSV4_DEVICE_SAMPLING=0, DSV4_LOW_BIT_EXPERTS=0 (MXFP4 routed experts decoded to
-  // bf16 at upload instead of in the kernel); and the opt-in DSV4_FP8_WEIGHTS=1 (FP8 projections kept FP8
-  // with FP8 GEMMs, bf16 mode).
-  auto switched_off = [](const char* name) {
+  // DSV4_INDEXER_STREAM=0, DSV4_DEVICE_SAMPLING=0, DSV4_LOW_BIT_EXPERTS=0 (MXFP4 / --expert-bits routed
+  // experts decoded to bf16 at upload instead of in the kernel); and the opt-in DSV4_FP8_WEIGHTS=1 (FP8
+  // projections kept FP8 with FP8 GEMMs, bf16 mode).
+  auto switched = [](const char* name, const char* to) {
     const char* value = std::getenv(name);
-    return value != nullptr && std::string(value) == "0";
+    return value != nullptr && std::string(value) == to;
   };
+  auto switched_off = [&](const char* name) { return switched(name, "0"); };
   cuda_options.cuda_graphs = !switched_off("DSV4_CUDA_GRAPHS");
   cuda_options.indexer_stream = !switched_off("DSV4_INDEXER_STREAM");
   cuda_options.device_sampling = !switched_off("DSV4_DEVICE_SAMPLING");
   cuda_options.low_bit_experts = !switched_off("DSV4_LOW_BIT_EXPERTS");
   // Opt-in: it halves the dense projections' memory, but measured prefill is slower than bf16 (docs/gpu.md
   // "FP8 weights on the device"); the exact fp32 mode keeps exact products either way.
-  const char* fp8_weights = std::getenv("DSV4_FP8_WEIGHTS");
-  cuda_options.fp8_weights = cuda_options.precision == CudaPrecision::kBf16 && fp8_weights != nullptr &&
-                             std::string(fp8_weights) == "1";
+  cuda_options.fp8_weights = cuda_options.precision == CudaPrecision::kBf16 && switched("DSV4_FP8_WEIGHTS", "1");
   loaded.backend = std::make_unique<DeepseekV4CudaModel>(std::move(config), *source, cuda_options);
   loaded.on_cuda = true;
 #endif

@@ -30,21 +30,37 @@ const E4m3Table& e4m3_table() {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// |v| (finite, ≤ 448 after the block scale) to its e4m3 code, round to nearest, ties to the even code (the
-// even mantissa): a binary search over the 127 non-negative finite codes, whose values increase with the
-// code.
-uint8_t e4m3_code(float v) {
-  const float* table = e4m3_table().values;
-  const float magnitude = std::min(std::fabs(v), 448.0f);
-  int lo = 0, hi = 126;  // table[126] = 448
+// The code of a magnitude on a grid whose non-negative values ascend with the code (e4m3: codes 0..126, e2m1:
+// 0..7): round to nearest, ties to the even code (the even mantissa), saturating at `last`. Binary search.
+int nearest_code(const float* ascending, int last, float magnitude) {
+  magnitude = std::min(magnitude, ascending[last]);
+  int lo = 0, hi = last;
   while (hi - lo > 1) {
     const int mid = (lo + hi) / 2;
-    (table[mid] <= magnitude ? lo : hi) = mid;
+    (ascending[mid] <= magnitude ? lo : hi) = mid;
   }
-  const float below = table[lo], above = table[hi];
-  const float to_below = magnitude - below, to_above = above - magnitude;
-  const int code = to_below < to_above ? lo : to_above < to_below ? hi : (lo % 2 == 0 ? lo : hi);
+  const float to_below = magnitude - ascending[lo], to_above = ascending[hi] - magnitude;
+  return to_below < to_above ? lo : to_above < to_below ? hi : (lo % 2 == 0 ? lo : hi);
+}
+
+// v (finite, |v| ≤ 448 after the block scale) to its e4m3 code; sign in bit 7.
+uint8_t e4m3_code(float v) {
+  const int code = nearest_code(e4m3_table().values, 126, std::fabs(v));  // values[126] = 448
   return static_cast<uint8_t>(code | (std::signbit(v) && code != 0 ? 0x80 : 0));
+}
+
+// v (|v| ≤ 6 after the group scale) to its e2m1 code; sign in bit 3.
+uint8_t e2m1_code(float v) {
+  const int code = nearest_code(kFp4Values, 7, std::fabs(v));
+  return static_cast<uint8_t>(code | (std::signbit(v) && code != 0 ? 8 : 0));
+}
+
+// The UE8M0 scale of a block whose values must fit ±max_code: 2^ceil(log2(amax / max_code)) (frexp gives
+// amax / max_code = m · 2^e with m in [0.5, 1); m = 0.5 is the exact power 2^(e − 1)).
+float ue8m0_scale_for(float amax, float max_code) {
+  int exponent = 0;
+  const float mantissa = std::frexp(amax / max_code, &exponent);
+  return std::ldexp(1.0f, mantissa == 0.5f ? exponent - 1 : exponent);
 }
 
 // The grouped low-bit formats: bits per code, the level of code c is (c − offset)·s.
@@ -62,12 +78,7 @@ bool grouped_low_bit(WeightEncoding encoding) {
   return encoding == WeightEncoding::kQ3G32 || encoding == WeightEncoding::kQ2G32;
 }
 
-// Code i of a group's little-endian bit stream.
-int read_code(const uint8_t* group, int bits, int i) {
-  const int bit = i * bits;
-  const unsigned word = group[bit / 8] | (bit / 8 + 1 < 4 * bits ? unsigned{group[bit / 8 + 1]} << 8 : 0u);
-  return static_cast<int>((word >> (bit % 8)) & ((1u << bits) - 1));
-}
+int read_code(const uint8_t* group, int bits, int i) { return LinearWeight::group_code(group, bits, i); }
 void write_code(uint8_t* group, int bits, int i, int code) {
   const int bit = i * bits;
   const unsigned shifted = static_cast<unsigned>(code) << (bit % 8);
@@ -312,20 +323,6 @@ bool LinearWeight::fp8_block_scales(std::vector<float>& out) const {
   return true;
 }
 
-// |v| (≤ 6 after the group scale) to its e2m1 code, round to nearest, ties to the even code; sign in bit 3.
-uint8_t e2m1_code(float v) {
-  static constexpr float kMagnitude[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-  const float magnitude = std::min(std::fabs(v), 6.0f);
-  int lo = 0;
-  while (lo < 7 && kMagnitude[lo + 1] <= magnitude) ++lo;
-  int code = lo;
-  if (lo < 7) {
-    const float to_below = magnitude - kMagnitude[lo], to_above = kMagnitude[lo + 1] - magnitude;
-    code = to_below < to_above ? lo : to_above < to_below ? lo + 1 : (lo % 2 == 0 ? lo : lo + 1);
-  }
-  return static_cast<uint8_t>(code | (std::signbit(v) && code != 0 ? 8 : 0));
-}
-
 LinearWeight LinearWeight::quantize_mxfp4_groups(const Tensor& dense) {
   DSV4_CHECK(
       dense.shape.size() == 2 && dense.shape[1] % kFp4GroupColumns == 0,
@@ -341,9 +338,7 @@ LinearWeight LinearWeight::quantize_mxfp4_groups(const Tensor& dense) {
             const float* values = dense.ptr() + r * cols + g * kFp4GroupColumns;
             float amax = 6.0f * 0x1p-126f;  // the recipe's floor (ops/cpu/quantize.h quantize_e2m1_blocks)
             for (int64_t i = 0; i < kFp4GroupColumns; ++i) amax = std::max(amax, std::fabs(values[i]));
-            int exponent = 0;
-            const float mantissa = std::frexp(amax / 6.0f, &exponent);  // amax / 6 = m · 2^e, m in [0.5, 1)
-            const float scale = std::ldexp(1.0f, mantissa == 0.5f ? exponent - 1 : exponent);
+            const float scale = ue8m0_scale_for(amax, 6.0f);
             scales[static_cast<size_t>(r * groups + g)] = scale;
             uint8_t* out = packed.data() + (r * cols + g * kFp4GroupColumns) / 2;
             for (int64_t i = 0; i < kFp4GroupColumns; i += 2)
@@ -368,10 +363,7 @@ LinearWeight LinearWeight::quantize_fp8_blocks(const Tensor& dense) {
       float amax = 1e-4f;
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(dense.data[r * cols + c]));
-      // 2^ceil(log2(amax / 448)): frexp gives amax / 448 = m · 2^e with m in [0.5, 1).
-      int exponent = 0;
-      const float mantissa = std::frexp(amax / 448.0f, &exponent);
-      const float scale = std::ldexp(1.0f, mantissa == 0.5f ? exponent - 1 : exponent);
+      const float scale = ue8m0_scale_for(amax, 448.0f);
       scales[block] = scale;
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t c = c0; c < c1; ++c) codes[r * cols + c] = e4m3_code(dense.data[r * cols + c] / scale);

@@ -85,6 +85,12 @@ class LinearWeight {
   const std::vector<uint8_t>& fp4_exponents() const { return fp4_exponents_; }
   // kQ3G32 / kQ2G32: the bf16 scale bits [rows, cols / 32] (codes() holds the groups' bit streams).
   const std::vector<uint16_t>& group_scales() const { return group_scales_; }
+  // Code i (0..31) of one kQ3G32 / kQ2G32 group's little-endian bit stream of 4·bits bytes.
+  static int group_code(const uint8_t* group, int bits, int i) {
+    const int bit = i * bits;
+    const unsigned word = group[bit / 8] | (bit / 8 + 1 < 4 * bits ? unsigned{group[bit / 8 + 1]} << 8 : 0u);
+    return static_cast<int>((word >> (bit % 8)) & ((1u << bits) - 1));
+  }
   // kF8E4M3: the checkpoint's block scales [ceil(rows/128), ceil(cols/128)] into `out`; false (out untouched)
   // when some 128-row block's rows do not share their scales (a w1 ‖ w3 stack at a row count off the blocks).
   bool fp8_block_scales(std::vector<float>& out) const;

@@ -22,7 +22,8 @@ ModelWeights random_weights(const ModelConfig& config, uint64_t seed);
 // The same tensors again (names, values), generated a piece at a time when asked for: a random model of any
 // size with host memory for one layer (`--load-format dummy` on the GPU backend). A config with
 // ModelConfig::fp8_block_weights gets the projections the release stores FP8 in its FP8 layout
-// (LinearWeight::quantize_fp8_blocks of the same values).
+// (LinearWeight::quantize_fp8_blocks of the same values), one with fp4_routed_experts the routed experts as
+// MXFP4 (LinearWeight::quantize_mxfp4_groups).
 class RandomWeightSource final : public ModelWeightSource {
  public:
   RandomWeightSource(ModelConfig config, uint64_t seed);

@@ -538,17 +538,28 @@ void DeepseekV4CudaModel::upload_layer(const LayerWeights& l) {
           bits == 4 ? cu::mxfp4_tile_scale_bytes(rows, cols) : cu::grouped_tile_scale_bytes(rows, cols);
       codes = m.weights_memory.allocate(code_bytes * weights.size());
       void* scales = m.weights_memory.allocate(scale_bytes * weights.size());
-      for (size_t e = 0; e < weights.size(); ++e) {
+      for (size_t e = 0; e < weights.size(); ++e)
         DSV4_CHECK(weights[e].shape() == weights[0].shape(), "stacked weights of different shapes");
-        const std::vector<uint8_t> ordered =
-            cu::moe_kernel_codes(bits, rows, cols, weights[e].codes().data());
-        DSV4_CU(cudaMemcpy(static_cast<std::byte*>(codes) + e * code_bytes, ordered.data(), code_bytes,
-                           cudaMemcpyHostToDevice));
-        const std::vector<uint8_t> tiled =
-            bits == 4 ? cu::mxfp4_tile_scales(rows, cols, weights[e].fp4_exponents().data())
-                      : cu::grouped_tile_scales(rows, cols, weights[e].group_scales().data());
-        DSV4_CU(cudaMemcpy(static_cast<std::byte*>(scales) + e * scale_bytes, tiled.data(), scale_bytes,
-                           cudaMemcpyHostToDevice));
+      // The rearrangement is a host pass over every code (V4-Flash: 277 B of them), so experts are rearranged
+      // in parallel over the thread pool, a bounded batch at a time (host memory: one batch of copies).
+      const auto batch = static_cast<size_t>(std::max(1, 2 * ThreadPool::global().num_threads()));
+      std::vector<std::vector<uint8_t>> ordered(batch), tiled(batch);
+      for (size_t first = 0; first < weights.size(); first += batch) {
+        const size_t count = std::min(batch, weights.size() - first);
+        ThreadPool::global().parallel_for(static_cast<int64_t>(count), [&](int64_t begin, int64_t end) {
+          for (int64_t i = begin; i < end; ++i) {
+            const LinearWeight& w = weights[first + static_cast<size_t>(i)];
+            ordered[i] = cu::moe_kernel_codes(bits, rows, cols, w.codes().data());
+            tiled[i] = bits == 4 ? cu::mxfp4_tile_scales(rows, cols, w.fp4_exponents().data())
+                                 : cu::grouped_tile_scales(rows, cols, w.group_scales().data());
+          }
+        });
+        for (size_t i = 0; i < count; ++i) {
+          DSV4_CU(cudaMemcpy(static_cast<std::byte*>(codes) + (first + i) * code_bytes, ordered[i].data(),
+                             code_bytes, cudaMemcpyHostToDevice));
+          DSV4_CU(cudaMemcpy(static_cast<std::byte*>(scales) + (first + i) * scale_bytes, tiled[i].data(),
+                             scale_bytes, cudaMemcpyHostToDevice));
+        }
       }
       code_table = pointers(codes, code_bytes, weights.size());
       scale_table = pointers(scales, scale_bytes, weights.size());
@@ -1352,7 +1363,7 @@ void DeepseekV4CudaModel::Impl::moe(int64_t layer, const Step& step, const float
   rp.routed_scaling_factor = static_cast<float>(c.routed_scaling_factor);
   DSV4_CU(cu::route(rp, logits, hash ? nullptr : l.gate_bias, hash ? l.tid2eid : nullptr, step.token_ids, chosen,
                     weights, nullptr, stream));
-  // (MXFP4 experts: cuBLASLt cannot read them, the grouped kernel decodes them at every size.)
+  // (Low-bit experts: cuBLASLt cannot read them; the grouped kernel decodes them at every size.)
   if (N >= host_grouped_moe_min_tokens() && !capturing && !l.low_bit_experts()) {
     moe_host_grouped(layer, step, x_operand, chosen, weights, out);
     return;

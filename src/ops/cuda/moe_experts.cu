@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "core/linear_weight.h"
 #include "ops/cuda/launch.cuh"
 
 namespace dsv4::ops::cuda {
@@ -227,7 +228,7 @@ struct GemmArgs {
   const int32_t* row_token;     // gemm1 only
   const void* const* weights;   // [E] device pointers
   const void* shared_weight;    // expert E
-  const void* const* scales;    // kMxfp4: [E] device pointers to the routed experts' tile-major UE8M0 scales
+  const void* const* scales;    // grouped formats: [E] device pointers to the routed experts' tile-major scales
   const int32_t* offsets;       // [E + 2]
   const int2* items;            // (expert, row tile)
   const int32_t* num_items;
@@ -273,10 +274,9 @@ __device__ __forceinline__ uint32_t swizzle(int row, int chunk) {
 // shared loads per n8 tile and k tile and turns each pair into a bf16x2 register with shifts, masks and one
 // or two exact bf16 operations:
 //   MXFP4: per lane 8 bytes (a u32 per group, pair i's nibbles at bits 12 − 4i and 28 − 4i). The nibble's
-//   sign
-//     goes to bf16's sign bit, its 3 exponent/mantissa bits to the bottom of bf16's exponent (e2m1 · 2^-126,
-//     exact with bf16 subnormals); one multiply by 2^(e − 1) applies the UE8M0 scale 2^(e − 127) and the
-//     2^126 (exact for e ≤ 128, moe_kernel_scales_supported).
+//     sign goes to bf16's sign bit, its 3 exponent/mantissa bits to the bottom of bf16's exponent
+//     (e2m1 · 2^-126, exact with bf16 subnormals); one multiply by 2^(e − 1) applies the UE8M0 scale
+//     2^(e − 127) and the 2^126 (exact for e ≤ 128, mxfp4_kernel_scales_supported).
 //   Q3 (value (c − 4)·s, bf16 s): per lane 4 bytes of the codes' low 2 bits (group g pair i: bits 8g + 2i and
 //     16 + 8g + 2i) and 2 bytes of their third bits (bits 4g + i and 8 + 4g + i); c is put into the mantissa
 //     of 128 (bf16 0x4300 + c = 128 + c), 132 is subtracted (exact) and s multiplied (one rounding: the bf16
@@ -529,7 +529,7 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, int expert, int row
             code_high[nt] = 0;
           const uint32_t pair = *reinterpret_cast<const uint32_t*>(scales);  // bf16 s of group 0, group 1
           const __nv_bfloat162 s01 = bf16x2_of(pair);
-          // Q2's factor is s / 2 (exact for the normal scales moe_kernel_scales_supported admits).
+          // Q2's factor is s / 2 (exact for the normal scales grouped_kernel_scales_supported admits).
           const __nv_bfloat162 scaled = F == RoutedFormat::kQ2 ? __hmul2(s01, bf16x2_of(0x3F003F00u)) : s01;
           factor[nt][0] = __low2bfloat162(scaled);
           factor[nt][1] = __high2bfloat162(scaled);
@@ -852,10 +852,8 @@ std::vector<uint8_t> moe_kernel_codes(int bits, int64_t rows, int64_t cols, cons
       const uint8_t byte = codes[(r * cols + k) / 2];
       return k % 2 == 0 ? byte & 15u : byte >> 4;
     }
-    const uint8_t* group = codes + (r * groups + k / 32) * 4 * bits;
-    const int bit = static_cast<int>(k % 32) * bits;
-    const uint32_t word = group[bit / 8] | (bit / 8 + 1 < 4 * bits ? uint32_t{group[bit / 8 + 1]} << 8 : 0u);
-    return (word >> (bit % 8)) & ((1u << bits) - 1);
+    return static_cast<uint32_t>(
+        LinearWeight::group_code(codes + (r * groups + k / 32) * 4 * bits, bits, static_cast<int>(k % 32)));
   };
   auto put = [](uint8_t* at, uint32_t word, int bytes) {
     for (int b = 0; b < bytes; ++b) at[b] |= static_cast<uint8_t>(word >> (8 * b));

@@ -29,7 +29,7 @@
 // kernel (Hopper has no FP4 tensor cores; vLLM's Marlin path does the same, W4A16). Each k tile's codes and
 // scales come in through the same cp.async pipeline (a quarter of the bf16 bytes); every lane turns its own
 // codes straight into its mma B-fragment registers (a shift, two masks and one exact power-of-two bf16
-// multiply per pair: the codes are stored in the fragment order, mxfp4_kernel_codes). Every decoded value is
+// multiply per pair: the codes are stored in the fragment order, moe_kernel_codes). Every decoded value is
 // exact in bf16 and the mma order is the bf16 mode's, so the result is bitwise the bf16 mode's over the
 // decoded weights. The shared expert stays bf16.
 #pragma once

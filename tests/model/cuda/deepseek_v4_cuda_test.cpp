@@ -98,7 +98,7 @@ ModelWeights rounded_to_bf16(ModelWeights weights) {
 
 Comparison compare(const ModelConfig& config, const ModelWeights& weights, CudaPrecision precision,
                    const std::vector<Script>& scripts, bool fp8_weights = true, bool cpu_twin = true,
-                   bool mxfp4_experts = true) {
+                   bool low_bit_experts = true) {
   // The CPU twin of the GPU's FP8 linears (bf16 mode) quantizes their inputs the same way (cpu_twin false:
   // the plain CPU model, to measure what the twin accounts for).
   ModelConfig cpu_config = config;
@@ -109,7 +109,7 @@ Comparison compare(const ModelConfig& config, const ModelWeights& weights, CudaP
   CudaModelOptions options;
   options.precision = precision;
   options.fp8_weights = fp8_weights;
-  options.low_bit_experts = mxfp4_experts;
+  options.low_bit_experts = low_bit_experts;
   DeepseekV4CudaModel gpu(config, weights, options);
   PrefixCacheOptions cache_options;
   cache_options.enabled = false;

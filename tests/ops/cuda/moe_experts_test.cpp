@@ -489,7 +489,9 @@ void expect_grouped_equals_bf16(const GroupedExpertSets& sets, int64_t tokens, i
         << sets.bits << "-bit codes, D " << sets.D << " tokens " << tokens << " tile_rows " << tile_rows
         << ": rel L2 to the bf16 mode " << rel_l2(got, want);
     EXPECT_LE(rel_l2(got, expected), 1e-2) << "tokens " << tokens << " tile_rows " << tile_rows;
-    if (tile_rows == 0) EXPECT_TRUE(bitwise_equal(got, grouped_run.run(0))) << "not bitwise repeatable";
+    if (tile_rows == 0) {
+      EXPECT_TRUE(bitwise_equal(got, grouped_run.run(0))) << "not bitwise repeatable";
+    }
   }
 }
 
