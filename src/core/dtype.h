@@ -7,6 +7,8 @@
 #include <string>
 #include <string_view>
 
+#include "core/host_device.h"
+
 namespace dsv4 {
 
 enum class DType { kF32, kF16, kBF16, kI64, kI32, kF8E4M3, kF8E8M0, kI8, kU8 };
@@ -16,7 +18,7 @@ std::string_view dtype_name(DType dtype);
 std::optional<DType> dtype_from_name(std::string_view name);
 size_t dtype_size(DType dtype);
 
-inline float bf16_to_f32(uint16_t bits) {
+DSV4_HOST_DEVICE inline float bf16_to_f32(uint16_t bits) {
   uint32_t word = static_cast<uint32_t>(bits) << 16;
   float value;
   std::memcpy(&value, &word, sizeof value);
@@ -24,7 +26,7 @@ inline float bf16_to_f32(uint16_t bits) {
 }
 
 // Round-to-nearest-even, NaN kept quiet (matches torch's float -> bfloat16 cast).
-inline uint16_t f32_to_bf16(float value) {
+DSV4_HOST_DEVICE inline uint16_t f32_to_bf16(float value) {
   uint32_t word;
   std::memcpy(&word, &value, sizeof word);
   if ((word & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((word >> 16) | 0x40);

@@ -7,6 +7,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
+#include "core/weight_quantizer.h"
 
 namespace dsv4 {
 namespace {
@@ -30,100 +31,19 @@ const E4m3Table& e4m3_table() {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// The code of a magnitude on a grid whose non-negative values ascend with the code (e4m3: codes 0..126, e2m1:
-// 0..7): round to nearest, ties to the even code (the even mantissa), saturating at `last`. Binary search.
-int nearest_code(const float* ascending, int last, float magnitude) {
-  magnitude = std::min(magnitude, ascending[last]);
-  int lo = 0, hi = last;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    (ascending[mid] <= magnitude ? lo : hi) = mid;
-  }
-  const float to_below = magnitude - ascending[lo], to_above = ascending[hi] - magnitude;
-  return to_below < to_above ? lo : to_above < to_below ? hi : (lo % 2 == 0 ? lo : hi);
-}
+using quantizer::e2m1_code;
+using quantizer::e4m3_code;
+using quantizer::ue8m0_scale_for;
+using GroupFormat = quantizer::LowBitFormat;
 
-// v (finite, |v| ≤ 448 after the block scale) to its e4m3 code; sign in bit 7.
-uint8_t e4m3_code(float v) {
-  const int code = nearest_code(e4m3_table().values, 126, std::fabs(v));  // values[126] = 448
-  return static_cast<uint8_t>(code | (std::signbit(v) && code != 0 ? 0x80 : 0));
-}
-
-// v (|v| ≤ 6 after the group scale) to its e2m1 code; sign in bit 3.
-uint8_t e2m1_code(float v) {
-  const int code = nearest_code(kFp4Values, 7, std::fabs(v));
-  return static_cast<uint8_t>(code | (std::signbit(v) && code != 0 ? 8 : 0));
-}
-
-// The UE8M0 scale of a block whose values must fit ±max_code: 2^ceil(log2(amax / max_code)) (frexp gives
-// amax / max_code = m · 2^e with m in [0.5, 1); m = 0.5 is the exact power 2^(e − 1)).
-float ue8m0_scale_for(float amax, float max_code) {
-  int exponent = 0;
-  const float mantissa = std::frexp(amax / max_code, &exponent);
-  return std::ldexp(1.0f, mantissa == 0.5f ? exponent - 1 : exponent);
-}
-
-// The grouped low-bit formats: bits per code, the level of code c is (c − offset)·s.
-struct GroupFormat {
-  int bits;
-  float offset;
-  int64_t group_bytes() const { return 32 * bits / 8; }
-  int codes() const { return 1 << bits; }
-  float max_level() const { return static_cast<float>(codes() - 1) - offset; }  // 3 for Q3, 1.5 for Q2
-};
 GroupFormat group_format(WeightEncoding encoding) {
-  return encoding == WeightEncoding::kQ3G32 ? GroupFormat{3, 4.0f} : GroupFormat{2, 1.5f};
+  return encoding == WeightEncoding::kQ3G32 ? quantizer::kQ3Format : quantizer::kQ2Format;
 }
 bool grouped_low_bit(WeightEncoding encoding) {
   return encoding == WeightEncoding::kQ3G32 || encoding == WeightEncoding::kQ2G32;
 }
 
-int read_code(const uint8_t* group, int bits, int i) { return LinearWeight::group_code(group, bits, i); }
-void write_code(uint8_t* group, int bits, int i, int code) {
-  const int bit = i * bits;
-  const unsigned shifted = static_cast<unsigned>(code) << (bit % 8);
-  group[bit / 8] |= static_cast<uint8_t>(shifted & 0xff);
-  if (shifted >> 8) group[bit / 8 + 1] |= static_cast<uint8_t>(shifted >> 8);
-}
-
-// One group of 32 values: the bf16 scale and codes of least squared error (nearest level per value) among the
-// candidates s = amax / k, k from 1 to 1.5 times the largest level magnitude (the clipping trade-off: a
-// smaller scale resolves the bulk better and saturates the few largest values).
-void quantize_group(const float* x, GroupFormat format, uint16_t* scale_bits, uint8_t* group) {
-  float amax = 0.0f;
-  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
-  std::fill(group, group + format.group_bytes(), uint8_t{0});
-  const int top = format.codes() - 1;
-  if (amax == 0.0f) {
-    *scale_bits = 0;
-    return;
-  }
-  // Largest level magnitude: 4 for Q3 (−4 … 3), 1.5 for Q2.
-  const float reach = std::max(format.offset, format.max_level());
-  float best_error = std::numeric_limits<float>::infinity(), best_scale = 0.0f;
-  constexpr int kCandidates = 16;
-  for (int candidate = 0; candidate < kCandidates; ++candidate) {
-    const float k = reach * (1.0f + 0.5f * static_cast<float>(candidate) / (kCandidates - 1));
-    const float scale = bf16_to_f32(f32_to_bf16(amax / k));
-    if (scale == 0.0f) continue;
-    float error = 0.0f;
-    for (int i = 0; i < 32; ++i) {
-      const int code = std::clamp(static_cast<int>(std::floor(x[i] / scale + format.offset + 0.5f)), 0, top);
-      const float d = x[i] - (static_cast<float>(code) - format.offset) * scale;
-      error += d * d;
-    }
-    if (error < best_error) {
-      best_error = error;
-      best_scale = scale;
-    }
-  }
-  *scale_bits = f32_to_bf16(best_scale);
-  for (int i = 0; i < 32; ++i) {
-    const int code =
-        std::clamp(static_cast<int>(std::floor(x[i] / best_scale + format.offset + 0.5f)), 0, top);
-    write_code(group, format.bits, i, code);
-  }
-}
+int read_code(const uint8_t* group, int bits, int i) { return quantizer::group_code(group, bits, i); }
 
 }  // namespace
 
@@ -183,6 +103,29 @@ LinearWeight LinearWeight::fp4_group_scaled(int64_t out, int64_t in, std::vector
                   " is not a UE8M0 power of two (2^-127 ... 2^127)");
     w.fp4_exponents_[i] = static_cast<uint8_t>(biased);
   }
+  return w;
+}
+
+LinearWeight LinearWeight::low_bit_grouped(WeightEncoding encoding, int64_t out, int64_t in,
+                                           std::vector<uint8_t> codes, std::vector<uint16_t> scale_bits) {
+  DSV4_CHECK(grouped_low_bit(encoding), "low_bit_grouped(): the encoding must be kQ3G32 or kQ2G32");
+  DSV4_CHECK(out >= 0 && in >= 0 && in % 32 == 0,
+             "a grouped low-bit weight of [" + std::to_string(out) + ", " + std::to_string(in) +
+                 "] (columns must be a multiple of 32)");
+  const GroupFormat format = group_format(encoding);
+  const int64_t groups = out * (in / 32);
+  DSV4_CHECK(static_cast<int64_t>(codes.size()) == groups * format.group_bytes() &&
+                 static_cast<int64_t>(scale_bits.size()) == groups,
+             "a grouped low-bit weight of [" + std::to_string(out) + ", " + std::to_string(in) + "]: " +
+                 std::to_string(codes.size()) + " code bytes and " + std::to_string(scale_bits.size()) +
+                 " scales, expected " + std::to_string(groups * format.group_bytes()) + " and " +
+                 std::to_string(groups));
+  LinearWeight w;
+  w.encoding_ = encoding;
+  w.rows_ = out;
+  w.cols_ = in;
+  w.codes_ = std::move(codes);
+  w.group_scales_ = std::move(scale_bits);
   return w;
 }
 
@@ -303,7 +246,7 @@ LinearWeight LinearWeight::requantized(WeightEncoding target) const {
         for (int64_t r = begin; r < end; ++r) {
           dequantize_rows(r, 1, row.data());
           for (int64_t g = 0; g < groups; ++g)
-            quantize_group(&row[g * 32], format, &w.group_scales_[r * groups + g],
+            quantizer::quantize_low_bit_group(&row[g * 32], format, &w.group_scales_[r * groups + g],
                            &w.codes_[(r * groups + g) * format.group_bytes()]);
         }
       },
@@ -335,15 +278,8 @@ LinearWeight LinearWeight::quantize_mxfp4_groups(const Tensor& dense) {
       [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r)
           for (int64_t g = 0; g < groups; ++g) {
-            const float* values = dense.ptr() + r * cols + g * kFp4GroupColumns;
-            float amax = 6.0f * 0x1p-126f;  // the recipe's floor (ops/cpu/quantize.h quantize_e2m1_blocks)
-            for (int64_t i = 0; i < kFp4GroupColumns; ++i) amax = std::max(amax, std::fabs(values[i]));
-            const float scale = ue8m0_scale_for(amax, 6.0f);
-            scales[static_cast<size_t>(r * groups + g)] = scale;
-            uint8_t* out = packed.data() + (r * cols + g * kFp4GroupColumns) / 2;
-            for (int64_t i = 0; i < kFp4GroupColumns; i += 2)
-              out[i / 2] =
-                  static_cast<uint8_t>(e2m1_code(values[i] / scale) | e2m1_code(values[i + 1] / scale) << 4);
+            scales[static_cast<size_t>(r * groups + g)] = quantizer::quantize_mxfp4_group(
+                dense.ptr() + r * cols + g * kFp4GroupColumns, packed.data() + (r * cols + g * kFp4GroupColumns) / 2);
           }
       },
       16);
@@ -360,7 +296,7 @@ LinearWeight LinearWeight::quantize_fp8_blocks(const Tensor& dense) {
     for (int64_t block = begin; block < end; ++block) {
       const int64_t r0 = block / block_cols * 128, c0 = block % block_cols * 128;
       const int64_t r1 = std::min(rows, r0 + 128), c1 = std::min(cols, c0 + 128);
-      float amax = 1e-4f;
+      float amax = quantizer::kFp8AmaxFloor;
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(dense.data[r * cols + c]));
       const float scale = ue8m0_scale_for(amax, 448.0f);

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "core/weight_quantizer.h"
 
 namespace dsv4 {
 
@@ -49,6 +50,10 @@ class LinearWeight {
   // of least squared error among 16 candidates amax / k (k spanning the level range), each code the nearest
   // level. Rows are spread over ThreadPool::global().
   LinearWeight requantized(WeightEncoding target) const;
+  // A kQ3G32 / kQ2G32 matrix from its codes [out, in / 32, 4·bits bytes] and bf16 scale bits [out, in / 32]
+  // (what requantized() produces; dsv4::Error on sizes that do not match).
+  static LinearWeight low_bit_grouped(WeightEncoding encoding, int64_t out, int64_t in, std::vector<uint8_t> codes,
+                                      std::vector<uint16_t> scale_bits);
   // Bits per parameter of an encoding, scales included (kF32: 32).
   static double bits_per_parameter(WeightEncoding encoding);
   // A dense fp32 matrix in the released checkpoints' FP8 layout: per 128×128 block the UE8M0 scale
@@ -86,11 +91,7 @@ class LinearWeight {
   // kQ3G32 / kQ2G32: the bf16 scale bits [rows, cols / 32] (codes() holds the groups' bit streams).
   const std::vector<uint16_t>& group_scales() const { return group_scales_; }
   // Code i (0..31) of one kQ3G32 / kQ2G32 group's little-endian bit stream of 4·bits bytes.
-  static int group_code(const uint8_t* group, int bits, int i) {
-    const int bit = i * bits;
-    const unsigned word = group[bit / 8] | (bit / 8 + 1 < 4 * bits ? unsigned{group[bit / 8 + 1]} << 8 : 0u);
-    return static_cast<int>((word >> (bit % 8)) & ((1u << bits) - 1));
-  }
+  static int group_code(const uint8_t* group, int bits, int i) { return quantizer::group_code(group, bits, i); }
   // kF8E4M3: the checkpoint's block scales [ceil(rows/128), ceil(cols/128)] into `out`; false (out untouched)
   // when some 128-row block's rows do not share their scales (a w1 ‖ w3 stack at a row count off the blocks).
   bool fp8_block_scales(std::vector<float>& out) const;

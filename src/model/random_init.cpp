@@ -16,28 +16,6 @@
 namespace dsv4 {
 namespace {
 
-// SplitMix64: a tiny, portable generator (std::normal_distribution differs between standard libraries). It is
-// counter-based (each draw adds one constant to the state), so the generator k draws ahead is one multiply away:
-// that lets a fill start every chunk exactly where the sequential loop would be.
-constexpr uint64_t kSplitMixIncrement = 0x9e3779b97f4a7c15ull;
-struct Random {
-  uint64_t state;
-  Random ahead(uint64_t draws) const { return Random{state + draws * kSplitMixIncrement}; }  // mod 2^64, as next()
-  uint64_t next() {
-    uint64_t z = (state += kSplitMixIncrement);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  double uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }  // [0, 1)
-  static constexpr uint64_t kDrawsPerNormal = 2;
-  static constexpr uint64_t kDrawsPerUniform = 1;
-  double normal() {  // Box-Muller: kDrawsPerNormal draws
-    const double u1 = 1.0 - uniform(), u2 = uniform();
-    return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2);
-  }
-};
-
 uint64_t hash_name(const std::string& name, uint64_t seed) {
   uint64_t h = 1469598103934665603ull ^ seed;  // FNV-1a
   for (const unsigned char ch : name) h = (h ^ ch) * 1099511628211ull;
@@ -47,54 +25,60 @@ uint64_t hash_name(const std::string& name, uint64_t seed) {
 // Elements per parallel chunk: large enough that the jump-ahead and scheduling are noise.
 constexpr int64_t kFillGrain = int64_t{1} << 15;
 
-// data[i] = draw(the generator `draws_per_element`·i draws after `start`), over the thread pool. Every element
-// consumes the same number of draws, so each chunk jumps to its first element's state and the result is the
-// sequential loop's bit for bit, whatever the thread count.
-template <typename Draw>
-void parallel_fill(std::vector<float>& data, Random start, uint64_t draws_per_element, const Draw& draw) {
+// data[i] = element i of `fill`, over the thread pool: each chunk jumps to its first element's generator, so the
+// result is the sequential loop's bit for bit, whatever the thread count.
+void parallel_fill(std::vector<float>& data, const RandomFill& fill) {
   ThreadPool::global().parallel_for(static_cast<int64_t>(data.size()), [&](int64_t begin, int64_t end) {
-    Random random = start.ahead(draws_per_element * static_cast<uint64_t>(begin));
-    for (int64_t i = begin; i < end; ++i) data[static_cast<size_t>(i)] = draw(random);
+    SplitMix64 generator = fill.generator_at(static_cast<uint64_t>(begin));
+    for (int64_t i = begin; i < end; ++i) data[static_cast<size_t>(i)] = fill.draw(generator);
   }, kFillGrain);
 }
 
-Tensor random_tensor(const ModelConfig& config, const TensorSpec& spec, uint64_t seed) {
-  Random random{hash_name(spec.name, seed)};
-  Tensor tensor(spec.shape);
+}  // namespace
+
+std::optional<RandomFill> random_fill(const TensorSpec& spec, uint64_t seed) {
+  const uint64_t start = hash_name(spec.name, seed);
   auto normal = [&](double stddev, double mean = 0.0) {
-    parallel_fill(tensor.data, random, Random::kDrawsPerNormal,
-                  [=](Random& r) { return static_cast<float>(mean + stddev * r.normal()); });
+    return RandomFill{RandomFill::Kind::kNormal, start, mean, stddev};
   };
   switch (spec.role) {
-    case TensorRole::kLinear: normal(1.0 / std::sqrt(static_cast<double>(spec.shape.back()))); break;
-    case TensorRole::kEmbedding: normal(1.0); break;
-    case TensorRole::kNormWeight: normal(0.1, 1.0); break;
-    case TensorRole::kHcFn: normal(1.0 / std::sqrt(static_cast<double>(spec.shape.back()))); break;
-    case TensorRole::kHcBase: normal(0.5); break;
-    case TensorRole::kHcScale:
-      parallel_fill(tensor.data, random, Random::kDrawsPerUniform,
-                    [](Random& r) { return static_cast<float>(0.5 + r.uniform()); });
-      break;
-    case TensorRole::kSink: normal(0.5); break;
-    case TensorRole::kPositionBias: normal(0.5); break;
-    case TensorRole::kRouterBias: normal(0.1); break;
-    case TensorRole::kHashTable: {
-      // Each row: top_k distinct experts (a partial Fisher-Yates shuffle). Sequential: [vocab, top_k] is small.
-      const int64_t experts = config.n_routed_experts, top_k = spec.shape[1];
-      std::vector<int32_t> ids(static_cast<size_t>(experts));
-      for (int64_t row = 0; row < spec.shape[0]; ++row) {
-        std::iota(ids.begin(), ids.end(), 0);
-        for (int64_t k = 0; k < top_k; ++k) {
-          const auto pick = k + static_cast<int64_t>(random.next() % static_cast<uint64_t>(experts - k));
-          std::swap(ids[k], ids[pick]);
-          tensor.data[row * top_k + k] = static_cast<float>(ids[k]);
-        }
-      }
-      break;
+    case TensorRole::kLinear: return normal(1.0 / std::sqrt(static_cast<double>(spec.shape.back())));
+    case TensorRole::kEmbedding: return normal(1.0);
+    case TensorRole::kNormWeight: return normal(0.1, 1.0);
+    case TensorRole::kHcFn: return normal(1.0 / std::sqrt(static_cast<double>(spec.shape.back())));
+    case TensorRole::kHcBase: return normal(0.5);
+    case TensorRole::kHcScale: return RandomFill{RandomFill::Kind::kUniform, start, 0.5, 1.0};
+    case TensorRole::kSink: return normal(0.5);
+    case TensorRole::kPositionBias: return normal(0.5);
+    case TensorRole::kRouterBias: return normal(0.1);
+    case TensorRole::kHashTable: return std::nullopt;
+  }
+  return std::nullopt;
+}
+
+Tensor random_tensor(const ModelConfig& config, const TensorSpec& spec, uint64_t seed) {
+  Tensor tensor(spec.shape);
+  if (const std::optional<RandomFill> fill = random_fill(spec, seed)) {
+    parallel_fill(tensor.data, *fill);
+    return tensor;
+  }
+  // The hash table: each row top_k distinct experts (a partial Fisher-Yates shuffle). Sequential: [vocab,
+  // top_k] is small.
+  SplitMix64 random{hash_name(spec.name, seed)};
+  const int64_t experts = config.n_routed_experts, top_k = spec.shape[1];
+  std::vector<int32_t> ids(static_cast<size_t>(experts));
+  for (int64_t row = 0; row < spec.shape[0]; ++row) {
+    std::iota(ids.begin(), ids.end(), 0);
+    for (int64_t k = 0; k < top_k; ++k) {
+      const auto pick = k + static_cast<int64_t>(random.next() % static_cast<uint64_t>(experts - k));
+      std::swap(ids[k], ids[pick]);
+      tensor.data[row * top_k + k] = static_cast<float>(ids[k]);
     }
   }
   return tensor;
 }
+
+namespace {
 
 void copy_tokenizer(const std::string& tokenizer_path, const std::filesystem::path& out_dir) {
   namespace fs = std::filesystem;

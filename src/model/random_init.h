@@ -4,10 +4,12 @@
 #pragma once
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "core/random_fill.h"
 #include "core/tensor.h"
 #include "model/model_config.h"
 #include "model/weights.h"
@@ -16,6 +18,11 @@ namespace dsv4 {
 
 // Tensors keyed by on-disk name, deterministic in (config, seed) on every platform.
 std::vector<std::pair<std::string, Tensor>> random_tensors(const ModelConfig& config, uint64_t seed);
+// How random_tensors draws the tensor of `spec` (core/random_fill.h; the device generator of
+// model/cuda/device_random_weights.h draws the same); nullopt for the integer hash table.
+std::optional<RandomFill> random_fill(const TensorSpec& spec, uint64_t seed);
+// One tensor of random_tensors, the hash table included.
+Tensor random_tensor(const ModelConfig& config, const TensorSpec& spec, uint64_t seed);
 // The same values as fp32 weights in memory (the embedded default model, tests, benchmarks).
 ModelWeights random_weights(const ModelConfig& config, uint64_t seed);
 

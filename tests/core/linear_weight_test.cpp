@@ -308,6 +308,25 @@ TEST(LinearWeight, RequantizesToThreeAndTwoBits) {
   EXPECT_THROW((void)source.weight().requantized(WeightEncoding::kF8E4M3), Error);
 }
 
+// The quantizers' grids (core/weight_quantizer.h, computed from bits so the device shares them) against the
+// formulas above, and low_bit_grouped rebuilding what requantized() made.
+TEST(LinearWeight, QuantizerGridsAndTheLowBitFactory) {
+  for (int code = 0; code <= 126; ++code)
+    EXPECT_EQ(quantizer::e4m3_magnitude(code), e4m3_formula(static_cast<uint8_t>(code))) << "e4m3 " << code;
+  for (int code = 0; code <= 7; ++code)
+    EXPECT_EQ(quantizer::e2m1_magnitude(code), e2m1_formula(static_cast<uint8_t>(code))) << "e2m1 " << code;
+  const Fp4Matrix source(8, 96, 19);
+  for (const WeightEncoding encoding : {WeightEncoding::kQ3G32, WeightEncoding::kQ2G32}) {
+    const LinearWeight w = source.weight().requantized(encoding);
+    const LinearWeight rebuilt = LinearWeight::low_bit_grouped(encoding, 8, 96, w.codes(), w.group_scales());
+    EXPECT_EQ(rebuilt.encoding(), encoding);
+    EXPECT_EQ(rebuilt.dequantized().data, w.dequantized().data);
+    EXPECT_THAT([&] { (void)LinearWeight::low_bit_grouped(encoding, 8, 64, w.codes(), w.group_scales()); },
+                ::testing::ThrowsMessage<Error>(HasSubstr("expected")));
+  }
+  EXPECT_THROW((void)LinearWeight::low_bit_grouped(WeightEncoding::kF8E4M3, 1, 32, {}, {}), Error);
+}
+
 // quantize_fp8_blocks against the recipe's own quantizers (ops/cpu/quantize.h): UE8M0 block scale of the
 // 128×128 block's amax, e4m3 round-to-nearest-even of value / scale; blocks of very different magnitudes,
 // partial blocks.

@@ -236,8 +236,11 @@ TEST(DataParallelEngine, RequestsSharingALongPrefixLandOnTheRankThatCachesIt) {
   for (size_t i = 1; i < cases.size(); ++i)
     EXPECT_EQ(outcomes[ids[i]].cached_tokens, 2 * 256) << "request " << i << " did not hit the cached prefix";
   EXPECT_EQ(engine.rank_stats(holder).prefix_hit_tokens - hits_before, 6 * 2 * 256);
-  for (int r = 0; r < 3; ++r)
-    if (r != holder) EXPECT_EQ(engine.rank_stats(r).prefix_hit_tokens, 0) << "rank " << r;
+  for (int r = 0; r < 3; ++r) {
+    if (r != holder) {
+      EXPECT_EQ(engine.rank_stats(r).prefix_hit_tokens, 0) << "rank " << r;
+    }
+  }
 }
 
 TEST(DataParallelEngine, AFailedRankFailsOnlyItsRequestsAndTakesNoMore) {

@@ -19,6 +19,7 @@
 #include "../test_models.h"
 #include "core/dtype.h"
 #include "engine/engine.h"
+#include "model/cuda/device_random_weights.h"
 
 namespace dsv4 {
 namespace {
@@ -546,7 +547,8 @@ std::vector<std::vector<float>> greedy_logits(const std::function<std::unique_pt
 }
 
 // The streaming constructor (a layer on the host at a time) builds the model the in-memory one does: the same
-// device bytes and bitwise the same logits, from a random source and from a checkpoint streamed off disk.
+// device bytes and bitwise the same logits, from a random source (drawn on the host and on the device) and from a
+// checkpoint streamed off disk.
 TEST(CudaModel, StreamedWeightSourcesBuildTheSameModel) {
   SKIP_WITHOUT_GPU();
   const ModelConfig config = tiny_config();
@@ -564,6 +566,7 @@ TEST(CudaModel, StreamedWeightSourcesBuildTheSameModel) {
         &expected_bytes);
     const std::map<std::string, std::function<std::unique_ptr<ModelWeightSource>()>> sources = {
         {"random", [&] { return std::make_unique<RandomWeightSource>(config, 7); }},
+        {"random, drawn on the device", [&] { return std::make_unique<DeviceRandomWeightSource>(config, 7); }},
         {"checkpoint", [&] { return std::make_unique<CheckpointWeightSource>(config, checkpoint.string()); }}};
     for (const auto& [name, make_source] : sources) {
       SCOPED_TRACE(name + (precision == CudaPrecision::kF32 ? " f32" : " bf16"));

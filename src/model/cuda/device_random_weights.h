@@ -1,0 +1,59 @@
+// --load-format dummy on the CUDA backend: RandomWeightSource's model (model/random_init.h — the same tensors,
+// values and layouts) with its values drawn on the GPU (ops/cuda/random_fill.h) and the routed experts
+// quantized there (ops/cuda/weight_quantize.h). The host generator draws ~0.5 G values/s on 16 cores, so a
+// 43-layer V4-Flash (284 B parameters) took it minutes before the MXFP4 and the --expert-bits requantization
+// (the latter ~0.1 s of a core per expert matrix, 33K of them); on the device it is a few ms per layer, and
+// only the encoded experts come back to the host (2.5–4.25 bits a value instead of 32).
+//
+// The values equal the host's up to the last ulp of glibc's and CUDA's double log / cos (core/random_fill.h:
+// about one element in 10^8 differs, by one fp32 ulp); the quantizers are bitwise the host's
+// (core/weight_quantizer.h). The FP8 projections of a config with fp8_block_weights are quantized on the host
+// after assembly, as RandomWeightSource does (they are 2 % of V4-Flash and w1 ‖ w3 blocks straddle the seam).
+#pragma once
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+
+#include "core/linear_weight.h"
+#include "model/weights.h"
+
+namespace dsv4 {
+
+class DeviceRandomWeightSource final : public ModelWeightSource {
+ public:
+  // `expert_encoding`: the --expert-bits requantization of the routed experts (kQ3G32 / kQ2G32), applied as
+  // RequantizedExpertsSource does (to the MXFP4 values when the config stores the experts so). `device`: the
+  // CUDA device to draw on. Throws dsv4::Error when it is not usable.
+  DeviceRandomWeightSource(ModelConfig config, uint64_t seed, std::optional<WeightEncoding> expert_encoding = {},
+                           int device = 0);
+  ~DeviceRandomWeightSource() override;
+  DeviceRandomWeightSource(const DeviceRandomWeightSource&) = delete;
+  DeviceRandomWeightSource& operator=(const DeviceRandomWeightSource&) = delete;
+
+  const ModelConfig& config() const override { return config_; }
+  ModelWeights globals() override;
+  LayerWeights layer(int64_t index) override;
+
+ private:
+  // The fp32 tensor of `name` (drawn on the device, copied back; the hash table drawn on the host).
+  Tensor generate(const std::string& name);
+  // A routed expert's matrix in the encoding the model holds it in.
+  LinearWeight generate_expert(const std::string& name);
+  // The tensor of `name` drawn into the device scratch; returns its spec.
+  const TensorSpec& draw(const std::string& name);
+  void* scratch(const char* which, size_t bytes);
+
+  ModelConfig config_;
+  uint64_t seed_;
+  std::optional<WeightEncoding> expert_encoding_;
+  int device_;
+  std::map<std::string, TensorSpec> specs_;  // checkpoint_tensors(config_) by name
+  struct Buffer {
+    void* data = nullptr;
+    size_t bytes = 0;
+  };
+  std::map<std::string, Buffer> scratch_;  // device buffers, grown to the largest tensor
+};
+
+}  // namespace dsv4
