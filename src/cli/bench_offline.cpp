@@ -62,7 +62,11 @@ Setup make_setup(const BenchOfflineOptions& o) {
   backend.load_format = o.load_format;
   backend.expert_bits = o.expert_bits;
   backend.dummy_seed = o.seed;
+  const auto load_start = std::chrono::steady_clock::now();
   Setup setup{load_backend(o.model_dir, backend), {}};
+  // The load time is part of what a dummy-weight run of a large config costs (model/cuda/device_random_weights.h).
+  std::printf("Loaded %s in %.1f s\n", o.model_dir.empty() ? "the embedded model" : o.model_dir.c_str(),
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count());
   setup.engine.max_num_seqs = o.max_num_seqs;
   setup.engine.max_num_batched_tokens = o.max_num_batched_tokens;
   setup.engine.enable_prefix_caching = o.enable_prefix_caching;

@@ -146,10 +146,12 @@ DSV4_HOST_DEVICE inline void write_group_code(uint8_t* group, int bits, int i, i
   if (shifted >> 8) group[bit / 8 + 1] |= static_cast<uint8_t>(shifted >> 8);
 }
 
+// The nearest level's code, clamped in float before the conversion: a float → int conversion out of range is
+// undefined in C++ and differs in practice (x86 gives INT_MIN, CUDA saturates), so it must never happen.
 DSV4_HOST_DEVICE inline int low_bit_code(float x, float scale, LowBitFormat format) {
-  const int code = static_cast<int>(floorf(add_rn(add_rn(x / scale, format.offset), 0.5f)));
-  const int top = format.codes() - 1;
-  return code < 0 ? 0 : code > top ? top : code;
+  const float level = floorf(add_rn(add_rn(x / scale, format.offset), 0.5f));
+  const float top = static_cast<float>(format.codes() - 1);
+  return !(level >= 0.0f) ? 0 : level > top ? static_cast<int>(top) : static_cast<int>(level);
 }
 
 // One group of 32 values: the bf16 scale and codes of least squared error (nearest level per value) among the
@@ -179,13 +181,16 @@ DSV4_HOST_DEVICE inline void quantize_low_bit_group(const float* x, LowBitFormat
       const float d = sub_rn(x[i], mul_rn(static_cast<float>(code) - format.offset, scale));
       error = add_rn(error, mul_rn(d, d));
     }
-    if (!found || error < best_error) {
+    if (!found || error < best_error) {  // the first candidate even at an overflowing (inf) error
       found = true;
       best_error = error;
       best_scale = scale;
     }
   }
+  // No candidate scale survives the bf16 rounding (amax below ~2^-133 flushes to zero): the group decodes to
+  // zeros, with zero codes.
   *scale_bits = f32_to_bf16(best_scale);
+  if (!found) return;
   for (int i = 0; i < 32; ++i) write_group_code(group, format.bits, i, low_bit_code(x[i], best_scale, format));
 }
 

@@ -325,6 +325,26 @@ TEST(LinearWeight, QuantizerGridsAndTheLowBitFactory) {
                 ::testing::ThrowsMessage<Error>(HasSubstr("expected")));
   }
   EXPECT_THROW((void)LinearWeight::low_bit_grouped(WeightEncoding::kF8E4M3, 1, 32, {}, {}), Error);
+
+  // The extremes: a group so small that every candidate scale flushes to zero in bf16 decodes to zeros with
+  // zero codes (no float → int conversion of x / 0); a group so large that every candidate's squared error
+  // overflows still gets the first candidate's scale, not zero.
+  Tensor extremes({2, 32});
+  for (int i = 0; i < 32; ++i) {
+    extremes.data[i] = (i % 2 ? 1.0f : -1.0f) * static_cast<float>(i + 1) * 0x1p-145f;
+    extremes.data[32 + i] = (i % 2 ? 1.0f : -1.0f) * static_cast<float>(i + 1) * 0x1p110f;
+  }
+  for (const WeightEncoding encoding : {WeightEncoding::kQ3G32, WeightEncoding::kQ2G32}) {
+    const LinearWeight w = LinearWeight(extremes).requantized(encoding);
+    EXPECT_EQ(w.group_scales()[0], 0);
+    const size_t group_bytes = w.codes().size() / 2;
+    EXPECT_EQ(std::vector<uint8_t>(w.codes().begin(), w.codes().begin() + group_bytes),
+              std::vector<uint8_t>(group_bytes, 0));
+    EXPECT_GT(bf16_to_f32(w.group_scales()[1]), 0x1p100f);
+    const Tensor decoded = w.dequantized();
+    for (int i = 0; i < 32; ++i) EXPECT_EQ(decoded.data[i], 0.0f);
+    for (int i = 32; i < 64; ++i) EXPECT_TRUE(std::isfinite(decoded.data[i]));
+  }
 }
 
 // quantize_fp8_blocks against the recipe's own quantizers (ops/cpu/quantize.h): UE8M0 block scale of the

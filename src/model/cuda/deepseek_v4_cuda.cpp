@@ -1,10 +1,12 @@
 #include "model/cuda/deepseek_v4_cuda.h"
 
+#include <cstdio>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -407,9 +409,30 @@ DeepseekV4CudaModel::DeepseekV4CudaModel(ModelConfig config, ModelWeightSource& 
              "the weight source has " + std::to_string(weights.config().num_hidden_layers) + " layers, the config " +
                  std::to_string(config.num_hidden_layers));
   open_device(std::move(config), options);
-  upload_globals(weights.globals());  // the temporary (embedding and LM head) is freed here
-  for (int64_t layer = 0; layer < impl_->config.num_hidden_layers; ++layer)
-    upload_layer(weights.layer(layer));  // likewise: one layer's host copy at a time
+  // DSV4_LOAD_PROGRESS=1: one stderr line per layer, the source's time (reading or drawing it) apart from the
+  // upload's (conversion, rearrangement, copies) — where a large model's load goes.
+  const char* progress_env = std::getenv("DSV4_LOAD_PROGRESS");
+  const bool progress = progress_env != nullptr && std::string(progress_env) == "1";
+  using Clock = std::chrono::steady_clock;
+  const auto seconds_since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
+  auto start = Clock::now();
+  {
+    const ModelWeights globals = weights.globals();
+    const double source_s = seconds_since(start);
+    start = Clock::now();
+    upload_globals(globals);  // the temporary (embedding and LM head) is freed here
+    if (progress) std::fprintf(stderr, "load: globals: source %.2f s, upload %.2f s\n", source_s, seconds_since(start));
+  }
+  for (int64_t layer = 0; layer < impl_->config.num_hidden_layers; ++layer) {
+    start = Clock::now();
+    const LayerWeights host = weights.layer(layer);  // likewise: one layer's host copy at a time
+    const double source_s = seconds_since(start);
+    start = Clock::now();
+    upload_layer(host);
+    if (progress)
+      std::fprintf(stderr, "load: layer %lld/%lld: source %.2f s, upload %.2f s\n", static_cast<long long>(layer + 1),
+                   static_cast<long long>(impl_->config.num_hidden_layers), source_s, seconds_since(start));
+  }
   upload_rope_tables();
 }
 
