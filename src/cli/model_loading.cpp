@@ -11,6 +11,7 @@
 #include "model/random_init.h"
 #ifdef DSV4_HAVE_CUDA
 #include "model/cuda/deepseek_v4_cuda.h"
+#include "model/cuda/device_expert_requantizer.h"
 #include "model/cuda/device_random_weights.h"
 #endif
 
@@ -79,15 +80,11 @@ LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& o
   ModelConfig config = model_config(model_dir, parse_numerics(options.numerics), options.load_format == "dummy");
   LoadedBackend loaded;
   loaded.gpu_memory_utilization = options.gpu_memory_utilization;
-  auto host_source = [&] {
+  if (!cuda) {
     std::unique_ptr<ModelWeightSource> source =
         weight_source(config, model_dir, options.load_format, options.dummy_seed);
     if (expert_encoding)
       source = std::make_unique<RequantizedExpertsSource>(std::move(source), *expert_encoding);
-    return source;
-  };
-  if (!cuda) {
-    const std::unique_ptr<ModelWeightSource> source = host_source();
     loaded.cpu_model = std::make_unique<DeepseekV4Model>(std::move(config), ModelWeights::from_source(*source));
     loaded.backend = std::make_unique<CpuModelBackend>(*loaded.cpu_model);
     return loaded;
@@ -120,11 +117,16 @@ LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& o
   cuda_options.fp8_weights = cuda_options.precision == CudaPrecision::kBf16 && switched("DSV4_FP8_WEIGHTS", "1");
   // Dummy weights are drawn on the device: the same model as the host generator's, minutes faster at
   // V4-Flash's size (model/cuda/device_random_weights.h).
+  // --expert-bits is requantized there too: the host pass takes ~26 minutes of 16 cores for V4-Flash
+  // (model/cuda/device_expert_requantizer.h).
   std::unique_ptr<ModelWeightSource> source;
-  if (options.load_format == "dummy")
+  if (options.load_format == "dummy") {
     source = std::make_unique<DeviceRandomWeightSource>(config, options.dummy_seed, expert_encoding, cuda_options.device);
-  else
-    source = host_source();
+  } else {
+    source = weight_source(config, model_dir, options.load_format, options.dummy_seed);
+    if (expert_encoding)
+      source = std::make_unique<DeviceRequantizedExpertsSource>(std::move(source), *expert_encoding, cuda_options.device);
+  }
   loaded.backend = std::make_unique<DeepseekV4CudaModel>(std::move(config), *source, cuda_options);
   loaded.on_cuda = true;
 #endif

@@ -29,11 +29,9 @@ bool routed_expert(const std::string& name) { return name.find(".ffn.experts.") 
 DeviceRandomWeightSource::DeviceRandomWeightSource(ModelConfig config, uint64_t seed,
                                                    std::optional<WeightEncoding> expert_encoding, int device)
     : config_(std::move(config)), seed_(seed), expert_encoding_(expert_encoding), device_(device) {
-  DSV4_CHECK(!expert_encoding_ || *expert_encoding_ == WeightEncoding::kQ3G32 ||
-                 *expert_encoding_ == WeightEncoding::kQ2G32,
-             "the dummy experts' requantization must be kQ3G32 or kQ2G32");
   for (const auto& spec : checkpoint_tensors(config_)) specs_.emplace(spec.name, spec);
   DSV4_CU(cudaSetDevice(device_));
+  if (expert_encoding_) requantizer_ = std::make_unique<DeviceExpertRequantizer>(*expert_encoding_, device_);
 }
 
 DeviceRandomWeightSource::~DeviceRandomWeightSource() {
@@ -92,16 +90,7 @@ LinearWeight DeviceRandomWeightSource::generate_expert(const std::string& name) 
     // --expert-bits requantizes what the checkpoint holds: the MXFP4 values (RequantizedExpertsSource).
     DSV4_CU(ops::cuda::dequantize_mxfp4_groups(packed, scales, rows, cols, values, nullptr));
   }
-  const int bits = *expert_encoding_ == WeightEncoding::kQ3G32 ? 3 : 2;
-  const int64_t code_bytes = groups * 4 * bits;
-  auto* codes = static_cast<uint8_t*>(scratch("low_bit_codes", static_cast<size_t>(code_bytes)));
-  auto* scale_bits = static_cast<uint16_t*>(scratch("low_bit_scales", static_cast<size_t>(groups) * 2));
-  DSV4_CU(ops::cuda::quantize_low_bit_groups(values, rows, cols, bits, codes, scale_bits, nullptr));
-  std::vector<uint8_t> host_codes(static_cast<size_t>(code_bytes));
-  std::vector<uint16_t> host_scales(static_cast<size_t>(groups));
-  DSV4_CU(cudaMemcpy(host_codes.data(), codes, host_codes.size(), cudaMemcpyDeviceToHost));
-  DSV4_CU(cudaMemcpy(host_scales.data(), scale_bits, host_scales.size() * 2, cudaMemcpyDeviceToHost));
-  return LinearWeight::low_bit_grouped(*expert_encoding_, rows, cols, std::move(host_codes), std::move(host_scales));
+  return requantizer_->requantize_on_device(values, rows, cols);
 }
 
 ModelWeights DeviceRandomWeightSource::globals() {

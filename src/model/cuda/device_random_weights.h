@@ -12,10 +12,12 @@
 #pragma once
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 
 #include "core/linear_weight.h"
+#include "model/cuda/device_expert_requantizer.h"
 #include "model/weights.h"
 
 namespace dsv4 {
@@ -23,8 +25,9 @@ namespace dsv4 {
 class DeviceRandomWeightSource final : public ModelWeightSource {
  public:
   // `expert_encoding`: the --expert-bits requantization of the routed experts (kQ3G32 / kQ2G32), applied as
-  // RequantizedExpertsSource does (to the MXFP4 values when the config stores the experts so). `device`: the
-  // CUDA device to draw on. Throws dsv4::Error when it is not usable.
+  // RequantizedExpertsSource does (to the MXFP4 values when the config stores the experts so), on the device
+  // (model/cuda/device_expert_requantizer.h). `device`: the CUDA device to draw on. Throws dsv4::Error when it
+  // is not usable or the encoding is another.
   DeviceRandomWeightSource(ModelConfig config, uint64_t seed, std::optional<WeightEncoding> expert_encoding = {},
                            int device = 0);
   ~DeviceRandomWeightSource() override;
@@ -54,6 +57,7 @@ class DeviceRandomWeightSource final : public ModelWeightSource {
     size_t bytes = 0;
   };
   std::map<std::string, Buffer> scratch_;  // device buffers, grown to the largest tensor
+  std::unique_ptr<DeviceExpertRequantizer> requantizer_;  // with expert_encoding_
 };
 
 }  // namespace dsv4

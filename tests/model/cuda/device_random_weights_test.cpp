@@ -1,18 +1,24 @@
-// DeviceRandomWeightSource (--load-format dummy on the CUDA backend) against the host generator it replaces,
-// RandomWeightSource (wrapped in RequantizedExpertsSource for --expert-bits): every tensor of every layer bit
-// for bit, in each expert encoding — bf16-era fp32 experts, the release's FP8 projections + MXFP4 experts, and
-// both requantizations from each. The values can differ from the host's by one ulp on about one element in
+// The GPU-side weight sources against the host ones they replace, every tensor of every layer bit for bit:
+// DeviceRandomWeightSource (--load-format dummy on the CUDA backend) against RandomWeightSource (wrapped in
+// RequantizedExpertsSource for --expert-bits), in each expert encoding — fp32 experts, the release's FP8
+// projections + MXFP4 experts, and both requantizations from each; DeviceRequantizedExpertsSource over the
+// FP8 / MXFP4 checkpoint fixture against RequantizedExpertsSource over it; and the requantizer on dense and
+// FP8 matrices. The values can differ from the host's by one ulp on about one element in
 // 10^8 (core/random_fill.h); for these fixed seeds and shapes none does, and the test would show one. Skips
 // without a GPU.
 #include "model/cuda/device_random_weights.h"
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <random>
 #include <memory>
 #include <optional>
 
 #include "model/cuda/deepseek_v4_cuda.h"
+#include "model/cuda/device_expert_requantizer.h"
 #include "model/random_init.h"
 
 namespace dsv4 {
@@ -83,6 +89,35 @@ TEST(DeviceRandomWeights, EqualTheHostGeneratorInEveryExpertEncoding) {
       }
       EXPECT_THROW((void)device.layer(config.num_hidden_layers), Error);
     }
+}
+
+TEST(DeviceRandomWeights, RequantizedCheckpointExpertsEqualTheHostRequantization) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  const char* override_root = std::getenv("DSV4_FIXTURES");
+  const std::filesystem::path dir =
+      std::filesystem::path(override_root ? override_root : DSV4_FIXTURES) / "deepseek_goldens" / "tiny_fp8_fp4";
+  if (!std::filesystem::is_regular_file(dir / "model.safetensors")) GTEST_SKIP() << "no fixture at " << dir;
+  const ModelConfig config = ModelConfig::from_file((dir / "config.json").string());
+  for (const WeightEncoding encoding : {WeightEncoding::kQ3G32, WeightEncoding::kQ2G32}) {
+    SCOPED_TRACE(encoding == WeightEncoding::kQ3G32 ? "Q3G32" : "Q2G32");
+    RequantizedExpertsSource host(std::make_unique<CheckpointWeightSource>(config, dir.string()), encoding);
+    DeviceRequantizedExpertsSource device(std::make_unique<CheckpointWeightSource>(config, dir.string()), encoding);
+    for (int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
+      SCOPED_TRACE("layer " + std::to_string(layer));
+      const LayerWeights expected = host.layer(layer);
+      ASSERT_EQ(expected.experts_w13.at(0).encoding(), encoding);
+      expect_same(device.layer(layer), expected);
+    }
+  }
+  // Matrices stored in other encodings are decoded on the host first: fp32 and FP8.
+  Tensor dense({256, 160});
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.0f, 0.05f);
+  for (float& v : dense.data) v = normal(rng);
+  DeviceExpertRequantizer requantizer(WeightEncoding::kQ2G32);
+  for (const LinearWeight& w : {LinearWeight(dense), LinearWeight::quantize_fp8_blocks(dense)})
+    expect_same(requantizer.requantize(w), w.requantized(WeightEncoding::kQ2G32), "a dense / FP8 matrix");
+  EXPECT_THROW(DeviceExpertRequantizer(WeightEncoding::kFp4E2M1), Error);
 }
 
 }  // namespace
