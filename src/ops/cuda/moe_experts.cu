@@ -844,30 +844,49 @@ std::vector<uint8_t> moe_kernel_codes(int bits, int64_t rows, int64_t cols, cons
   const int64_t tiles = k_tiles_of(cols), groups = cols / 32;
   const int row_bytes = row_code_bytes(bits);
   std::vector<uint8_t> out(moe_kernel_code_bytes(bits, rows, cols), 0);
-  // Code of input k of row r as stored: MXFP4 nibbles (the even input low), Q3 / Q2 little-endian bit streams
-  // of 4·bits bytes per group of 32.
-  auto code = [&](int64_t r, int64_t k) -> uint32_t {
-    if (k >= cols) return 0;
+  // One row at a time: its codes unpacked into one byte each (zero past cols), read in order as stored —
+  // MXFP4 nibbles (the even input low), Q3 / Q2 little-endian bit streams of 4·bits bytes per group of 32 —
+  // then scattered into each k tile's slot. Row-major reads and no per-code branches: this pass runs over
+  // every routed-expert code at load (V4-Flash: 277 B). One core of the CPU machine, 4096 × 4096 random codes:
+  // MXFP4 / Q3 / Q2 24.2 / 16.8 / 12.8 ms, against 32.7 / 43.9 / 46.4 ms with per-code look-ups in tile order.
+  std::vector<uint8_t> row_codes(static_cast<size_t>(tiles * 64));
+  for (int64_t r = 0; r < rows; ++r) {
+    std::fill(row_codes.begin(), row_codes.end(), uint8_t{0});
     if (bits == 4) {
-      const uint8_t byte = codes[(r * cols + k) / 2];
-      return k % 2 == 0 ? byte & 15u : byte >> 4;
+      const uint8_t* packed = codes + r * cols / 2;
+      for (int64_t k = 0; k < cols; k += 2) {
+        row_codes[k] = packed[k / 2] & 15u;
+        row_codes[k + 1] = packed[k / 2] >> 4;
+      }
+    } else if (bits == 2) {
+      const uint8_t* stream = codes + r * groups * 8;  // 8 bytes of 4 codes per group
+      for (int64_t k = 0; k < groups * 32; k += 4) {
+        const uint8_t byte = stream[k / 4];
+        row_codes[k] = byte & 3u;
+        row_codes[k + 1] = (byte >> 2) & 3u;
+        row_codes[k + 2] = (byte >> 4) & 3u;
+        row_codes[k + 3] = byte >> 6;
+      }
+    } else {
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* group = codes + (r * groups + g) * 12;
+        for (int i = 0; i < 32; i += 8) {  // 3 bytes hold 8 codes
+          const uint32_t word = group[3 * i / 8] | uint32_t{group[3 * i / 8 + 1]} << 8 |
+                                uint32_t{group[3 * i / 8 + 2]} << 16;
+          for (int j = 0; j < 8; ++j) row_codes[g * 32 + i + j] = static_cast<uint8_t>((word >> (3 * j)) & 7u);
+        }
+      }
     }
-    return static_cast<uint32_t>(
-        LinearWeight::group_code(codes + (r * groups + k / 32) * 4 * bits, bits, static_cast<int>(k % 32)));
-  };
-  auto put = [](uint8_t* at, uint32_t word, int bytes) {
-    for (int b = 0; b < bytes; ++b) at[b] |= static_cast<uint8_t>(word >> (8 * b));
-  };
-  for (int64_t tile = 0; tile < tiles; ++tile)
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t tile = 0; tile < tiles; ++tile) {
       uint8_t* row = out.data() + (tile * rows + r) * row_bytes;
+      const uint8_t* tile_codes = row_codes.data() + tile * 64;
       for (int t = 0; t < 4; ++t) {
         uint32_t low = 0, high = 0;
         for (int g = 0; g < 2; ++g)
           for (int i = 0; i < 4; ++i) {
             // pair i of group g = inputs 8i + 2t, + 1 (fragment register i % 2 of k16 step 2g + i / 2)
-            const int64_t k = tile * 64 + g * 32 + 8 * i + 2 * t;
-            const uint32_t lo = code(r, k), hi = code(r, k + 1);
+            const int k = g * 32 + 8 * i + 2 * t;
+            const uint32_t lo = tile_codes[k], hi = tile_codes[k + 1];
             if (bits == 4) {
               (g == 0 ? low : high) |= lo << (12 - 4 * i) | hi << (28 - 4 * i);
             } else {
@@ -876,14 +895,18 @@ std::vector<uint8_t> moe_kernel_codes(int bits, int64_t rows, int64_t cols, cons
             }
           }
         if (bits == 4) {
-          put(row + 8 * t, low, 4);
-          put(row + 8 * t + 4, high, 4);
+          std::memcpy(row + 8 * t, &low, 4);  // little-endian, as the kernel's 32-bit loads
+          std::memcpy(row + 8 * t + 4, &high, 4);
         } else {
-          put(row + 4 * t, low, 4);
-          if (bits == 3) put(row + 16 + 2 * t, high, 2);
+          std::memcpy(row + 4 * t, &low, 4);
+          if (bits == 3) {
+            const uint16_t plane = static_cast<uint16_t>(high);
+            std::memcpy(row + 16 + 2 * t, &plane, 2);
+          }
         }
       }
     }
+  }
   return out;
 }
 

@@ -529,52 +529,63 @@ TEST_F(CudaMoeExperts, GroupedRefusesWidthsOffTheScaleGroups) {
 }
 
 // The fragment order of moe_kernel_codes, read back by the documented bit positions.
+// Packs code_of(r, k) as stored (MXFP4: two nibbles per byte; Q: a little-endian bit stream per row and group,
+// rows·cols·bits/8 bytes), rearranges it, and counts the codes that the fragment-order read-back misplaces.
+template <typename CodeOf>
+int64_t misplaced_codes(int bits, int64_t rows, int64_t cols, const CodeOf& code_of) {
+  std::vector<uint8_t> stored(static_cast<size_t>(rows * cols * bits / 8), 0);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k = 0; k < cols; ++k) {
+      const uint32_t c = code_of(r, k);
+      const int64_t bit = (r * cols + k) * bits;
+      stored[static_cast<size_t>(bit / 8)] |= static_cast<uint8_t>(c << (bit % 8));
+      if (bit % 8 + bits > 8) stored[static_cast<size_t>(bit / 8 + 1)] |= static_cast<uint8_t>(c >> (8 - bit % 8));
+    }
+  const std::vector<uint8_t> ordered = moe_kernel_codes(bits, rows, cols, stored.data());
+  const int row_bytes = bits == 4 ? 32 : bits == 3 ? 24 : 16;
+  const int64_t tiles = (cols + 63) / 64;
+  EXPECT_EQ(ordered.size(), moe_kernel_code_bytes(bits, rows, cols));
+  if (ordered.size() != static_cast<size_t>(tiles * rows * row_bytes)) return -1;
+  auto word = [&](int64_t offset, int bytes) {
+    uint32_t w = 0;
+    for (int b = 0; b < bytes; ++b) w |= static_cast<uint32_t>(ordered[static_cast<size_t>(offset + b)]) << (8 * b);
+    return w;
+  };
+  int64_t wrong = 0;
+  for (int64_t tile = 0; tile < tiles; ++tile)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int t = 0; t < 4; ++t)
+        for (int g = 0; g < 2; ++g)
+          for (int i = 0; i < 4; ++i)
+            for (int half = 0; half < 2; ++half) {
+              const int64_t k = tile * 64 + g * 32 + 8 * i + 2 * t + half;
+              const uint32_t want = k < cols ? code_of(r, k) : 0u;
+              const int64_t base = (tile * rows + r) * row_bytes;
+              uint32_t got = 0;
+              if (bits == 4) {
+                got = (word(base + 8 * t + 4 * g, 4) >> (12 - 4 * i + 16 * half)) & 15;
+              } else {
+                got = (word(base + 4 * t, 4) >> (8 * g + 2 * i + 16 * half)) & 3;
+                if (bits == 3) got |= ((word(base + 16 + 2 * t, 2) >> (4 * g + i + 8 * half)) & 1) << 2;
+              }
+              wrong += got != want;
+            }
+  return wrong;
+}
+
 TEST(MoeKernelLayout, CodesAndScalesLandWhereTheFragmentsReadThem) {
-  // [3, 96] matrices (96 = one whole k tile + a half one); input k of row r carries code (k + r) mod 2^bits.
-  const int64_t rows = 3, cols = 96;
   for (const int bits : {4, 3, 2}) {
     const uint32_t mask = (1u << bits) - 1;
-    std::vector<uint8_t> stored(static_cast<size_t>(rows * cols * bits / 8), 0);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t k = 0; k < cols; ++k) {
-        const uint32_t c = static_cast<uint32_t>(k + r) & mask;
-        // MXFP4: two nibbles per byte; Q: a little-endian bit stream per row and group (rows·cols·bits/8
-        // bytes).
-        const int64_t bit = (r * cols + k) * bits;
-        stored[static_cast<size_t>(bit / 8)] |= static_cast<uint8_t>(c << (bit % 8));
-        if (bit % 8 + bits > 8)
-          stored[static_cast<size_t>(bit / 8 + 1)] |= static_cast<uint8_t>(c >> (8 - bit % 8));
-      }
-    const std::vector<uint8_t> ordered = moe_kernel_codes(bits, rows, cols, stored.data());
-    const int row_bytes = bits == 4 ? 32 : bits == 3 ? 24 : 16;
-    ASSERT_EQ(ordered.size(), moe_kernel_code_bytes(bits, rows, cols));
-    ASSERT_EQ(ordered.size(), static_cast<size_t>(2 * rows * row_bytes));
-    auto word = [&](int64_t offset, int bytes) {
-      uint32_t w = 0;
-      for (int b = 0; b < bytes; ++b)
-        w |= static_cast<uint32_t>(ordered[static_cast<size_t>(offset + b)]) << (8 * b);
-      return w;
-    };
-    int64_t wrong = 0;
-    for (int64_t tile = 0; tile < 2; ++tile)
-      for (int64_t r = 0; r < rows; ++r)
-        for (int t = 0; t < 4; ++t)
-          for (int g = 0; g < 2; ++g)
-            for (int i = 0; i < 4; ++i)
-              for (int half = 0; half < 2; ++half) {
-                const int64_t k = tile * 64 + g * 32 + 8 * i + 2 * t + half;
-                const uint32_t want = k < cols ? static_cast<uint32_t>(k + r) & mask : 0u;
-                const int64_t base = (tile * rows + r) * row_bytes;
-                uint32_t got = 0;
-                if (bits == 4) {
-                  got = (word(base + 8 * t + 4 * g, 4) >> (12 - 4 * i + 16 * half)) & 15;
-                } else {
-                  got = (word(base + 4 * t, 4) >> (8 * g + 2 * i + 16 * half)) & 3;
-                  if (bits == 3) got |= ((word(base + 16 + 2 * t, 2) >> (4 * g + i + 8 * half)) & 1) << 2;
-                }
-                wrong += got != want;
-              }
-    EXPECT_EQ(wrong, 0) << bits << "-bit codes";
+    // [3, 96] (one whole k tile + a half one): input k of row r carries code (k + r) mod 2^bits.
+    EXPECT_EQ(misplaced_codes(bits, 3, 96, [&](int64_t r, int64_t k) { return static_cast<uint32_t>(k + r) & mask; }),
+              0)
+        << bits << "-bit codes";
+    // [40, 224] (three and a half tiles), random codes.
+    std::vector<uint32_t> random(40 * 224);
+    std::mt19937 rng(static_cast<uint32_t>(bits));
+    for (uint32_t& c : random) c = rng() & mask;
+    EXPECT_EQ(misplaced_codes(bits, 40, 224, [&](int64_t r, int64_t k) { return random[r * 224 + k]; }), 0)
+        << bits << "-bit random codes";
   }
   // Scales: [rows 2, 3 groups] -> [tile][row][2], the missing 4th group 0.
   const std::vector<uint8_t> exponents = {1, 2, 3, 4, 5, 6};
