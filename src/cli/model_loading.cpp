@@ -121,11 +121,13 @@ LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& o
   // (model/cuda/device_expert_requantizer.h).
   std::unique_ptr<ModelWeightSource> source;
   if (options.load_format == "dummy") {
-    source = std::make_unique<DeviceRandomWeightSource>(config, options.dummy_seed, expert_encoding, cuda_options.device);
+    source = std::make_unique<DeviceRandomWeightSource>(config, options.dummy_seed, expert_encoding,
+                                                        cuda_options.device);
   } else {
     source = weight_source(config, model_dir, options.load_format, options.dummy_seed);
     if (expert_encoding)
-      source = std::make_unique<DeviceRequantizedExpertsSource>(std::move(source), *expert_encoding, cuda_options.device);
+      source = std::make_unique<DeviceRequantizedExpertsSource>(std::move(source), *expert_encoding,
+                                                                cuda_options.device);
   }
   loaded.backend = std::make_unique<DeepseekV4CudaModel>(std::move(config), *source, cuda_options);
   loaded.on_cuda = true;

@@ -414,7 +414,9 @@ DeepseekV4CudaModel::DeepseekV4CudaModel(ModelConfig config, ModelWeightSource& 
   const char* progress_env = std::getenv("DSV4_LOAD_PROGRESS");
   const bool progress = progress_env != nullptr && std::string(progress_env) == "1";
   using Clock = std::chrono::steady_clock;
-  const auto seconds_since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
+  const auto seconds_since = [](Clock::time_point t) {
+    return std::chrono::duration<double>(Clock::now() - t).count();
+  };
   auto start = Clock::now();
   {
     const ModelWeights globals = weights.globals();

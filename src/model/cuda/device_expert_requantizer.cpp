@@ -9,37 +9,14 @@
 #include "ops/cuda/weight_quantize.h"
 
 namespace dsv4 {
-namespace {
 
-void check_cuda(cudaError_t status, const char* what) {
-  if (status != cudaSuccess)
-    throw Error(std::string("CUDA (requantizing the routed experts): ") + what + ": " + cudaGetErrorString(status));
-}
-#define DSV4_CU(call) check_cuda((call), #call)
-
-}  // namespace
+#define DSV4_CU(call) check_load_cuda((call), "requantizing the routed experts", #call)
 
 DeviceExpertRequantizer::DeviceExpertRequantizer(WeightEncoding target, int device)
-    : target_(target), device_(device) {
+    : target_(target), device_(device), scratch_(device) {
   DSV4_CHECK(target == WeightEncoding::kQ3G32 || target == WeightEncoding::kQ2G32,
              "the experts' requantization target must be kQ3G32 or kQ2G32");
   DSV4_CU(cudaSetDevice(device_));
-}
-
-DeviceExpertRequantizer::~DeviceExpertRequantizer() {
-  cudaSetDevice(device_);
-  for (auto& [name, buffer] : scratch_) cudaFree(buffer.data);
-}
-
-void* DeviceExpertRequantizer::scratch(const std::string& which, size_t bytes) {
-  Buffer& buffer = scratch_[which];
-  if (buffer.bytes < bytes) {
-    DSV4_CU(cudaFree(buffer.data));
-    buffer = {};
-    DSV4_CU(cudaMalloc(&buffer.data, bytes));
-    buffer.bytes = bytes;
-  }
-  return buffer.data;
 }
 
 LinearWeight DeviceExpertRequantizer::requantize_on_device(const float* values, int64_t rows, int64_t cols) {
@@ -47,8 +24,9 @@ LinearWeight DeviceExpertRequantizer::requantize_on_device(const float* values, 
                                  "] weight in groups of 32 columns");
   const int bits = target_ == WeightEncoding::kQ3G32 ? 3 : 2;
   const int64_t groups = rows * (cols / 32), code_bytes = groups * 4 * bits;
-  auto* codes = static_cast<uint8_t*>(scratch("requantized_codes", static_cast<size_t>(code_bytes)));
-  auto* scale_bits = static_cast<uint16_t*>(scratch("requantized_scales", static_cast<size_t>(groups) * 2));
+  auto* codes = static_cast<uint8_t*>(scratch_.get("requantized_codes", static_cast<size_t>(code_bytes)));
+  auto* scale_bits =
+      static_cast<uint16_t*>(scratch_.get("requantized_scales", static_cast<size_t>(groups) * 2));
   DSV4_CU(ops::cuda::quantize_low_bit_groups(values, rows, cols, bits, codes, scale_bits, nullptr));
   std::vector<uint8_t> host_codes(static_cast<size_t>(code_bytes));
   std::vector<uint16_t> host_scales(static_cast<size_t>(groups));
@@ -61,15 +39,17 @@ LinearWeight DeviceExpertRequantizer::requantize(const LinearWeight& weight) {
   DSV4_CU(cudaSetDevice(device_));
   const int64_t rows = weight.rows(), cols = weight.cols();
   DSV4_CHECK(cols % 32 == 0, "cannot requantize a " + weight.shape_string() + " weight in groups of 32 columns");
-  auto* values = static_cast<float*>(scratch("requantize_values", static_cast<size_t>(rows * cols) * sizeof(float)));
+  auto* values =
+      static_cast<float*>(scratch_.get("requantize_values", static_cast<size_t>(rows * cols) * sizeof(float)));
   if (weight.encoding() == WeightEncoding::kFp4E2M1) {
     // 4.25 bits a value over the bus instead of 32; the device decode is exact, as dequantize_rows.
     const std::vector<uint8_t>& packed = weight.codes();
     const std::vector<uint8_t>& exponents = weight.fp4_exponents();
     std::vector<float> scales(exponents.size());
     for (size_t i = 0; i < scales.size(); ++i) scales[i] = std::ldexp(1.0f, static_cast<int>(exponents[i]) - 127);
-    auto* device_packed = static_cast<uint8_t*>(scratch("requantize_packed", packed.size()));
-    auto* device_scales = static_cast<float*>(scratch("requantize_fp4_scales", scales.size() * sizeof(float)));
+    auto* device_packed = static_cast<uint8_t*>(scratch_.get("requantize_packed", packed.size()));
+    auto* device_scales =
+        static_cast<float*>(scratch_.get("requantize_fp4_scales", scales.size() * sizeof(float)));
     DSV4_CU(cudaMemcpy(device_packed, packed.data(), packed.size(), cudaMemcpyHostToDevice));
     DSV4_CU(cudaMemcpy(device_scales, scales.data(), scales.size() * sizeof(float), cudaMemcpyHostToDevice));
     DSV4_CU(ops::cuda::dequantize_mxfp4_groups(device_packed, device_scales, rows, cols, values, nullptr));

@@ -4,11 +4,11 @@
 // of them take ~26 minutes of 16 cores; here each is two copies and two kernels.
 #pragma once
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <string>
 
 #include "core/linear_weight.h"
+#include "model/cuda/device_scratch.h"
 #include "model/weights.h"
 
 namespace dsv4 {
@@ -17,7 +17,6 @@ class DeviceExpertRequantizer {
  public:
   // `target`: kQ3G32 or kQ2G32 (dsv4::Error otherwise, or when `device` is not usable).
   DeviceExpertRequantizer(WeightEncoding target, int device = 0);
-  ~DeviceExpertRequantizer();
   DeviceExpertRequantizer(const DeviceExpertRequantizer&) = delete;
   DeviceExpertRequantizer& operator=(const DeviceExpertRequantizer&) = delete;
 
@@ -25,18 +24,11 @@ class DeviceExpertRequantizer {
   LinearWeight requantize(const LinearWeight& weight);
   // The fp32 [rows, cols] matrix at device address `values` (left unchanged) in the target encoding.
   LinearWeight requantize_on_device(const float* values, int64_t rows, int64_t cols);
-  // Device scratch of at least `bytes` under `which` (grown, never shrunk); shared with the caller's
-  // buffers of other names.
-  void* scratch(const std::string& which, size_t bytes);
 
  private:
   WeightEncoding target_;
   int device_;
-  struct Buffer {
-    void* data = nullptr;
-    size_t bytes = 0;
-  };
-  std::map<std::string, Buffer> scratch_;
+  DeviceScratch scratch_;
 };
 
 // RequantizedExpertsSource with the requantization on the GPU: the same layers, bit for bit.

@@ -10,11 +10,7 @@
 namespace dsv4 {
 namespace {
 
-void check_cuda(cudaError_t status, const char* what) {
-  if (status != cudaSuccess)
-    throw Error(std::string("CUDA (drawing the dummy weights): ") + what + ": " + cudaGetErrorString(status));
-}
-#define DSV4_CU(call) check_cuda((call), #call)
+#define DSV4_CU(call) check_load_cuda((call), "drawing the dummy weights", #call)
 
 int64_t element_count(const std::vector<int64_t>& shape) {
   int64_t count = 1;
@@ -28,34 +24,20 @@ bool routed_expert(const std::string& name) { return name.find(".ffn.experts.") 
 
 DeviceRandomWeightSource::DeviceRandomWeightSource(ModelConfig config, uint64_t seed,
                                                    std::optional<WeightEncoding> expert_encoding, int device)
-    : config_(std::move(config)), seed_(seed), expert_encoding_(expert_encoding), device_(device) {
+    : config_(std::move(config)), seed_(seed), expert_encoding_(expert_encoding), device_(device), scratch_(device) {
   for (const auto& spec : checkpoint_tensors(config_)) specs_.emplace(spec.name, spec);
   DSV4_CU(cudaSetDevice(device_));
   if (expert_encoding_) requantizer_ = std::make_unique<DeviceExpertRequantizer>(*expert_encoding_, device_);
 }
 
-DeviceRandomWeightSource::~DeviceRandomWeightSource() {
-  cudaSetDevice(device_);
-  for (auto& [name, buffer] : scratch_) cudaFree(buffer.data);
-}
-
-void* DeviceRandomWeightSource::scratch(const char* which, size_t bytes) {
-  Buffer& buffer = scratch_[which];
-  if (buffer.bytes < bytes) {
-    DSV4_CU(cudaFree(buffer.data));
-    buffer = {};
-    DSV4_CU(cudaMalloc(&buffer.data, bytes));
-    buffer.bytes = bytes;
-  }
-  return buffer.data;
-}
+DeviceRandomWeightSource::~DeviceRandomWeightSource() = default;
 
 const TensorSpec& DeviceRandomWeightSource::draw(const std::string& name) {
   const TensorSpec& spec = specs_.at(name);
   const std::optional<RandomFill> fill = random_fill(spec, seed_);
   DSV4_CHECK(fill.has_value(), name + " is not drawn from a distribution");
   const int64_t count = element_count(spec.shape);
-  auto* values = static_cast<float*>(scratch("values", static_cast<size_t>(count) * sizeof(float)));
+  auto* values = static_cast<float*>(scratch_.get("values", static_cast<size_t>(count) * sizeof(float)));
   DSV4_CU(ops::cuda::fill_random(*fill, values, count, nullptr));
   return spec;
 }
@@ -65,7 +47,7 @@ Tensor DeviceRandomWeightSource::generate(const std::string& name) {
   if (spec.role == TensorRole::kHashTable) return random_tensor(config_, spec, seed_);
   draw(name);
   Tensor tensor(spec.shape);
-  DSV4_CU(cudaMemcpy(tensor.ptr(), scratch_.at("values").data, tensor.data.size() * sizeof(float),
+  DSV4_CU(cudaMemcpy(tensor.ptr(), scratch_.existing("values"), tensor.data.size() * sizeof(float),
                      cudaMemcpyDeviceToHost));
   return tensor;
 }
@@ -75,10 +57,10 @@ LinearWeight DeviceRandomWeightSource::generate_expert(const std::string& name) 
   const TensorSpec& spec = draw(name);
   const int64_t rows = spec.shape[0], cols = spec.shape[1], groups = rows * (cols / 32);
   DSV4_CHECK(cols % 32 == 0, name + ": " + std::to_string(cols) + " columns do not split into groups of 32");
-  auto* values = static_cast<float*>(scratch_.at("values").data);
+  auto* values = static_cast<float*>(scratch_.existing("values"));
   if (config_.fp4_routed_experts) {  // the release's MXFP4 (RandomWeightSource::layer)
-    auto* packed = static_cast<uint8_t*>(scratch("mxfp4_codes", static_cast<size_t>(rows * cols / 2)));
-    auto* scales = static_cast<float*>(scratch("mxfp4_scales", static_cast<size_t>(groups) * sizeof(float)));
+    auto* packed = static_cast<uint8_t*>(scratch_.get("mxfp4_codes", static_cast<size_t>(rows * cols / 2)));
+    auto* scales = static_cast<float*>(scratch_.get("mxfp4_scales", static_cast<size_t>(groups) * sizeof(float)));
     DSV4_CU(ops::cuda::quantize_mxfp4_groups(values, rows, cols, packed, scales, nullptr));
     if (!expert_encoding_) {
       std::vector<uint8_t> host_packed(static_cast<size_t>(rows * cols / 2));

@@ -1,9 +1,10 @@
 // --load-format dummy on the CUDA backend: RandomWeightSource's model (model/random_init.h — the same tensors,
 // values and layouts) with its values drawn on the GPU (ops/cuda/random_fill.h) and the routed experts
-// quantized there (ops/cuda/weight_quantize.h). The host generator draws ~0.5 G values/s on 16 cores, so a
-// 43-layer V4-Flash (284 B parameters) took it minutes before the MXFP4 and the --expert-bits requantization
-// (the latter ~0.1 s of a core per expert matrix, 33K of them); on the device it is a few ms per layer, and
-// only the encoded experts come back to the host (2.5–4.25 bits a value instead of 32).
+// quantized there (ops/cuda/weight_quantize.h). The host generator draws 17 M values/s per core (CPU
+// machine), so V4-Flash's 284 B parameters are ~17 minutes of 16 cores before the MXFP4 quantization and the
+// --expert-bits requantization (0.76 core-s per expert matrix, 33K of them: ~26 more); on the device a layer is
+// drawn and quantized in under 3 s, most of it the copies back (docs/PERF.md), and only the encoded experts come
+// back to the host (2.5–4.25 bits a value instead of 32).
 //
 // The values equal the host's up to the last ulp of glibc's and CUDA's double log / cos (core/random_fill.h:
 // about one element in 10^8 differs, by one fp32 ulp); the quantizers are bitwise the host's
@@ -18,6 +19,7 @@
 
 #include "core/linear_weight.h"
 #include "model/cuda/device_expert_requantizer.h"
+#include "model/cuda/device_scratch.h"
 #include "model/weights.h"
 
 namespace dsv4 {
@@ -45,18 +47,13 @@ class DeviceRandomWeightSource final : public ModelWeightSource {
   LinearWeight generate_expert(const std::string& name);
   // The tensor of `name` drawn into the device scratch; returns its spec.
   const TensorSpec& draw(const std::string& name);
-  void* scratch(const char* which, size_t bytes);
 
   ModelConfig config_;
   uint64_t seed_;
   std::optional<WeightEncoding> expert_encoding_;
   int device_;
   std::map<std::string, TensorSpec> specs_;  // checkpoint_tensors(config_) by name
-  struct Buffer {
-    void* data = nullptr;
-    size_t bytes = 0;
-  };
-  std::map<std::string, Buffer> scratch_;  // device buffers, grown to the largest tensor
+  DeviceScratch scratch_;  // device buffers, grown to the largest tensor
   std::unique_ptr<DeviceExpertRequantizer> requantizer_;  // with expert_encoding_
 };
 

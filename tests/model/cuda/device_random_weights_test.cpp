@@ -50,11 +50,13 @@ void expect_same(const LayerWeights& a, const LayerWeights& e) {
       {&a.indexer_compressor.ape, &e.indexer_compressor.ape},
       {&a.indexer_compressor.norm, &e.indexer_compressor.norm},
       {&a.indexer_weights_proj, &e.indexer_weights_proj}, {&a.gate, &e.gate}, {&a.gate_bias, &e.gate_bias}};
-  for (size_t i = 0; i < std::size(tensors); ++i) expect_same(*tensors[i].first, *tensors[i].second, "tensor " + std::to_string(i));
+  for (size_t i = 0; i < std::size(tensors); ++i)
+    expect_same(*tensors[i].first, *tensors[i].second, "tensor " + std::to_string(i));
   const std::pair<const LinearWeight*, const LinearWeight*> linears[] = {
       {&a.wq_a, &e.wq_a}, {&a.wq_b, &e.wq_b}, {&a.wkv, &e.wkv}, {&a.wo_a, &e.wo_a}, {&a.wo_b, &e.wo_b},
       {&a.indexer_wq_b, &e.indexer_wq_b}, {&a.shared_w13, &e.shared_w13}, {&a.shared_w2, &e.shared_w2}};
-  for (size_t i = 0; i < std::size(linears); ++i) expect_same(*linears[i].first, *linears[i].second, "linear " + std::to_string(i));
+  for (size_t i = 0; i < std::size(linears); ++i)
+    expect_same(*linears[i].first, *linears[i].second, "linear " + std::to_string(i));
   EXPECT_EQ(a.tid2eid, e.tid2eid);
   ASSERT_EQ(a.experts_w13.size(), e.experts_w13.size());
   for (size_t x = 0; x < a.experts_w13.size(); ++x) {
@@ -70,7 +72,8 @@ TEST(DeviceRandomWeights, EqualTheHostGeneratorInEveryExpertEncoding) {
   released.fp4_routed_experts = true;
   for (const ModelConfig& config : {ModelConfig::preset("tiny"), released})
     for (const std::optional<WeightEncoding> experts :
-         {std::optional<WeightEncoding>{}, std::optional{WeightEncoding::kQ3G32}, std::optional{WeightEncoding::kQ2G32}}) {
+         {std::optional<WeightEncoding>{}, std::optional{WeightEncoding::kQ3G32},
+          std::optional{WeightEncoding::kQ2G32}}) {
       SCOPED_TRACE(std::string(config.fp4_routed_experts ? "FP8 + MXFP4 config" : "fp32 config") + ", experts " +
                    (experts ? (*experts == WeightEncoding::kQ3G32 ? "Q3G32" : "Q2G32") : "as stored"));
       std::unique_ptr<ModelWeightSource> host = std::make_unique<RandomWeightSource>(config, 5);
