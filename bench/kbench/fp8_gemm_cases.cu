@@ -1,6 +1,7 @@
 // kbench suite "fp8_gemm": DeepSeek's FP8 linear (ops/cuda/gemm.h linear_fp8, docs/kernels/fp8_gemm.md) at
 // the V4-Flash dense shapes — wq_a 4096→1024, wq_b 1024→32768, wkv 4096→512, wo_b 8192→4096 — at 1 / 8 / 64 /
-// 512 / 4096 rows: the bf16 cuBLASLt product of the same shape (what the bf16 model runs today), the FP8
+// 512 / 4096 rows: the bf16 product of the same shape (what the bf16 model runs: ops/cuda/skinny_gemm up to
+// 16 rows, with cuBLASLt's beside it there, else cuBLASLt), the FP8
 // product as kAuto picks it, each FP8 backend forced (cuBLASLt block-scaled; ops/cuda/fp8_gemm.h up to 64
 // rows), and the activation quantizer alone (bf16 input). FP8 bytes = W (out·in) + W scales + x codes + x
 // scales + y (fp32); bf16 bytes = W and x as bf16 + y. The FP8 rows' math ceiling is the H200 datasheet's
@@ -20,6 +21,7 @@
 #include "ops/cuda/fp8_gemm.h"
 #include "ops/cuda/fp8_quantize.h"
 #include "ops/cuda/gemm.h"
+#include "ops/cuda/skinny_gemm.h"
 
 namespace dsv4::kbench {
 namespace {
@@ -123,7 +125,19 @@ std::vector<CaseResult> run(const Ceilings& ceilings, const Options& options) {
       auto bf16_call = [&] { gemm.linear(w16_desc, x16, rows, y, nullptr); };
       keep_busy(bf16_call);
       const double bf16_us = time_kernel_us(bf16_call, iterations);
-      results.push_back({"bf16 " + tag, bf16_us, flops, bf16_bytes, "cuBLASLt bf16 (the bf16 model's GEMM)"});
+      const bool skinny = rows <= ops::cuda::kSkinnyMaxRows;
+      results.push_back({"bf16 " + tag, bf16_us, flops, bf16_bytes,
+                         skinny ? "skinny_gemm (the bf16 model's decode GEMM)" : "cuBLASLt bf16 (the bf16 model's GEMM)"});
+      if (skinny) {  // cuBLASLt's answer for the same shape beside it (what the bf16 model ran before)
+        gemm.set_bf16_skinny(false);
+        auto lt_call = [&] { gemm.linear(w16_desc, x16, rows, y, nullptr); };
+        keep_busy(lt_call);
+        const double lt_us = time_kernel_us(lt_call, iterations);
+        gemm.set_bf16_skinny(true);
+        char note[120];
+        std::snprintf(note, sizeof note, "cuBLASLt bf16; skinny is %.2fx faster", lt_us / bf16_us);
+        results.push_back({"bf16 lt " + tag, lt_us, flops, bf16_bytes, note});
+      }
 
       ops::cuda::Fp8QuantizeParams q;
       q.rows = rows;

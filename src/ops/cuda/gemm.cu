@@ -37,7 +37,7 @@ bool autotune_enabled() {
   static const bool enabled = switched("DSV4_GEMM_AUTOTUNE", false);
   return enabled;
 }
-bool skinny_enabled() {  // DSV4_SKINNY_GEMM=0: leave ops/cuda/skinny_gemm out of the timed candidates
+bool skinny_enabled() {  // DSV4_SKINNY_GEMM=0: cuBLASLt for every shape (to measure ops/cuda/skinny_gemm's gain)
   static const bool enabled = switched("DSV4_SKINNY_GEMM", true);
   return enabled;
 }
@@ -58,8 +58,7 @@ struct Gemm::Plan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtMatmulAlgo_t algo{};
-  bool skinny =
-      false;  // ops/cuda/skinny_gemm instead of cuBLASLt (bf16, few rows: the default, or timed faster)
+  bool skinny = false;  // ops/cuda/skinny_gemm instead of cuBLASLt (bf16, <= 16 rows)
   SkinnyGemmParams skinny_params;
   bool fp8_skinny = false;  // kF8E4M3: ops/cuda/fp8_gemm.h instead of cuBLASLt
   Fp8GemmParams fp8_params;
@@ -71,7 +70,8 @@ struct Gemm::Plan {
   }
 };
 
-Gemm::Gemm() : workspace_bytes_(kWorkspaceBytes), fp8_backend_(default_fp8_backend()) {
+Gemm::Gemm()
+    : workspace_bytes_(kWorkspaceBytes), fp8_backend_(default_fp8_backend()), bf16_skinny_(skinny_enabled()) {
   cublasLtHandle_t handle = nullptr;
   check(cublasLtCreate(&handle), "create");
   handle_ = handle;
@@ -88,13 +88,13 @@ Gemm::~Gemm() {
 
 // Row-major y = x·Wᵀ is column-major yᵀ [out, rows] = W [in, out]ᵀ · xᵀ [in, rows]: A = W transposed, B = x.
 //
-// The algorithm: cuBLASLt's first heuristic answer, unless DSV4_GEMM_AUTOTUNE=1 (off by default, see
-// autotune_enabled). At decode shapes that answer is often split-K with a separate reduction kernel (17 extra
-// launches in a 4-layer decode step) streaming the weights at ~45 % of the copy bandwidth at one row, so with
-// autotuning the first call of each decode shape (rows <= 64: a bounded set, no prefill length stalls on timing)
-// times up to kCandidates heuristic answers and ops/cuda/skinny_gemm (bf16, <= 8 rows) on its own operands and
-// keeps the fastest, as TensorRT-LLM's GEMM plugin profiles its tactics. Never during CUDA-graph capture (nothing
-// can be timed there) nor when accumulating into y (the runs would add up).
+// The algorithm: bf16 products of <= 16 rows (decode) run ops/cuda/skinny_gemm, the rest cuBLASLt's first
+// heuristic answer. At decode shapes that answer is often split-K with a separate reduction kernel (17 extra
+// launches in a 4-layer decode step) streaming the weights at ~45 % of the copy bandwidth at one row. With
+// DSV4_GEMM_AUTOTUNE=1 (off by default, see autotune_enabled) the first call of each decode shape (rows <= 64: a
+// bounded set, no prefill length stalls on timing) times up to kCandidates heuristic answers and the skinny kernel
+// on its own operands and keeps the fastest, as TensorRT-LLM's GEMM plugin profiles its tactics. Never during
+// CUDA-graph capture (nothing can be timed there) nor when accumulating into y (the runs would add up).
 Gemm::Plan& Gemm::plan(const Key& key, const void* w, const void* x, void* y, cudaStream_t stream) {
   if (const auto it = plans_.find(key); it != plans_.end()) return *it->second;
   const auto [dtype, out, in, rows, w_stride, x_stride, y_stride, accumulate, batch, w_batch, x_batch,
@@ -153,10 +153,11 @@ Gemm::Plan& Gemm::plan(const Key& key, const void* w, const void* x, void* y, cu
   sp.x_batch_stride = x_batch;
   sp.y_batch_stride = y_batch;
   sp.bf16_output = output == CUDA_R_16BF;
-  const bool skinny_candidate =
-      skinny_enabled() && operand == CUDA_R_16BF && !accumulate && skinny_gemm_supported(sp, w, x);
-  // The skinny kernel only where it timed faster: it loses to cuBLASLt on some shapes (all-skinny measured 1.341 ms
-  // at batch 1 and 2.755 ms at batch 8 against cuBLASLt's 1.310 / 1.787).
+  sp.accumulate = accumulate;
+  const bool skinny_candidate = operand == CUDA_R_16BF && skinny_gemm_supported(sp, w, x);
+  // The default for every bf16 product of <= 16 rows it takes: the weight stream at decode shapes (docs/PERF.md
+  // "skinny GEMM"); DSV4_SKINNY_GEMM=0 keeps cuBLASLt, DSV4_GEMM_AUTOTUNE=1 times the two.
+  plan->skinny = skinny_candidate;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   const bool can_time = autotune_enabled() && (found > 1 || skinny_candidate) && !accumulate &&
                         rows <= kMaxTunedRows && cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
@@ -195,9 +196,8 @@ Gemm::Plan& Gemm::plan(const Key& key, const void* w, const void* x, void* y, cu
         for (int r = 0; r < kTimedRuns; ++r) skinny_gemm(sp, w, x, y, stream);
         cudaEventRecord(stop, stream);
         float ms = 0.0f;
-        if (cudaEventSynchronize(stop) == cudaSuccess &&
-            cudaEventElapsedTime(&ms, start, stop) == cudaSuccess)
-          plan->skinny = !have_best || ms < best_ms;
+        plan->skinny = cudaEventSynchronize(stop) == cudaSuccess &&
+                       cudaEventElapsedTime(&ms, start, stop) == cudaSuccess && (!have_best || ms < best_ms);
       }
     }
     if (start) cudaEventDestroy(start);
@@ -227,7 +227,9 @@ void Gemm::linear(const GemmWeight& w, const void* x, int64_t rows, float* y, cu
                 static_cast<int>(GemmDtype::kF32),
                 0};
   const Plan& p = plan(key, w.data, x, y, stream);
-  if (p.skinny && skinny_gemm(p.skinny_params, w.data, x, y, stream) == cudaSuccess) return;
+  if (bf16_skinny_ && p.skinny && (beta == 0.0f || beta == 1.0f) &&
+      skinny_gemm(p.skinny_params, w.data, x, y, stream) == cudaSuccess)
+    return;
   const float alpha = 1.0f;
   check(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), p.op, &alpha, w.data, p.a, x, p.b, &beta, y, p.c, y,
                        p.c, &p.algo, workspace_, workspace_bytes_, stream),
@@ -245,7 +247,7 @@ void Gemm::linear_batched(const GemmWeight& w, int64_t batch, int64_t w_batch_st
       y_stride ? y_stride : w.out, false, batch, w_batch_stride, x_batch_stride, y_batch_stride,
       static_cast<int>(y_dtype),   0};
   const Plan& p = plan(key, w.data, x, y, stream);
-  if (p.skinny && skinny_gemm(p.skinny_params, w.data, x, y, stream) == cudaSuccess) return;
+  if (bf16_skinny_ && p.skinny && skinny_gemm(p.skinny_params, w.data, x, y, stream) == cudaSuccess) return;
   const float alpha = 1.0f, beta = 0.0f;
   check(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), p.op, &alpha, w.data, p.a, x, p.b, &beta, y, p.c, y,
                        p.c, &p.algo, workspace_, workspace_bytes_, stream),

@@ -80,6 +80,9 @@ class Gemm {
                            cudaStream_t stream, GemmDtype y_dtype = GemmDtype::kF32, int64_t x_stride = 0,
                            int64_t y_stride = 0);
   void set_fp8_backend(Fp8Backend backend) { fp8_backend_ = backend; }
+  // bf16 products of <= kSkinnyMaxRows rows: ops/cuda/skinny_gemm.h (the default; DSV4_SKINNY_GEMM=0 sets
+  // false) or cuBLASLt (tests and dsv4_kbench compare the two).
+  void set_bf16_skinny(bool enabled) { bf16_skinny_ = enabled; }
   // Whether the FP8 plan of this shape runs cuBLASLt (false: ops/cuda/fp8_gemm.h); after its first call.
   bool fp8_uses_cublaslt(const GemmWeight& w, int64_t rows, GemmDtype y_dtype = GemmDtype::kF32,
                          int64_t x_stride = 0, int64_t y_stride = 0) const;
@@ -100,6 +103,7 @@ class Gemm {
   size_t workspace_bytes_ = 0;
   std::map<Key, Plan*> plans_;
   Fp8Backend fp8_backend_ = Fp8Backend::kAuto;
+  bool bf16_skinny_ = true;
   uint8_t* fp8_codes_ = nullptr;  // linear_fp8_quantize's scratch
   float* fp8_scales_ = nullptr;
   size_t fp8_codes_bytes_ = 0, fp8_scales_count_ = 0;

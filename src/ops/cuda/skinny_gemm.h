@@ -1,14 +1,14 @@
 // y [rows, out] = x [rows, in] · Wᵀ for the few rows of a decode step (rows ≤ kSkinnyMaxRows), bf16 W and x,
 // fp32 accumulation, fp32 or bf16 y; strided batches as ops/cuda/gemm.h's linear_batched.
 //
-// Why hand-written: at one to eight rows the product is a pure weight stream (bytes = out · in · 2), but
+// Why hand-written: at one to sixteen rows the product is a pure weight stream (bytes = out · in · 2), but
 // cuBLASLt's kernels for these shapes reached ~45 % of the copy bandwidth on the H200 (ncu of a V4-Flash
-// decode step: 12-CTA split-K grids plus a separate reduction launch for the 1024-wide projections). Here
-// each CTA owns 4 output rows and its 8 warps split `in` 8 ways, so even a 1024-row projection fills 256
-// CTAs; every lane streams 16-byte vectors of the 4 weight rows and reuses each x vector for all 4. The warp
-// partials are summed in a fixed order (deterministic). With DSV4_GEMM_AUTOTUNE=1, gemm.cu times it against
-// cuBLASLt's candidates per shape and keeps the faster: measured, it wins on some decode shapes at one row and
-// loses at eight (docs/PERF.md), so it is never the untimed default.
+// decode step: 12-CTA split-K grids plus a separate reduction launch for the 1024-wide projections), and the
+// projections are the largest share of a full-depth decode step after the experts (docs/PERF.md). Here the
+// tensor cores do the (tiny) math — mma.m16n8k16 with the tokens as A and 8 weight rows as B — so the kernel
+// is free to be a pure stream: every warp of a CTA shares its 8 weight rows, takes every warps-th 32-wide k
+// step, keeps 8 steps' 16-byte vectors in flight, and issues its first batch before the PDL wait. The warp
+// partials are summed in a fixed order (deterministic, no atomics).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -16,7 +16,7 @@
 
 namespace dsv4::ops::cuda {
 
-inline constexpr int64_t kSkinnyMaxRows = 8;
+inline constexpr int64_t kSkinnyMaxRows = 16;
 
 struct SkinnyGemmParams {
   int64_t rows = 0;  // ≤ kSkinnyMaxRows
@@ -29,6 +29,7 @@ struct SkinnyGemmParams {
   int64_t w_batch_stride = 0, x_batch_stride = 0,
           y_batch_stride = 0;  // elements (multiples of 8 for W and x)
   bool bf16_output = false;    // y rounded to bf16 (round to nearest even) instead of fp32
+  bool accumulate = false;     // y += x · Wᵀ (fp32 y only)
 };
 
 // Whether the kernel takes these shapes and pointers (16-byte aligned W and x).

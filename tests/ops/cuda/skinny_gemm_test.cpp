@@ -1,7 +1,8 @@
 // The decode-shaped bf16 GEMM (ops/cuda/skinny_gemm.h) against a naive fp64 product of the same bf16 values:
-// 1..8 rows, output counts that are not multiples of the 4-row CTA, `in` not a multiple of the 2048-wide CTA
-// step, padded strides, a strided batch over column slices of x, one x for two weights (x batch stride 0), bf16
-// output; poisoned outputs, bitwise repeat, rejected shapes.
+// 1..16 rows (both kernel variants: ≤ 8 and ≤ 16 tokens), output counts that are not multiples of the 8-row
+// tile, `in` not a multiple of the 32-wide step (and shorter than one step), every warp count the launch picks,
+// padded strides, a strided batch over column slices of x, one x for two weights (x batch stride 0), bf16
+// output, accumulation into y; poisoned outputs, bitwise repeat, rejected shapes.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -37,6 +38,14 @@ void check(const SkinnyGemmParams& p, uint32_t seed) {
   const auto w = random_bf16(static_cast<size_t>(w_count), seed), x = random_bf16(static_cast<size_t>(x_count), seed + 1);
   DeviceArray<uint16_t> dw(w), dx(x);
   DeviceArray<float> dy32(static_cast<size_t>(y_count));
+  std::vector<float> y_before;
+  if (p.accumulate) {  // y += x · Wᵀ over random y
+    std::mt19937 rng(seed + 2);
+    std::normal_distribution<float> normal(0.0f, 4.0f);
+    y_before.resize(static_cast<size_t>(y_count));
+    for (auto& v : y_before) v = normal(rng);
+    dy32.upload(y_before);
+  }
   DeviceArray<uint16_t> dy16(static_cast<size_t>(y_count));
   void* y = p.bf16_output ? static_cast<void*>(dy16.get()) : static_cast<void*>(dy32.get());
   ASSERT_TRUE(skinny_gemm_supported(p, dw.get(), dx.get()));
@@ -51,7 +60,8 @@ void check(const SkinnyGemmParams& p, uint32_t seed) {
   for (int64_t b = 0; b < p.batch; ++b)
     for (int64_t t = 0; t < p.rows; ++t)
       for (int64_t o = 0; o < p.out; ++o) {
-        double sum = 0, magnitude = 0;
+        double sum = p.accumulate ? y_before[static_cast<size_t>(b * p.y_batch_stride + t * p.y_stride + o)] : 0.0;
+        double magnitude = std::abs(sum);
         for (int64_t i = 0; i < p.in; ++i) {
           const double product = static_cast<double>(bf16_to_f32(w[b * p.w_batch_stride + o * p.w_stride + i])) *
                                  bf16_to_f32(x[b * p.x_batch_stride + t * p.x_stride + i]);
@@ -68,6 +78,7 @@ void check(const SkinnyGemmParams& p, uint32_t seed) {
     const auto raw = dy32.download();
     EXPECT_TRUE(std::isnan(raw[static_cast<size_t>(p.out)])) << "wrote past a row";
   }
+  if (p.accumulate) dy32.upload(y_before);
   ASSERT_EQ(skinny_gemm(p, dw.get(), dx.get(), y, nullptr), cudaSuccess);
   if (!p.bf16_output) {
     EXPECT_TRUE(bitwise_equal(dy32.download(), actual)) << "not bitwise repeatable";
@@ -87,12 +98,15 @@ SkinnyGemmParams plain(int64_t rows, int64_t out, int64_t in) {
 
 TEST_F(CudaSkinnyGemm, DecodeShapesMatchNaiveProduct) {
   uint32_t seed = 1;
-  for (const int64_t rows : {1, 2, 3, 5, 8}) {
-    check(plain(rows, 1024, 4096), seed++);  // wq_a
-    check(plain(rows, 37, 1024), seed++);    // out not a multiple of 4
-    check(plain(rows, 64, 4104), seed++);    // in not a multiple of the CTA's 2048-element step
+  for (const int64_t rows : {1, 2, 3, 5, 8, 9, 13, 16}) {
+    check(plain(rows, 1024, 4096), seed++);  // wq_a: 16 warps a tile
+    check(plain(rows, 37, 1024), seed++);    // out not a multiple of 8
+    check(plain(rows, 64, 4104), seed++);    // in not a multiple of the 32-wide step
   }
-  check(plain(1, 4096, 8192), seed++);  // wo_b
+  check(plain(1, 4096, 8192), seed++);   // wo_b: 4 warps a tile, several batches of steps each
+  check(plain(8, 32768, 1024), seed++);  // wq_b: 4096 tiles
+  check(plain(3, 19, 24), seed++);       // in shorter than one step: one warp
+  check(plain(16, 8, 200), seed++);
 }
 
 TEST_F(CudaSkinnyGemm, StridesBatchesAndBf16Output) {
@@ -119,11 +133,17 @@ TEST_F(CudaSkinnyGemm, StridesBatchesAndBf16Output) {
   padded.x_stride = 112;
   padded.y_stride = 25;
   check(padded, 13);
+  // y += x · Wᵀ (the residual-adding linears), at both kernel variants.
+  SkinnyGemmParams accumulate = plain(2, 40, 520);
+  accumulate.accumulate = true;
+  check(accumulate, 14);
+  accumulate.rows = 11;
+  check(accumulate, 15);
 }
 
 TEST_F(CudaSkinnyGemm, RejectsWhatItDoesNotTake) {
   DeviceArray<uint16_t> buffer(4096);
-  SkinnyGemmParams p = plain(9, 16, 64);  // too many rows
+  SkinnyGemmParams p = plain(17, 16, 64);  // too many rows
   EXPECT_FALSE(skinny_gemm_supported(p, buffer.get(), buffer.get()));
   EXPECT_EQ(skinny_gemm(p, buffer.get(), buffer.get(), buffer.get(), nullptr), cudaErrorInvalidValue);
   p = plain(1, 16, 60);  // in not a multiple of 8
@@ -131,6 +151,9 @@ TEST_F(CudaSkinnyGemm, RejectsWhatItDoesNotTake) {
   p = plain(1, 16, 64);  // misaligned x
   EXPECT_FALSE(skinny_gemm_supported(p, buffer.get(), buffer.get() + 1));
   EXPECT_TRUE(skinny_gemm_supported(p, buffer.get(), buffer.get()));
+  p.accumulate = true;  // accumulation is fp32 only
+  p.bf16_output = true;
+  EXPECT_FALSE(skinny_gemm_supported(p, buffer.get(), buffer.get()));
 }
 
 }  // namespace
