@@ -88,13 +88,22 @@ Gemm::~Gemm() {
 
 // Row-major y = x·Wᵀ is column-major yᵀ [out, rows] = W [in, out]ᵀ · xᵀ [in, rows]: A = W transposed, B = x.
 //
-// The algorithm: bf16 products of <= 16 rows (decode) run ops/cuda/skinny_gemm, the rest cuBLASLt's first
-// heuristic answer. At decode shapes that answer is often split-K with a separate reduction kernel (17 extra
-// launches in a 4-layer decode step) streaming the weights at ~45 % of the copy bandwidth at one row. With
+// The algorithm: bf16 decode products run ops/cuda/skinny_gemm where it measured at least cuBLASLt's speed
+// (skinny_preferred), the rest cuBLASLt's first heuristic answer. With
 // DSV4_GEMM_AUTOTUNE=1 (off by default, see autotune_enabled) the first call of each decode shape (rows <= 64: a
 // bounded set, no prefill length stalls on timing) times up to kCandidates heuristic answers and the skinny kernel
 // on its own operands and keeps the fastest, as TensorRT-LLM's GEMM plugin profiles its tactics. Never during
 // CUDA-graph capture (nothing can be timed there) nor when accumulating into y (the runs would add up).
+// Measured back to back on the H200 (docs/PERF.md "Decode GEMV"): up to 8 rows skinny_gemm matches cuBLASLt on
+// the 64 MiB projections (0.95-1.05x) and beats it 1.3-2x on the 4-8 MiB ones (wq_a, wkv: cuBLASLt's split-K
+// pays a reduction launch); at 9-16 rows its smaller batches in flight lose on the large matrices (0.6-0.8x).
+namespace {
+bool skinny_preferred(const SkinnyGemmParams& p) {
+  const int64_t weight_bytes = 2 * p.out * p.in;
+  return p.rows <= 8 || weight_bytes <= (int64_t{16} << 20);
+}
+}  // namespace
+
 Gemm::Plan& Gemm::plan(const Key& key, const void* w, const void* x, void* y, cudaStream_t stream) {
   if (const auto it = plans_.find(key); it != plans_.end()) return *it->second;
   const auto [dtype, out, in, rows, w_stride, x_stride, y_stride, accumulate, batch, w_batch, x_batch,
@@ -155,9 +164,8 @@ Gemm::Plan& Gemm::plan(const Key& key, const void* w, const void* x, void* y, cu
   sp.bf16_output = output == CUDA_R_16BF;
   sp.accumulate = accumulate;
   const bool skinny_candidate = operand == CUDA_R_16BF && skinny_gemm_supported(sp, w, x);
-  // The default for every bf16 product of <= 16 rows it takes: the weight stream at decode shapes (docs/PERF.md
-  // "skinny GEMM"); DSV4_SKINNY_GEMM=0 keeps cuBLASLt, DSV4_GEMM_AUTOTUNE=1 times the two.
-  plan->skinny = skinny_candidate;
+  // DSV4_SKINNY_GEMM=0 keeps cuBLASLt everywhere, DSV4_GEMM_AUTOTUNE=1 times the two.
+  plan->skinny = skinny_candidate && skinny_preferred(sp);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   const bool can_time = autotune_enabled() && (found > 1 || skinny_candidate) && !accumulate &&
                         rows <= kMaxTunedRows && cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&

@@ -6,9 +6,10 @@
 // decode step: 12-CTA split-K grids plus a separate reduction launch for the 1024-wide projections), and the
 // projections are the largest share of a full-depth decode step after the experts (docs/PERF.md). Here the
 // tensor cores do the (tiny) math — mma.m16n8k16 with the tokens as A and 8 weight rows as B — so the kernel
-// is free to be a pure stream: every warp of a CTA shares its 8 weight rows, takes every warps-th 32-wide k
-// step, keeps 8 steps' 16-byte vectors in flight, and issues its first batch before the PDL wait. The warp
-// partials are summed in a fixed order (deterministic, no atomics).
+// is free to be a pure stream: a persistent grid whose CTAs walk 8-row tiles, every warp of a CTA taking every
+// warps-th 128-byte line of the tile's rows, the next work item's weights always requested before the current
+// item's math, the first batch before the PDL wait. The warp partials are summed in a fixed order
+// (deterministic, no atomics).
 #pragma once
 #include <cuda_runtime.h>
 
