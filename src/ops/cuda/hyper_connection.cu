@@ -12,7 +12,8 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kTokensPerCta = 4;  // tokens sharing one read of fn in the mix kernel
 constexpr int kTargetCtas = 256;  // split-K until the mix grid has about this many CTAs
-constexpr int kMaxSplits = 64;
+constexpr int kMaxSplits = 128;
+constexpr int kMinSplitColumns = 32;  // vector columns of one split: a warp's worth
 constexpr unsigned kFull = 0xffffffffu;
 
 template <int VEC>
@@ -55,7 +56,9 @@ __device__ __forceinline__ float sigmoid(float x) { return __fdiv_rn(1.0f, __fad
 __device__ __forceinline__ float affine(float m, float scale, float base) { return __fadd_rn(__fmul_rn(m, scale), base); }
 
 // partial[(t·splits + split)·(NOUT+1) + o] = Σ over this split's columns of h[t]·fn[o] (o < NOUT), and of h[t]²
-// (o = NOUT). grid (ceil(tokens / kTokensPerCta), splits); `chunk` columns (in VEC units) per split.
+// (o = NOUT). grid (ceil(tokens / kTokensPerCta), splits); `chunk` columns (in VEC units) per split, blockDim.x
+// (a multiple of 32, ≤ kThreads) threads: at decode the splits are narrow (a warp or two of columns each) so that
+// fn's 1.5 MB is read by ~128 SMs at once instead of 16 (7 µs a call before, the SMs' own load rate the limit).
 template <int NOUT, int VEC>
 __global__ void __launch_bounds__(kThreads) mix_partial_kernel(const float* __restrict__ streams,
                                                                const float* __restrict__ fn, int64_t tokens,
@@ -81,7 +84,7 @@ __global__ void __launch_bounds__(kThreads) mix_partial_kernel(const float* __re
     valid[t] = t0 + t < tokens;
     x[t] = streams + (valid[t] ? t0 + t : 0) * width;
   }
-  for (int64_t c = begin + threadIdx.x; c < end; c += kThreads) {
+  for (int64_t c = begin + threadIdx.x; c < end; c += blockDim.x) {
     V xv[TT];
 #pragma unroll
     for (int t = 0; t < TT; ++t) {
@@ -107,11 +110,12 @@ __global__ void __launch_bounds__(kThreads) mix_partial_kernel(const float* __re
       if (lane == 0) warp_sums[warp][t * NV + v] = s;
     }
   __syncthreads();
-  for (int i = threadIdx.x; i < TT * NV; i += kThreads) {
+  const int warps = static_cast<int>(blockDim.x / 32);
+  for (int i = threadIdx.x; i < TT * NV; i += blockDim.x) {
     const int t = i / NV, v = i - t * NV;
     if (t0 + t >= tokens) continue;
     float s = 0.0f;
-    for (int w = 0; w < kWarps; ++w) s += warp_sums[w][i];
+    for (int w = 0; w < warps; ++w) s += warp_sums[w][i];
     partial[((t0 + t) * splits + split) * NV + v] = s;
   }
 }
@@ -134,7 +138,7 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
   __shared__ float mix[NOUT];
   __shared__ float pre[HC];
   // The splits' partial sums, staged by the whole CTA first: read one by one by a lane they were ~splits
-  // dependent L2 round trips, the largest part of this kernel at decode (16 splits for one token).
+  // dependent L2 round trips, the largest part of this kernel at decode (128 splits for one token).
   __shared__ float staged[kMaxSplits * NV];
   __shared__ float norm_sums[kWarps];
   const int64_t t = blockIdx.x;
@@ -153,6 +157,16 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
     if (lane < HC) pre[lane] = __fadd_rn(sigmoid(affine(mix[lane], scale[0], base[lane])), hc_eps);
     if constexpr (!kHead) {
       if (lane < HC) post[t * HC + lane] = __fmul_rn(2.0f, sigmoid(affine(mix[HC + lane], scale[1], base[HC + lane])));
+    }
+  }
+  __syncthreads();
+  // hc_pre: warp 0 runs the Sinkhorn comb (a serial chain of 2·iters dependent shuffles and divisions, ~4 µs at
+  // 20 iterations) while the other warps collapse the streams, which need only `pre`: the kernel takes the
+  // longer of the two instead of their sum.
+  constexpr int kFirstCollapseWarp = kHead ? 0 : 1;
+  if constexpr (!kHead) {
+    if (threadIdx.x < 32) {
+      const int lane = threadIdx.x;
       // Lane l < HC² holds comb[j][k], l = j·HC + k; every sum is the CPU's sequential one (gathered by shuffles).
       const int l = lane < HC * HC ? lane : 0;
       const int j = l / HC, k = l - j * HC;
@@ -186,20 +200,21 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
         normalise_columns();
       }
       if (lane < HC * HC) comb[t * HC * HC + lane] = c;
+      return;
     }
   }
-  __syncthreads();
   float w[HC];
 #pragma unroll
   for (int s = 0; s < HC; ++s) w[s] = pre[s];
   const float* h = streams + t * HC * D;
   float* x = collapsed + t * D;
   const int64_t n = D / VEC;
+  const int first_thread = 32 * kFirstCollapseWarp, collapse_threads = kThreads - first_thread;
   float sum_squares = 0.0f;
   // Unrolled so a thread's loads of all its columns (4 × 4 float4 at D = 4096) are in flight together: one
   // memory latency instead of one per column step (the kernel took 10 µs per call at decode before).
 #pragma unroll 4
-  for (int64_t c = threadIdx.x; c < n; c += kThreads) {
+  for (int64_t c = threadIdx.x - first_thread; c < n; c += collapse_threads) {
     V sum = zero_vec(V{});
 #pragma unroll
     for (int s = 0; s < HC; ++s) sum = axpy_rn(sum, w[s], load<VEC>(h + s * D, c));
@@ -211,12 +226,13 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
     // reads back only the columns it wrote.
     for (int offset = 16; offset > 0; offset /= 2) sum_squares += __shfl_xor_sync(kFull, sum_squares, offset);
     if (threadIdx.x % 32 == 0) norm_sums[threadIdx.x / 32] = sum_squares;
-    __syncthreads();
+    // The collapse warps only (warp 0 may still be in the Sinkhorn): named barrier 1 over their threads.
+    asm volatile("bar.sync 1, %0;" ::"r"(collapse_threads) : "memory");
     float total = 0.0f;
 #pragma unroll
-    for (int i = 0; i < kWarps; ++i) total += norm_sums[i];
+    for (int i = kFirstCollapseWarp; i < kWarps; ++i) total += norm_sums[i];
     const float rms = rsqrtf(total / static_cast<float>(D) + norm.eps);
-    for (int64_t c = threadIdx.x; c < n; c += kThreads) {
+    for (int64_t c = threadIdx.x - first_thread; c < n; c += collapse_threads) {
       const V value = load<VEC>(x, c);
       const float* in = reinterpret_cast<const float*>(&value);
       float out[VEC];
@@ -271,7 +287,7 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 int mix_splits(int64_t tokens, int64_t vec_cols) {
   const int64_t groups = (tokens + kTokensPerCta - 1) / kTokensPerCta;
   int64_t splits = (kTargetCtas + groups - 1) / groups;
-  splits = std::min<int64_t>(splits, std::max<int64_t>(1, vec_cols / kThreads));
+  splits = std::min<int64_t>(splits, std::max<int64_t>(1, vec_cols / kMinSplitColumns));
   return static_cast<int>(std::clamp<int64_t>(splits, 1, kMaxSplits));
 }
 
@@ -296,6 +312,7 @@ cudaError_t launch_mix(const HyperConnectionParams& p, const float* streams, con
   auto* partial = static_cast<float*>(workspace);
   const dim3 mix_grid(static_cast<unsigned>((p.tokens + kTokensPerCta - 1) / kTokensPerCta),
                       static_cast<unsigned>(splits));
+  const auto mix_threads = static_cast<unsigned>(std::min<int64_t>(kThreads, (chunk + 31) / 32 * 32));
   const auto tokens = static_cast<unsigned>(p.tokens);
   const auto iters = static_cast<int>(p.sinkhorn_iters);
   const CollapseNorm fused = norm ? *norm : CollapseNorm{};
@@ -304,12 +321,12 @@ cudaError_t launch_mix(const HyperConnectionParams& p, const float* streams, con
                      p.hc_eps, p.norm_eps, iters, collapsed, post, comb, fused);
   };
   if (vec4) {
-    launch_dependent(mix_partial_kernel<NOUT, 4>, mix_grid, kThreads, 0, stream, streams, fn, p.tokens, width,
-                     chunk, splits, partial);
+    launch_dependent(mix_partial_kernel<NOUT, 4>, mix_grid, mix_threads, 0, stream, streams, fn, p.tokens,
+                     width, chunk, splits, partial);
     norm ? finish(finish_kernel<HC, kHead, 4, true>) : finish(finish_kernel<HC, kHead, 4, false>);
   } else {
-    launch_dependent(mix_partial_kernel<NOUT, 1>, mix_grid, kThreads, 0, stream, streams, fn, p.tokens, width,
-                     chunk, splits, partial);
+    launch_dependent(mix_partial_kernel<NOUT, 1>, mix_grid, mix_threads, 0, stream, streams, fn, p.tokens,
+                     width, chunk, splits, partial);
     norm ? finish(finish_kernel<HC, kHead, 1, true>) : finish(finish_kernel<HC, kHead, 1, false>);
   }
   return cudaGetLastError();
