@@ -151,9 +151,9 @@ struct DeepseekV4CudaModel::Impl {
   CudaModelOptions options;
   std::string device_label;
   bool bf16 = true;
-  cudaStream_t stream = nullptr, index_stream = nullptr;
-  cudaEvent_t index_fork = nullptr, index_join = nullptr;
-  std::unique_ptr<cu::Gemm> gemm, index_gemm;
+  cudaStream_t stream = nullptr, index_stream = nullptr, kv_stream = nullptr;
+  cudaEvent_t index_fork = nullptr, index_join = nullptr, kv_fork = nullptr, kv_join = nullptr;
+  std::unique_ptr<cu::Gemm> gemm, index_gemm, kv_gemm;
   DeviceAllocations weights_memory;
   int multiprocessors = 0;
 
@@ -212,6 +212,9 @@ struct DeepseekV4CudaModel::Impl {
     if (index_fork) cudaEventDestroy(index_fork);
     if (index_join) cudaEventDestroy(index_join);
     if (index_stream) cudaStreamDestroy(index_stream);
+    if (kv_fork) cudaEventDestroy(kv_fork);
+    if (kv_join) cudaEventDestroy(kv_join);
+    if (kv_stream) cudaStreamDestroy(kv_stream);
     if (stream) cudaStreamDestroy(stream);
   }
 
@@ -462,11 +465,15 @@ void DeepseekV4CudaModel::open_device(ModelConfig config, const CudaModelOptions
   DSV4_CU(cudaStreamCreateWithFlags(&m.index_stream, cudaStreamNonBlocking));
   DSV4_CU(cudaEventCreateWithFlags(&m.index_fork, cudaEventDisableTiming));
   DSV4_CU(cudaEventCreateWithFlags(&m.index_join, cudaEventDisableTiming));
+  DSV4_CU(cudaStreamCreateWithFlags(&m.kv_stream, cudaStreamNonBlocking));
+  DSV4_CU(cudaEventCreateWithFlags(&m.kv_fork, cudaEventDisableTiming));
+  DSV4_CU(cudaEventCreateWithFlags(&m.kv_join, cudaEventDisableTiming));
   DSV4_CU(cudaEventCreate(&m.forward_start));
   DSV4_CU(cudaEventCreate(&m.forward_end));
   DSV4_CU(cudaEventCreate(&m.sampling_end));
   m.gemm = std::make_unique<cu::Gemm>();
   m.index_gemm = std::make_unique<cu::Gemm>();
+  m.kv_gemm = std::make_unique<cu::Gemm>();
 }
 
 void DeepseekV4CudaModel::upload_globals(const ModelWeights& weights) {
@@ -1098,16 +1105,34 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
   const int64_t N = step.tokens, H = c.num_attention_heads, d = c.head_dim;
   const float eps = static_cast<float>(c.rms_norm_eps);
 
-  // The CSA indexer only needs the input and q_residual: it runs on its own stream, overlapped with the main
-  // stream's K=V path and compressor, and joins before attention.
+  // The K=V path (wkv, its norm + RoPE, the main compressor) needs only the input: on its own stream it runs
+  // beside the query's chain of small dependent kernels (wq_a, q_norm, wq_b, per-head norm), and joins before
+  // attention. The CSA indexer needs the input and q_residual: on the index stream, also joined before attention.
+  const bool tuned = bf16 && H % 64 == 0 && d == kKvHeadDim && rope_dim == kKvRopeDim;
+  const bool kv_overlap = options.kv_stream;
+  cudaStream_t kvs = kv_overlap ? kv_stream : stream;
+  if (kv_overlap) {
+    DSV4_CU(cudaEventRecord(kv_fork, stream));
+    DSV4_CU(cudaStreamWaitEvent(kv_stream, kv_fork));
+  }
+  // The shared K=V vector of each token.
+  float* kv = buffer<float>("kv", N * d);
+  project(kv_overlap ? *kv_gemm : *gemm, l.wkv, x_operand, N, kv, kvs, "fp8_kv_activation");
+  uint16_t* kv_bf16 = tuned ? buffer<uint16_t>("kv_bf16", N * d) : nullptr;
+  DSV4_CU(cu::head_norm_rope({N, 1, d, rope_dim, true, eps, rope_scaling}, kv, l.kv_norm, step.positions, inv_freq,
+                             kv_bf16, kvs));
+  // Compressed entries first: a query sees the entries its own chunk completes.
+  if (type != AttentionType::kSlidingWindow)
+    compress(layer, EntryKind::kMain, step, x_operand, kvs, kv_overlap ? *kv_gemm : *gemm);
+  if (kv_overlap) DSV4_CU(cudaEventRecord(kv_join, kv_stream));
+
   // Query: low-rank, weighted norm, up-projection, per-head unweighted norm, RoPE.
   float* q_residual = buffer<float>("q_residual", N * c.q_lora_rank);
   project(*gemm, l.wq_a, x_operand, N, q_residual, stream);
   const void* q_residual_operand = norm_operand(q_residual, N, c.q_lora_rank, l.q_norm, "q_residual_in", stream);
   float* q = buffer<float>("q", N * H * d);
   project(*gemm, l.wq_b, q_residual_operand, N, q, stream);
-  // The tuned attention kernel reads bf16 q and this step's K=V rows; the norm + RoPE pass writes them.
-  const bool tuned = bf16 && H % 64 == 0 && d == kKvHeadDim && rope_dim == kKvRopeDim;
+  // The tuned attention kernel reads bf16 q and this step's K=V rows; the norm + RoPE passes write them.
   uint16_t* q_bf16 = tuned ? buffer<uint16_t>("q_bf16", N * H * d) : nullptr;
   DSV4_CU(cu::head_norm_rope({N, H, d, rope_dim, true, eps, rope_scaling}, q, nullptr, step.positions, inv_freq,
                              q_bf16, stream));
@@ -1200,14 +1225,7 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
     }
   }
 
-  // The shared K=V vector of each token.
-  float* kv = buffer<float>("kv", N * d);
-  project(*gemm, l.wkv, x_operand, N, kv, stream);
-  uint16_t* kv_bf16 = tuned ? buffer<uint16_t>("kv_bf16", N * d) : nullptr;
-  DSV4_CU(cu::head_norm_rope({N, 1, d, rope_dim, true, eps, rope_scaling}, kv, l.kv_norm, step.positions, inv_freq,
-                             kv_bf16, stream));
-  // Compressed entries first: a query sees the entries its own chunk completes.
-  if (type != AttentionType::kSlidingWindow) compress(layer, EntryKind::kMain, step, x_operand, stream, *gemm);
+  if (kv_overlap) DSV4_CU(cudaStreamWaitEvent(stream, kv_join));
   if (csa && options.indexer_stream) DSV4_CU(cudaStreamWaitEvent(stream, index_join));
 
   const int64_t G = c.o_groups, group_width = H * d / G, o_lora = c.o_lora_rank;
