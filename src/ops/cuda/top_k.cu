@@ -232,14 +232,24 @@ __global__ void __launch_bounds__(kCtaThreads, 1024 / kCtaThreads) chunk_select_
   if (threadIdx.x == 0) ws.counts[row * chunks + chunk] = counter;
 }
 
+// Entry order by a bitmap over the row's columns (32 KB at 262,144): every chosen entry sets its bit, one
+// block-wide scan of the per-thread popcounts gives each thread's first output slot, and each thread writes its
+// words' set bits in ascending order. Four barriers, where a bitonic sort of the kTopKMaxK slots took 55 (most of
+// this kernel's ~11 µs at decode).
+constexpr int kBitmapWords = static_cast<int>(kTopKMaxColumns / 32);
+
 __global__ void __launch_bounds__(kThreads, 1) merge_select_kernel(const TopKParams p, Workspace ws, int chunks) {
   wait_for_prior_grid();
   allow_dependents();
   __shared__ SelectShared sh;
-  __shared__ uint32_t counter;
-  __shared__ int32_t chosen[kTopKMaxK];
+  __shared__ uint32_t bitmap[kBitmapWords];
+  __shared__ uint32_t warp_totals[kWarpsPerCta];
   const int64_t row = blockIdx.x;
   const int k = static_cast<int>(p.k);
+  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
+  const int64_t columns = p.columns;
+  const int words = static_cast<int>((columns + 31) / 32);
+  for (int i = threadIdx.x; i < words; i += kThreads) bitmap[i] = 0;
   uint32_t key[kPerThread];
   int32_t index[kPerThread];
 #pragma unroll
@@ -254,29 +264,40 @@ __global__ void __launch_bounds__(kThreads, 1) merge_select_kernel(const TopKPar
       index[i] = ws.indices[at];
     }
   }
-  if (threadIdx.x == 0) counter = 0;
-  for (int i = threadIdx.x; i < kTopKMaxK; i += kThreads) chosen[i] = INT32_MAX;
-  const Threshold threshold = select_threshold<kThreads>(key, index, k, sh);
-  compact(key, index, threshold, &counter, nullptr, chosen);
+  // One chunk: its candidates are already the row's top-k (the chunk kernel selected them), no second select.
+  const Threshold threshold = chunks == 1 ? Threshold{1u, 0u} : select_threshold<kThreads>(key, index, k, sh);
+  __syncthreads();  // the bitmap is clear
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i)
+    if (chosen_by(threshold, key[i], index[i])) atomicOr(&bitmap[index[i] >> 5], 1u << (index[i] & 31));
   __syncthreads();
-  const uint32_t n = counter;
-  // Bitonic sort of the chosen entries (padding INT32_MAX sorts last), so the output does not depend on the
-  // order the atomics handed out slots in.
-  for (int size = 2; size <= kTopKMaxK; size *= 2)
-    for (int stride = size / 2; stride > 0; stride /= 2) {
-      const int i = threadIdx.x, j = i ^ stride;
-      if (j > i) {
-        const bool ascending = (i & size) == 0;
-        const int32_t a = chosen[i], b = chosen[j];
-        if ((a > b) == ascending) {
-          chosen[i] = b;
-          chosen[j] = a;
-        }
-      }
-      __syncthreads();
+  // Thread t owns words [t·per, (t+1)·per): its count, then an exclusive scan across the CTA.
+  const int per = (words + kThreads - 1) / kThreads;
+  const int first = static_cast<int>(threadIdx.x) * per, last = min(words, first + per);
+  uint32_t mine = 0;
+  for (int w = first; w < last; ++w) mine += __popc(bitmap[w]);
+  uint32_t inclusive = mine;
+  for (int offset = 1; offset < 32; offset *= 2) {
+    const uint32_t v = __shfl_up_sync(0xffffffffu, inclusive, offset);
+    if (lane >= offset) inclusive += v;
+  }
+  if (lane == 31) warp_totals[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    uint32_t total = lane < kWarpsPerCta ? warp_totals[lane] : 0;
+    for (int offset = 1; offset < 32; offset *= 2) {
+      const uint32_t v = __shfl_up_sync(0xffffffffu, total, offset);
+      if (lane >= offset) total += v;
     }
-  for (int i = threadIdx.x; i < k; i += kThreads)
-    p.indices[row * p.k + i] = i < static_cast<int>(n) ? chosen[i] : -1;
+    if (lane < kWarpsPerCta) warp_totals[lane] = total;  // inclusive over warps
+  }
+  __syncthreads();
+  uint32_t slot = (warp > 0 ? warp_totals[warp - 1] : 0) + inclusive - mine;
+  const uint32_t n = warp_totals[kWarpsPerCta - 1];
+  int32_t* out = p.indices + row * p.k;
+  for (int w = first; w < last; ++w)
+    for (uint32_t bits = bitmap[w]; bits != 0; bits &= bits - 1) out[slot++] = w * 32 + __ffs(bits) - 1;
+  for (int i = static_cast<int>(n) + static_cast<int>(threadIdx.x); i < k; i += kThreads) out[i] = -1;
   if (threadIdx.x == 0) p.lengths[row] = static_cast<int32_t>(n);
 }
 
