@@ -26,6 +26,7 @@ struct CudaModelOptions {
   bool cuda_graphs = true;   // capture decode steps per batch-size bucket
   bool indexer_stream = true;  // the CSA indexer on its own stream, joined before attention
   bool kv_stream = true;  // the K=V projection, norm + RoPE and main compressor beside the query path
+  bool shared_expert_stream = true;  // the MoE shared expert beside the router and the routed experts
   bool device_sampling = true;  // sample next to the logits (ops/cuda/sampling.h); false: logits to the host
   // The dense projections a checkpoint stores FP8 (wq_a, wq_b, wkv, wo_b, indexer wq_b) stay FP8 on the
   // device and run DeepSeek's FP8 linear (per-128 activation quantization, block-scaled GEMM, ops/cuda/gemm.h

@@ -20,11 +20,16 @@ constexpr int kMaxExperts = 1023;  // E + 1 scan lanes in one 1024-thread CTA
 constexpr int kPrepThreads = 1024;
 constexpr int kPrepConvertBlocks = 264;
 
+// Rows of one call: the routed (token, k) rows unless the call is the shared expert alone, the shared expert's
+// token rows unless its output is added from elsewhere (MoeSharedExpert).
+int64_t routed_rows(const MoeExpertsParams& p) { return p.shared == MoeSharedExpert::kOnly ? 0 : p.tokens * p.top_k; }
+int64_t shared_rows(const MoeExpertsParams& p) { return p.shared == MoeSharedExpert::kAdded ? 0 : p.tokens; }
+
 int64_t items_bound(const MoeExpertsParams& p, int64_t tile_rows) {
   // Σ_e ceil(n_e / R) over at most min(E, N·K) non-empty experts with Σ n_e = N·K is at most
   // floor(N·K / R) + min(E, N·K); the shared expert adds ceil(N / R).
-  const int64_t routed = p.tokens * p.top_k;
-  return routed / tile_rows + std::min(p.experts, routed) + (p.tokens + tile_rows - 1) / tile_rows;
+  const int64_t routed = routed_rows(p);
+  return routed / tile_rows + std::min(p.experts, routed) + (shared_rows(p) + tile_rows - 1) / tile_rows;
 }
 
 struct Layout {
@@ -34,8 +39,8 @@ struct Layout {
 
 Layout layout(const MoeExpertsParams& p) {
   const bool bf16 = p.dtype != MoeWeightDtype::kFp32;
-  const auto routed = static_cast<size_t>(p.tokens * p.top_k);
-  const size_t rows = routed + static_cast<size_t>(p.tokens);
+  const auto routed = static_cast<size_t>(routed_rows(p));
+  const size_t rows = routed + static_cast<size_t>(shared_rows(p));
   size_t at = 0;
   auto take = [&](size_t bytes) {
     const size_t here = at;
@@ -76,7 +81,8 @@ struct PrepArgs {
   int32_t* row_token;
   int32_t* row_expert;
   int32_t* slot_row;
-  int tokens, top_k, experts, tile_rows;
+  int tokens, top_k, experts, tile_rows;  // top_k 0: no routed rows (the shared expert alone)
+  int with_shared;                        // 0: no shared-expert rows (its output is added in the combine)
   int64_t x_elems;
 };
 
@@ -136,7 +142,7 @@ __global__ void __launch_bounds__(kPrepThreads) moe_prep_kernel(const PrepArgs a
   __shared__ int scratch[33];
   for (int i = tid; i < E; i += kPrepThreads) counts[i] = running[i] = 0;
   for (int i = tid; i < 32 * E; i += kPrepThreads) table[i] = 0;
-  if (tid == 0) counts[E] = N;
+  if (tid == 0) counts[E] = a.with_shared ? N : 0;
   __syncthreads();
   for (int i = tid; i < routed; i += kPrepThreads) {
     const int e = a.chosen[i];
@@ -161,7 +167,7 @@ __global__ void __launch_bounds__(kPrepThreads) moe_prep_kernel(const PrepArgs a
   }
   __syncthreads();
   const int shared0 = offs[E];
-  for (int t = tid; t < N; t += kPrepThreads) {
+  for (int t = tid; a.with_shared && t < N; t += kPrepThreads) {
     a.row_token[shared0 + t] = t;
     a.row_expert[shared0 + t] = E;
   }
@@ -706,7 +712,8 @@ __global__ void down_fp32_kernel(const Fp32Args a) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// 4. combine: out[t] = Σ_k w[t, k] · y[row(t, k)] (k order) + y[shared row of t].
+// 4. combine: out[t] = Σ_k w[t, k] · y[row(t, k)] (k order) + y[shared row of t] (or + addend[t], the shared
+// expert's output computed by a separate kSharedOnly call; top_k 0: that call, out[t] = y[shared row of t]).
 // ---------------------------------------------------------------------------------------------------------------
 
 // grid (tokens, column blocks of 256 float4): a decode token's 4096 columns spread over 4 CTAs, and each thread
@@ -719,6 +726,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const float* _
                                                                   const int32_t* __restrict__ slot_row,
                                                                   const float* __restrict__ weights,
                                                                   const int32_t* __restrict__ offsets,
+                                                                  const float* __restrict__ addend,
                                                                   float* __restrict__ out, int top_k, int experts,
                                                                   int D) {
   wait_for_prior_grid();
@@ -733,13 +741,15 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const float* _
     rows[threadIdx.x] = slot_row[t * top_k + threadIdx.x];
     row_weights[threadIdx.x] = weights[t * top_k + threadIdx.x];
   }
-  if (threadIdx.x == 0) rows[top_k] = offsets[experts] + static_cast<int32_t>(t);  // the shared expert's row
+  if (threadIdx.x == 0 && !addend) rows[top_k] = offsets[experts] + static_cast<int32_t>(t);  // the shared row
   __syncthreads();
   for (int c = blockIdx.y * kCombineThreads + threadIdx.x; c < D4; c += gridDim.y * kCombineThreads) {
     float4 v[kCombineMaxTopK + 1];
 #pragma unroll
-    for (int k = 0; k <= kCombineMaxTopK; ++k)
-      if (k <= top_k && rows[k] >= 0) v[k] = y4[static_cast<int64_t>(rows[k]) * D4 + c];
+    for (int k = 0; k <= kCombineMaxTopK; ++k) {
+      if (k == top_k && addend) v[k] = reinterpret_cast<const float4*>(addend)[t * D4 + c];
+      else if (k <= top_k && rows[k] >= 0) v[k] = y4[static_cast<int64_t>(rows[k]) * D4 + c];
+    }
     float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
     for (int k = 0; k < kCombineMaxTopK; ++k) {
@@ -755,10 +765,14 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const float* _
 #pragma unroll
     for (int k = 0; k <= kCombineMaxTopK; ++k)
       if (k == top_k) s = v[k];
-    acc.x += s.x;
-    acc.y += s.y;
-    acc.z += s.z;
-    acc.w += s.w;
+    if (top_k == 0) {
+      acc = s;  // the shared expert alone: its row as is, for a later combine to add as the fused one would
+    } else {
+      acc.x += s.x;
+      acc.y += s.y;
+      acc.z += s.z;
+      acc.w += s.w;
+    }
     out4[t * D4 + c] = acc;
   }
 }
@@ -959,16 +973,21 @@ size_t moe_experts_workspace_bytes(const MoeExpertsParams& p) {
 
 cudaError_t moe_experts(const MoeExpertsParams& p, const MoeExpertWeights& w, const float* x,
                         const int32_t* chosen, const float* weights, float* out, void* workspace,
-                        size_t workspace_bytes, cudaStream_t stream) {
+                        size_t workspace_bytes, cudaStream_t stream, const float* shared_out,
+                        cudaEvent_t shared_ready) {
+  const bool shared_only = p.shared == MoeSharedExpert::kOnly, shared_added = p.shared == MoeSharedExpert::kAdded;
   if (p.tokens < 0 || p.top_k <= 0 || p.top_k > kCombineMaxTopK || p.experts <= 0 || p.experts > kMaxExperts ||
       p.hidden <= 0 || p.intermediate <= 0 || p.hidden % 8 != 0 || p.intermediate % 8 != 0)
     return cudaErrorInvalidValue;
   if (p.tokens == 0) return cudaSuccess;
-  const int64_t rows = p.tokens * (p.top_k + 1);
+  const int64_t rows = routed_rows(p) + shared_rows(p);
   // Row indices and column counts are int32 on the device (addresses are int64).
   if (rows >= (int64_t{1} << 31) || p.hidden >= (int64_t{1} << 30) || p.intermediate >= (int64_t{1} << 30))
     return cudaErrorInvalidValue;
-  if (!x || !chosen || !weights || !out || !workspace || !w.w13 || !w.w2 || !w.shared_w13 || !w.shared_w2)
+  if (!x || !out || !workspace) return cudaErrorInvalidValue;
+  if (!shared_only && (!chosen || !weights || !w.w13 || !w.w2)) return cudaErrorInvalidValue;
+  if (!shared_added && (!w.shared_w13 || !w.shared_w2)) return cudaErrorInvalidValue;
+  if (shared_added != (shared_out != nullptr) || (shared_out && reinterpret_cast<uintptr_t>(shared_out) % 16))
     return cudaErrorInvalidValue;
   if (reinterpret_cast<uintptr_t>(x) % 16 || reinterpret_cast<uintptr_t>(out) % 16 ||
       reinterpret_cast<uintptr_t>(workspace) % 256)
@@ -1005,8 +1024,8 @@ cudaError_t moe_experts(const MoeExpertsParams& p, const MoeExpertWeights& w, co
   PrepArgs prep{chosen,    x,          xb,
                 offsets,   num_items,  items,
                 row_token, row_expert, slot_row,
-                static_cast<int>(p.tokens), static_cast<int>(p.top_k), static_cast<int>(p.experts),
-                bf16 ? tile_rows : 16, p.tokens * p.hidden};
+                static_cast<int>(p.tokens), shared_only ? 0 : static_cast<int>(p.top_k), static_cast<int>(p.experts),
+                bf16 ? tile_rows : 16, shared_added ? 0 : 1, p.tokens * p.hidden};
   const size_t prep_smem = static_cast<size_t>(35 * p.experts + 3) * 4;
   cudaError_t status = allow_smem(moe_prep_kernel, prep_smem);
   if (status != cudaSuccess) return status;
@@ -1054,11 +1073,14 @@ cudaError_t moe_experts(const MoeExpertsParams& p, const MoeExpertWeights& w, co
     if ((status = cudaGetLastError()) != cudaSuccess) return status;
   }
   const int64_t column_blocks = (p.hidden / 4 + kCombineThreads - 1) / kCombineThreads;
+  // The shared expert's output, computed on another stream, is waited for here only: its GEMMs overlap every
+  // kernel of this call but the combine.
+  if (shared_ready && (status = cudaStreamWaitEvent(stream, shared_ready, 0)) != cudaSuccess) return status;
   launch_dependent(
       combine_kernel,
       dim3(static_cast<unsigned>(p.tokens), static_cast<unsigned>(std::min<int64_t>(column_blocks, 64))),
-      kCombineThreads, 0, stream, y, slot_row, weights, offsets, out, static_cast<int>(p.top_k),
-      static_cast<int>(p.experts), static_cast<int>(p.hidden));
+      kCombineThreads, 0, stream, y, slot_row, weights, offsets, shared_out, out,
+      shared_only ? 0 : static_cast<int>(p.top_k), static_cast<int>(p.experts), static_cast<int>(p.hidden));
   return cudaGetLastError();
 }
 

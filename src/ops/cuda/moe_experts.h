@@ -46,6 +46,12 @@ namespace dsv4::ops::cuda {
 // in the kernel; bf16 arithmetic otherwise, the shared expert bf16.
 enum class MoeWeightDtype { kBf16, kFp32, kMxfp4, kQ3G32, kQ2G32 };
 
+// The shared expert in this call (kWith), alone (kOnly: out = shared(x); chosen, weights and the routed
+// tables unused), or left out with its output added by the combine (kAdded: moe_experts' shared_out, from a
+// kOnly call, usually on another stream so that its GEMMs overlap the router and this call's routed GEMMs).
+// kOnly then kAdded with the same params otherwise is bitwise kWith: the same tiles, rows and combine order.
+enum class MoeSharedExpert { kWith, kOnly, kAdded };
+
 struct MoeExpertsParams {
   int64_t tokens = 0;        // rows of x and out
   int64_t top_k = 0;         // routed experts per token, 1..16
@@ -54,6 +60,7 @@ struct MoeExpertsParams {
   int64_t intermediate = 0;  // I (multiple of 8)
   float swiglu_limit = 10.0f;
   MoeWeightDtype dtype = MoeWeightDtype::kBf16;
+  MoeSharedExpert shared = MoeSharedExpert::kWith;
   // bf16 mode: rows per GEMM tile. 0 chooses from host-known numbers: tokens > 256: 128 × 128 tiles; else
   // 16-row tiles when tokens ≤ 16 or tokens·top_k / E ≤ 8 rows per expert, 64 otherwise. 16, 64 or 128 forces one
   // (tests, kbench).
@@ -104,9 +111,12 @@ size_t moe_experts_workspace_bytes(const MoeExpertsParams& p);
 
 // x: device fp32 [tokens, D]; chosen: device int32 [tokens, top_k] (an id outside [0, E) contributes nothing);
 // weights: device fp32 [tokens, top_k]; out: device fp32 [tokens, D] (must not alias x). All on `stream`.
-// Returns cudaErrorInvalidValue for unsupported shapes or a short workspace, else the launch status.
+// kAdded: shared_out, device fp32 [tokens, D], the kOnly call's out; shared_ready (optional) an event
+// recorded after it, which only the final combine waits for. Returns cudaErrorInvalidValue for unsupported
+// shapes, a short workspace or a shared_out that does not match p.shared, else the launch status.
 cudaError_t moe_experts(const MoeExpertsParams& p, const MoeExpertWeights& w, const float* x,
                         const int32_t* chosen, const float* weights, float* out, void* workspace,
-                        size_t workspace_bytes, cudaStream_t stream);
+                        size_t workspace_bytes, cudaStream_t stream, const float* shared_out = nullptr,
+                        cudaEvent_t shared_ready = nullptr);
 
 }  // namespace dsv4::ops::cuda

@@ -237,6 +237,50 @@ struct DeviceRun {
     }
     return host;
   }
+  // The same problem split as the model runs it: the shared expert alone (kOnly) on a second stream, then the
+  // routed call (kAdded) on a first one, whose combine waits on an event after the first call. Fresh,
+  // poisoned workspaces and outputs.
+  std::vector<float> run_split(int tile_rows = 0) {
+    params.tile_rows = tile_rows;
+    MoeExpertsParams only = params, added = params;
+    only.shared = MoeSharedExpert::kOnly;
+    added.shared = MoeSharedExpert::kAdded;
+    const size_t only_bytes = moe_experts_workspace_bytes(only), added_bytes = moe_experts_workspace_bytes(added);
+    const size_t count = static_cast<size_t>(params.tokens * params.hidden);
+    void *only_ws = nullptr, *added_ws = nullptr;
+    float* shared_out = nullptr;
+    cudaStream_t routed_stream = nullptr, shared_stream = nullptr;
+    cudaEvent_t shared_done = nullptr;
+    std::vector<float> host(count);
+    const bool ready = cudaMalloc(&only_ws, only_bytes) == cudaSuccess &&
+                       cudaMalloc(&added_ws, added_bytes) == cudaSuccess &&
+                       cudaMalloc(&shared_out, count * 4) == cudaSuccess &&
+                       cudaMemset(only_ws, 0xa5, only_bytes) == cudaSuccess &&
+                       cudaMemset(added_ws, 0xa5, added_bytes) == cudaSuccess &&
+                       cudaMemset(shared_out, 0xff, count * 4) == cudaSuccess &&
+                       cudaMemset(out, 0xff, count * 4) == cudaSuccess &&
+                       cudaStreamCreateWithFlags(&routed_stream, cudaStreamNonBlocking) == cudaSuccess &&
+                       cudaStreamCreateWithFlags(&shared_stream, cudaStreamNonBlocking) == cudaSuccess &&
+                       cudaEventCreateWithFlags(&shared_done, cudaEventDisableTiming) == cudaSuccess &&
+                       cudaDeviceSynchronize() == cudaSuccess;
+    EXPECT_TRUE(ready) << "setup failed";
+    if (ready) {
+      EXPECT_EQ(moe_experts(only, weights, x, nullptr, nullptr, shared_out, only_ws, only_bytes, shared_stream),
+                cudaSuccess);
+      EXPECT_EQ(cudaEventRecord(shared_done, shared_stream), cudaSuccess);
+      EXPECT_EQ(moe_experts(added, weights, x, chosen, routing_weights, out, added_ws, added_bytes, routed_stream,
+                            shared_out, shared_done),
+                cudaSuccess);
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(host.data(), out, count * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    }
+    if (shared_done) cudaEventDestroy(shared_done);
+    for (cudaStream_t st : {routed_stream, shared_stream})
+      if (st) cudaStreamDestroy(st);
+    for (void* ptr : {only_ws, added_ws, static_cast<void*>(shared_out)})
+      if (ptr) cudaFree(ptr);
+    return host;
+  }
 };
 
 // Relative L2 error; +inf when an element is not finite (unwritten poison or overflow) or sizes differ.
@@ -284,6 +328,41 @@ TEST_F(CudaMoeExperts, Fp32HotColdAndOutOfRangeIds) {
   const std::vector<float> actual = dev.run();
   EXPECT_LE(rel_l2(actual, expected), 1e-5);
   EXPECT_TRUE(bitwise_equal(actual, dev.run()));
+}
+
+// The shared expert on its own stream then added by the routed call is bitwise the fused call, in every tile
+// configuration, fp32 and bf16, with out-of-range ids; and the split is refused without (or with a stray) addend.
+TEST_F(CudaMoeExperts, SplitSharedExpertIsBitwiseTheFusedCall) {
+  {
+    const ExpertSets sets(64, 32, 8, false, 13);
+    for (const int64_t tokens : {1, 9, 37}) {
+      Problem pr = random_problem(tokens, 2, 8, 64, 8, 1.5f, static_cast<uint32_t>(300 + tokens));
+      pr.chosen[0] = -1;
+      DeviceRun dev(pr, sets);
+      EXPECT_TRUE(bitwise_equal(dev.run_split(), dev.run())) << "fp32, tokens " << tokens;
+    }
+  }
+  const ExpertSets& sets = flash_sets();
+  for (const int64_t tokens : {1, 5, 128, 700}) {
+    const Problem pr = random_problem(tokens, 6, 256, sets.D, sets.routed_sets(), 2.0f,
+                                      static_cast<uint32_t>(tokens * 11 + 3));
+    DeviceRun dev(pr, sets);
+    for (const int tile_rows : tokens == 128 ? std::vector<int>{0, 16, 64, 128} : std::vector<int>{0}) {
+      const std::vector<float> split = dev.run_split(tile_rows);
+      EXPECT_LE(rel_l2(split, reference(pr, sets, true)), 1e-2) << "tokens " << tokens;
+      EXPECT_TRUE(bitwise_equal(split, dev.run(tile_rows))) << "bf16, tokens " << tokens << " tile_rows " << tile_rows;
+    }
+  }
+  const Problem pr = random_problem(3, 6, 256, sets.D, sets.routed_sets(), 2.0f, 5);
+  DeviceRun dev(pr, sets);
+  MoeExpertsParams added = dev.params;
+  added.shared = MoeSharedExpert::kAdded;
+  EXPECT_EQ(moe_experts(added, dev.weights, dev.x, dev.chosen, dev.routing_weights, dev.out, dev.workspace,
+                        dev.workspace_bytes, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(moe_experts(dev.params, dev.weights, dev.x, dev.chosen, dev.routing_weights, dev.out, dev.workspace,
+                        dev.workspace_bytes, nullptr, dev.x),
+            cudaErrorInvalidValue);
 }
 
 TEST_F(CudaMoeExperts, Bf16MatchesCpuFlashShape) {
