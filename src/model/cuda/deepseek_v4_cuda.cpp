@@ -1414,9 +1414,10 @@ void DeepseekV4CudaModel::Impl::moe(int64_t layer, const Step& step, const float
   // while the router GEMM, route and the routed prep run (a few µs each, HBM idle), and the routed call's
   // combine waits for it. Bitwise the fused call's result (MoeSharedExpert). Measured on the 4-layer model:
   // −10 µs a step at batch 1 and 8, but prefill 5 % slower (the two grids contend), hence decode-sized steps.
+  // (Low-bit experts: cuBLASLt cannot read them; the grouped kernel decodes them at every size.)
+  const bool host_grouped = N >= host_grouped_moe_min_tokens() && !capturing && !l.low_bit_experts();
   constexpr int64_t kSplitSharedMaxTokens = 64;
-  const bool split_shared = options.shared_expert_stream && N <= kSplitSharedMaxTokens &&
-                            !(N >= host_grouped_moe_min_tokens() && !capturing && !l.low_bit_experts());
+  const bool split_shared = options.shared_expert_stream && N <= kSplitSharedMaxTokens && !host_grouped;
   float* shared_out = nullptr;
   if (split_shared) {
     DSV4_CU(cudaEventRecord(shared_expert_fork, stream));
@@ -1445,8 +1446,7 @@ void DeepseekV4CudaModel::Impl::moe(int64_t layer, const Step& step, const float
   rp.routed_scaling_factor = static_cast<float>(c.routed_scaling_factor);
   DSV4_CU(cu::route(rp, logits, hash ? nullptr : l.gate_bias, hash ? l.tid2eid : nullptr, step.token_ids, chosen,
                     weights, nullptr, stream));
-  // (Low-bit experts: cuBLASLt cannot read them; the grouped kernel decodes them at every size.)
-  if (N >= host_grouped_moe_min_tokens() && !capturing && !l.low_bit_experts()) {
+  if (host_grouped) {
     moe_host_grouped(layer, step, x_operand, chosen, weights, out);
     return;
   }
