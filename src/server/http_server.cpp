@@ -15,6 +15,7 @@
 #include <boost/beast/http.hpp>
 
 #include "core/error.h"
+#include "server/peer_state.h"
 
 namespace dsv4::server {
 
@@ -340,7 +341,8 @@ class Session : public std::enable_shared_from_this<Session> {
     watch_disconnect();
   }
 
-  // A readable socket with nothing to read is a closed client: abort its request.
+  // A readable socket that reads as closed is a client gone: abort its request. A wake-up with nothing to read
+  // is not one (a stale epoll edge, server/peer_state.h): wait again.
   void watch_disconnect() {
     watching_ = true;
     stream_.socket().async_wait(tcp::socket::wait_read, [self = shared_from_this()](beast::error_code ec) {
@@ -350,10 +352,13 @@ class Session : public std::enable_shared_from_this<Session> {
         return self->read_request();
       }
       if (ec) return;
-      beast::error_code available_error;
-      const size_t available = self->stream_.socket().available(available_error);
-      if (available_error || available == 0) self->client_gone();
-      // Otherwise the client pipelined its next request: it is read once this response is written.
+      switch (peek_peer_state(self->stream_.socket().native_handle())) {
+        case PeerReadState::kClosed: return self->client_gone();
+        case PeerReadState::kNothingYet:
+          if (self->in_generation_ && !self->client_gone_) self->watch_disconnect();
+          return;
+        case PeerReadState::kDataPending: return;  // a pipelined request: read once this response is written
+      }
     });
   }
 

@@ -18,7 +18,7 @@ for endpoint in /v1/completions /v1/chat/completions; do
   "$dsv4" bench serve --base-url "http://127.0.0.1:$port" --endpoint "$endpoint" --num-prompts 40 \
     --request-rate 50 --input-len 64 --output-len 8 --seed 3 --result-file "$work/result.json" >"$work/bench.log" 2>&1 ||
     { echo "FAIL: bench serve $endpoint"; cat "$work/bench.log"; exit 1; }
-  python3 - "$work/result.json" "$endpoint" <<'PY'
+  if python3 - "$work/result.json" "$endpoint" <<'PY'
 import json, sys
 result = json.load(open(sys.argv[1]))
 flat = json.dumps(result)
@@ -31,8 +31,11 @@ def find(key):
             stack.extend(node.values())
     raise SystemExit(f"FAIL: no '{key}' in the result file: {flat[:400]}")
 completed, failed = find("completed"), find("failed")
-assert completed == 40 and failed == 0, (completed, failed)
+if completed != 40 or failed != 0:
+    errors = sorted({e for e in result.get("errors", []) if e})
+    raise SystemExit(f"FAIL {sys.argv[2]}: {completed} completed, {failed} failed: {errors}")
 assert find("mean_ttft_ms") > 0 and find("output_throughput") > 0
 print(f"ok {sys.argv[2]}: {completed} requests, mean TTFT {find('mean_ttft_ms'):.1f} ms")
 PY
+  then :; else echo "--- bench log"; cat "$work/bench.log"; echo "--- server log (tail)"; tail -n 40 "$work/serve.log"; exit 1; fi
 done
