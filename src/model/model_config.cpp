@@ -13,6 +13,9 @@ namespace {
 
 using json = nlohmann::json;
 
+// Far above any real V4 depth (V4-Pro has 61 layers); also bounds the default per-layer lists from_json builds.
+constexpr int64_t kMaxLayers = int64_t{1} << 16;
+
 const char* scoring_func_name(ScoringFunc func) {
   switch (func) {
     case ScoringFunc::kSqrtSoftplus: return "sqrtsoftplus";
@@ -229,6 +232,10 @@ ModelConfig ModelConfig::from_json(const json& config) {
     c.fp4_routed_experts = config["expert_dtype"] == "fp4";
   const int64_t n = c.num_hidden_layers;
   require(n > 0, "num_hidden_layers", std::to_string(n), "must be positive");
+  // Checked before the per-layer lists below are built from it (validate() repeats it with the other bounds):
+  // a config claiming 10^12 layers must be an error, not a 10^12-entry allocation (found by config_fuzz).
+  require(n <= kMaxLayers, "num_hidden_layers", std::to_string(n),
+          "is implausibly large (limit " + std::to_string(kMaxLayers) + ")");
   if (c.fp4_routed_experts)  // MXFP4 scales cover 32 inputs
     require(c.hidden_size % 32 == 0 && c.moe_intermediate_size % 32 == 0, "expert_dtype", "\"fp4\"",
             "needs hidden_size and moe_intermediate_size multiples of 32 (one MXFP4 scale per 32 inputs)");
@@ -441,8 +448,8 @@ void ModelConfig::validate() const {
                                      {"q_lora_rank", q_lora_rank}, {"o_lora_rank", o_lora_rank},
                                      {"index_head_dim", index_head_dim}, {"sliding_window", sliding_window}})
     bounded(field, value, int64_t{1} << 24);
-  for (const auto& [field, value] : {std::pair{"num_hidden_layers", num_hidden_layers},
-                                     {"num_attention_heads", num_attention_heads}, {"n_routed_experts", n_routed_experts},
+  bounded("num_hidden_layers", num_hidden_layers, kMaxLayers);
+  for (const auto& [field, value] : {std::pair{"num_attention_heads", num_attention_heads}, {"n_routed_experts", n_routed_experts},
                                      {"index_n_heads", index_n_heads}, {"hc_mult", hc_mult}, {"o_groups", o_groups},
                                      {"hc_sinkhorn_iters", hc_sinkhorn_iters}})
     bounded(field, value, int64_t{1} << 16);

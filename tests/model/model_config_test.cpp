@@ -160,5 +160,14 @@ TEST(ModelConfig, BadConfigsNameTheFieldAndValue) {
   EXPECT_THROW(ModelConfig::preset("v5"), Error);
 }
 
+// The default layer_types / mlp_layer_types are built from num_hidden_layers before validate() runs; a huge
+// count must be refused first, not allocated (config_fuzz ran out of memory on exactly this).
+TEST(ModelConfig, HugeLayerCountIsRefusedBeforeAnyAllocation) {
+  EXPECT_THAT(error_of({{"num_hidden_layers", 1000000000000LL}}), HasSubstr("'num_hidden_layers' = 1000000000000"));
+  EXPECT_THAT(error_of({{"num_hidden_layers", (1 << 16) + 1}, {"num_hash_layers", 0}}),
+              HasSubstr("implausibly large"));
+  EXPECT_EQ(ModelConfig::from_json({{"num_hidden_layers", 1 << 16}}).layer_types.size(), size_t{1} << 16);
+}
+
 }  // namespace
 }  // namespace dsv4
