@@ -1223,9 +1223,7 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
       tp.row_lengths = step.csa_visible;
       tp.indices = topk_indices;
       tp.lengths = topk_lengths;
-      const size_t workspace_bytes = cu::top_k_workspace_bytes(N, max_entries, topk);
-      void* workspace = buffer<std::byte>("topk_workspace", workspace_bytes);
-      DSV4_CU(cu::top_k(tp, workspace, workspace_bytes, is));
+      DSV4_CU(cu::top_k(tp, is));
     }
     if (overlap) {
       DSV4_CU(cudaEventRecord(index_join, index_stream));

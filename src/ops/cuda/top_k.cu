@@ -1,23 +1,38 @@
 #include "ops/cuda/top_k.h"
 
+#include <cooperative_groups.h>
+
+#include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 
 #include "ops/cuda/launch.cuh"
 
 namespace dsv4::ops::cuda {
 namespace {
 
-constexpr int kThreads = 1024;  // the merge CTA; chunk CTAs have 512 (k ≤ 512) or 1024 threads
-constexpr int kWarpsPerCta = kThreads / 32;
-constexpr int kPerThread = 16;
-constexpr int kChunk = kThreads * kPerThread;          // 16,384 columns per chunk CTA for k > 512
-static_assert(kTopKMaxColumns / kChunk * kTopKMaxK <= kChunk && kTopKMaxColumns / (kChunk / 2) * 512 <= kChunk,
-              "the merge CTA holds every chunk's candidates");
-constexpr int kCompositeBits = 56;                     // 32 bits of ordered score, 24 bits of inverted index
-constexpr int kIndexBits = 24;
+namespace cg = cooperative_groups;
+
+// One thread-block cluster per row (docs/kernels/indexer_topk.md "Top-k"): its CTAs split the row, each loads
+// its span of scores from global memory once, as order-preserving keys, into shared memory; every radix pass then
+// reads shared memory only, and the CTAs add their histograms through distributed shared memory. One launch, no
+// workspace, no host synchronisation (CUDA-graph safe). The previous design (a radix select per 8K-column chunk,
+// then a merge CTA) read the row once too but spent ~50 µs at 262,144 columns in 32 serial per-chunk selects.
+constexpr int kThreads = 1024;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxCluster = 8;                                  // the portable cluster size
+constexpr int kMaxSpan = kTopKMaxColumns / kMaxCluster;         // 32,768 keys (128 KB) per CTA at most
+constexpr int kMinSpan = 4096;                                  // below this a CTA has too little to do
+constexpr int kSpanQuantum = kThreads;                          // spans are whole 32-key groups per warp
+// The three passes take 11, 11 and 10 bits of the key.
+__device__ __forceinline__ int digit_bits(int pass) { return pass < 2 ? 11 : 10; }
+constexpr int kBins = 1 << 11;
+static_assert(kBins == 2 * kThreads, "each thread owns two bins of the widest digit");
+static_assert(kMaxSpan % kSpanQuantum == 0, "a full span is whole groups");
 
 // fp32 -> uint32 whose unsigned order is the float order; 0 marks "not a candidate" (−inf, NaN, masked). −0.0 is
-// folded onto +0.0 because the CPU twin compares them equal (then the lower index wins).
+// folded onto +0.0 because the CPU twin compares them equal (then the lower index wins). The smallest finite
+// score, −FLT_MAX, maps to 0x00800000, so 0 is never a real key.
 __device__ __forceinline__ uint32_t ordered_key(float score) {
   if (!(score > -INFINITY)) return 0;  // −inf and NaN
   if (score == 0.0f) score = 0.0f;
@@ -25,313 +40,313 @@ __device__ __forceinline__ uint32_t ordered_key(float score) {
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 
-// Unique total order: higher score first, then lower index; a chosen candidate is one whose (key, inverted index)
-// pair is at least the threshold's. Selecting the k largest pairs is exactly the twin's selection, with no tie
-// left to chance. The index is inverted so that larger means lower.
-struct Threshold {
-  uint32_t key;
-  uint32_t inverted_index;
+// The selection after the passes: a key is chosen when its top `resolved` bits exceed `prefix`, or equal it and
+// fewer than `need` keys with that prefix sit at lower entries (so equal scores go to the lower entry, the
+// twin's rule). resolved = 0 takes every valid key (a row with at most k of them).
+struct Selection {
+  uint32_t prefix = 0;
+  int resolved = 0;
+  uint32_t need = 0;
 };
-__device__ __forceinline__ uint32_t inverted(int32_t index) {
-  return (1u << kIndexBits) - 1u - static_cast<uint32_t>(index);
-}
-__device__ __forceinline__ bool chosen_by(const Threshold& t, uint32_t key, int32_t index) {
-  return key != 0 && (key > t.key || (key == t.key && inverted(index) >= t.inverted_index));
-}
 
-struct SelectShared {
-  uint32_t histogram[256];
-  uint32_t warp_count[kWarpsPerCta];
-  uint32_t warp_max[kWarpsPerCta];
-  uint32_t warp_min[kWarpsPerCta];
+__device__ __forceinline__ uint32_t top_bits(uint32_t key, int bits) { return bits == 0 ? 0u : key >> (32 - bits); }
+
+struct alignas(16) Shared {
+  uint32_t histogram[2][kBins];  // passes alternate buffers: one cluster barrier per pass
+  uint32_t warp_sums[kWarps];
   uint32_t found_bin, found_above, found_count, total;
+  uint32_t cta_above, cta_equal;              // this CTA's compaction counts, read by the cluster
+  uint32_t before_above, before_equal;        // the counts of the CTAs of lower rank
+  uint32_t all_above, all_equal;              // the row's totals
 };
 
-// Radix select in one CTA over the kPerThread candidates of every thread (key 0 = none): the threshold of the
-// min(k, candidates) best (key, inverted index) pairs. Starts below the bits every candidate shares (the common
-// prefix of the largest and smallest key), takes 8 bits per pass — score bits, then index bits when scores tie —
-// and stops as soon as the bin that crosses k holds exactly the number still needed. Index passes use 32-bit
-// arithmetic only, so sixteen candidates per thread stay in registers at 1024 threads.
-template <int kCtaThreads>
-__device__ Threshold select_threshold(const uint32_t (&key)[kPerThread], const int32_t (&index)[kPerThread], int k,
-                                      SelectShared& sh) {
+// Inclusive scan of one value per thread across the CTA (thread order); all threads get the CTA total too.
+__device__ __forceinline__ uint32_t block_inclusive_scan(uint32_t value, Shared& sh, uint32_t& total) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  uint32_t count = 0, kmax = 0, kmin = 0xffffffffu;
-#pragma unroll
-  for (int i = 0; i < kPerThread; ++i)
-    if (key[i] != 0) {
-      ++count;
-      kmax = max(kmax, key[i]);
-      kmin = min(kmin, key[i]);
-    }
-  for (int offset = 16; offset > 0; offset /= 2) {
-    count += __shfl_xor_sync(0xffffffffu, count, offset);
-    kmax = max(kmax, __shfl_xor_sync(0xffffffffu, kmax, offset));
-    kmin = min(kmin, __shfl_xor_sync(0xffffffffu, kmin, offset));
+  for (int offset = 1; offset < 32; offset *= 2) {
+    const uint32_t v = __shfl_up_sync(0xffffffffu, value, offset);
+    if (lane >= offset) value += v;
   }
-  if (lane == 0) {
-    sh.warp_count[warp] = count;
-    sh.warp_max[warp] = kmax;
-    sh.warp_min[warp] = kmin;
-  }
-  for (int i = threadIdx.x; i < 256; i += kCtaThreads) sh.histogram[i] = 0;
+  if (lane == 31) sh.warp_sums[warp] = value;
   __syncthreads();
   if (warp == 0) {
-    const bool real = lane < kCtaThreads / 32;
-    count = real ? sh.warp_count[lane] : 0;
-    kmax = real ? sh.warp_max[lane] : 0;
-    kmin = real ? sh.warp_min[lane] : 0xffffffffu;
-    for (int offset = 16; offset > 0; offset /= 2) {
-      count += __shfl_xor_sync(0xffffffffu, count, offset);
-      kmax = max(kmax, __shfl_xor_sync(0xffffffffu, kmax, offset));
-      kmin = min(kmin, __shfl_xor_sync(0xffffffffu, kmin, offset));
+    uint32_t w = sh.warp_sums[lane];
+    for (int offset = 1; offset < 32; offset *= 2) {
+      const uint32_t v = __shfl_up_sync(0xffffffffu, w, offset);
+      if (lane >= offset) w += v;
     }
-    if (lane == 0) {
-      sh.total = count;
-      sh.found_bin = kmax;
-      sh.found_above = kmin;
-    }
+    sh.warp_sums[lane] = w;
   }
   __syncthreads();
-  const uint32_t total = sh.total;
-  if (total <= static_cast<uint32_t>(k)) return {1u, 0u};  // every candidate
-  kmax = sh.found_bin;
-  kmin = sh.found_above;
-  int resolved = __clz(kmax ^ kmin);                  // leading key bits all candidates share (32: all equal)
-  // the resolved top bits of the key, the rest zero (shifts by 32 are avoided: undefined in C++)
-  const uint32_t key_prefix_mask = resolved == 32 ? 0xffffffffu : ~(0xffffffffu >> resolved);
-  uint32_t key_prefix = kmax & key_prefix_mask;
-  uint32_t index_prefix = 0;  // resolved − 32 top bits of the inverted index, in the low bits
-  uint32_t need = static_cast<uint32_t>(k);
-  __syncthreads();  // everyone has read the scalars before warp 0 overwrites them
-  while (resolved < kCompositeBits) {
-    const bool on_key = resolved < 32;
-    const int bits = on_key ? min(8, 32 - resolved) : min(8, kCompositeBits - resolved);
-    const uint32_t mask = (1u << bits) - 1u;
-#pragma unroll
-    for (int i = 0; i < kPerThread; ++i) {
-      uint32_t digit = 0;
-      bool match = false;
-      if (key[i] != 0) {
-        if (on_key) {
-          match = resolved == 0 || ((key[i] ^ key_prefix) >> (32 - resolved)) == 0;
-          digit = (key[i] >> (32 - resolved - bits)) & mask;
-        } else {
-          const int done = resolved - 32;
-          const uint32_t inv = inverted(index[i]);
-          match = key[i] == key_prefix && (done == 0 || (inv >> (kIndexBits - done)) == index_prefix);
-          digit = (inv >> (kIndexBits - done - bits)) & mask;
-        }
-      }
-      // Scores cluster in few bins (the first pass sees sign and exponent), and lanes adding to one shared
-      // counter serialise: one atomic per distinct digit per warp instead (the first version, one per candidate,
-      // took ~24 us on 2,048 candidates).
-      if (__ballot_sync(0xffffffffu, match) == 0) continue;
-      const uint32_t peers = __match_any_sync(0xffffffffu, match ? digit : 0xffffffffu);
-      if (match && lane == __ffs(peers) - 1) atomicAdd(&sh.histogram[digit], static_cast<uint32_t>(__popc(peers)));
-    }
-    __syncthreads();
-    if (warp == 0) {
-      uint32_t mine[8], sum = 0;
-#pragma unroll
-      for (int b = 0; b < 8; ++b) {
-        mine[b] = sh.histogram[8 * lane + b];
-        sum += mine[b];
-        sh.histogram[8 * lane + b] = 0;  // ready for the next pass
-      }
-      // candidates in the bins of higher lanes
-      uint32_t above = sum;
-      for (int offset = 1; offset < 32; offset *= 2) {
-        const uint32_t v = __shfl_down_sync(0xffffffffu, above, offset);
-        if (lane + offset < 32) above += v;
-      }
-      above -= sum;
-      if (above < need && above + sum >= need) {
-#pragma unroll
-        for (int b = 7; b >= 0; --b) {
-          if (above + mine[b] >= need) {
-            sh.found_bin = 8 * lane + b;
-            sh.found_above = above;
-            sh.found_count = mine[b];
-            break;
-          }
-          above += mine[b];
-        }
-      }
-    }
-    __syncthreads();
-    const uint32_t bin = sh.found_bin, above = sh.found_above, in_bin = sh.found_count;
-    __syncthreads();
-    need -= above;
-    if (on_key)
-      key_prefix |= bin << (32 - resolved - bits);
-    else
-      index_prefix = (index_prefix << bits) | bin;
-    resolved += bits;
-    if (in_bin == need) break;  // the whole bin is taken
-  }
-  // Bits not resolved are zero: every candidate matching the prefix is at or above the threshold.
-  if (resolved <= 32) return {key_prefix, 0u};
-  return {key_prefix, index_prefix << (kCompositeBits - resolved)};
+  total = sh.warp_sums[kWarps - 1];
+  const uint32_t result = value + (warp > 0 ? sh.warp_sums[warp - 1] : 0u);
+  __syncthreads();  // warp_sums may be reused by the caller's next scan
+  return result;
 }
 
-// Appends this thread's chosen candidates at out_key/out_index[atomic slot]; *counter ends at the number chosen.
-// The order is arbitrary; the set is exact.
-__device__ __forceinline__ void compact(const uint32_t (&key)[kPerThread], const int32_t (&index)[kPerThread],
-                                        const Threshold& threshold, uint32_t* counter, uint32_t* out_key,
-                                        int32_t* out_index) {
+// Adds the digit below `sel.prefix` of every key matching it to this CTA's histogram. Scores cluster in few bins
+// (a pass sees sign, exponent and a few mantissa bits), and lanes adding to one shared counter serialise: one
+// atomic per distinct digit per warp instead (__match_any_sync).
+__device__ __forceinline__ void histogram_pass(const uint4* keys4, int quads, const Selection& sel, int bits,
+                                               uint32_t* histogram) {
   const int lane = threadIdx.x % 32;
+  const uint32_t mask = (1u << bits) - 1u;
+  const int shift = 32 - sel.resolved - bits;
+  for (int base = 0; base < quads; base += kThreads) {
+    const int j = base + static_cast<int>(threadIdx.x);
+    const uint4 v = j < quads ? keys4[j] : make_uint4(0, 0, 0, 0);
+    const uint32_t key[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    const bool take = chosen_by(threshold, key[i], index[i]);
-    const uint32_t ballot = __ballot_sync(0xffffffffu, take);
-    if (ballot == 0) continue;
-    uint32_t base = 0;
-    if (lane == __ffs(ballot) - 1) base = atomicAdd(counter, static_cast<uint32_t>(__popc(ballot)));
-    base = __shfl_sync(0xffffffffu, base, __ffs(ballot) - 1);
-    if (take) {
-      const uint32_t slot = base + __popc(ballot & ((1u << lane) - 1u));
-      if (out_key) out_key[slot] = key[i];
-      out_index[slot] = index[i];
+    for (int i = 0; i < 4; ++i) {
+      const bool match = key[i] != 0 && top_bits(key[i], sel.resolved) == sel.prefix;
+      if (__ballot_sync(0xffffffffu, match) == 0) continue;
+      const uint32_t digit = (key[i] >> shift) & mask;
+      const uint32_t peers = __match_any_sync(0xffffffffu, match ? digit : 0xffffffffu);
+      if (match && lane == __ffs(peers) - 1) atomicAdd(&histogram[digit], static_cast<uint32_t>(__popc(peers)));
     }
   }
 }
 
-struct Workspace {
-  uint32_t* keys;     // [rows, chunks, k]
-  int32_t* indices;   // [rows, chunks, k]
-  uint32_t* counts;   // [rows, chunks]
-};
+// The cluster's histogram is complete (after a cluster barrier): every CTA sums it from all ranks and finds the
+// bin where the count from the top crosses `need`, so all CTAs reach the same decision without a broadcast.
+// Returns true once the selection is final.
+__device__ bool resolve_digit(cg::cluster_group& cluster, int ranks, uint32_t* histogram, int bits, Selection& sel,
+                              Shared& sh) {
+  // Thread t sums the bins of owner u = kThreads-1-t (bins 2u, 2u+1), so a forward scan over t counts from the
+  // highest bin down.
+  const int owner = kThreads - 1 - static_cast<int>(threadIdx.x);
+  uint32_t low = 0, high = 0;
+  for (int r = 0; r < ranks; ++r) {
+    const uint32_t* remote = cluster.map_shared_rank(histogram, r);
+    const uint2 pair = *reinterpret_cast<const uint2*>(remote + 2 * owner);
+    low += pair.x;
+    high += pair.y;
+  }
+  uint32_t total;
+  const uint32_t inclusive = block_inclusive_scan(low + high, sh, total);
+  uint32_t above = inclusive - low - high;  // keys in the bins above this thread's two
+  if (above < sel.need && above + high >= sel.need) {
+    sh.found_bin = 2 * owner + 1;
+    sh.found_above = above;
+    sh.found_count = high;
+  } else if (above + high < sel.need && above + high + low >= sel.need) {
+    sh.found_bin = 2 * owner;
+    sh.found_above = above + high;
+    sh.found_count = low;
+  }
+  __syncthreads();
+  if (total < sel.need) {  // fewer valid keys than k (first pass only): take them all
+    sel.need = total;
+    return true;
+  }
+  sel.need -= sh.found_above;
+  sel.prefix = (sel.prefix << bits) | sh.found_bin;
+  sel.resolved += bits;
+  const bool whole_bin = sh.found_count == sel.need;
+  __syncthreads();  // found_* are rewritten by the next pass
+  return whole_bin || sel.resolved == 32;
+}
 
-// Threads · 16 columns per CTA. 512 threads when k ≤ 512: two CTAs per SM then overlap one's loads with the
-// other's passes.
-template <int kCtaThreads>
-__global__ void __launch_bounds__(kCtaThreads, 1024 / kCtaThreads) chunk_select_kernel(const TopKParams p,
-                                                                                 Workspace ws, int chunks) {
-  wait_for_prior_grid();
-  allow_dependents();
-  __shared__ SelectShared sh;
-  __shared__ uint32_t counter;
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+
+__global__ void __launch_bounds__(kThreads, 1) top_k_cluster_kernel(const TopKParams p, int span) {
+  extern __shared__ uint4 dynamic_keys[];
+  __shared__ Shared sh;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int ranks = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
   const int64_t row = blockIdx.y;
-  const int chunk = blockIdx.x;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  uint32_t* keys = reinterpret_cast<uint32_t*>(dynamic_keys);
+  const int quads = span / 4;
+
+  for (int i = threadIdx.x; i < 2 * kBins; i += kThreads) (&sh.histogram[0][0])[i] = 0;
+  wait_for_prior_grid();  // the scores come from the previous kernel
+  allow_dependents();
+
+  // Load this CTA's span [first, first + span) as keys; entries at or past the row's length are not read.
   int64_t length = p.columns;
   if (p.row_lengths) length = max(int64_t{0}, min(length, static_cast<int64_t>(p.row_lengths[row])));
-  const float* scores = p.scores + row * p.row_stride;
-  uint32_t key[kPerThread];
-  int32_t index[kPerThread];
+  const int64_t first = static_cast<int64_t>(rank) * span;
+  const int valid = static_cast<int>(max(int64_t{0}, min(static_cast<int64_t>(span), length - first)));
+  const float* scores = p.scores + row * p.row_stride + first;
+  const bool vector_loads = (reinterpret_cast<uintptr_t>(scores) & 15) == 0;
+  constexpr int kInFlight = 8;  // float4 loads per thread issued before any is used: the span in one round trip
+  for (int base = 0; base < quads; base += kInFlight * kThreads) {
+    float4 v[kInFlight];
 #pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    index[i] = chunk * (kCtaThreads * kPerThread) + i * kCtaThreads + static_cast<int>(threadIdx.x);
-    key[i] = index[i] < length ? ordered_key(__ldg(scores + index[i])) : 0;
-  }
-  if (threadIdx.x == 0) counter = 0;
-  const Threshold threshold = select_threshold<kCtaThreads>(key, index, static_cast<int>(p.k), sh);
-  const int64_t base = (row * chunks + chunk) * p.k;
-  compact(key, index, threshold, &counter, ws.keys + base, ws.indices + base);
-  __syncthreads();
-  if (threadIdx.x == 0) ws.counts[row * chunks + chunk] = counter;
-}
-
-// Entry order by a bitmap over the row's columns (32 KB at 262,144): every chosen entry sets its bit, one
-// block-wide scan of the per-thread popcounts gives each thread's first output slot, and each thread writes its
-// words' set bits in ascending order. Four barriers, where a bitonic sort of the kTopKMaxK slots took 55 (most of
-// this kernel's ~11 µs at decode).
-constexpr int kBitmapWords = static_cast<int>(kTopKMaxColumns / 32);
-
-__global__ void __launch_bounds__(kThreads, 1) merge_select_kernel(const TopKParams p, Workspace ws, int chunks) {
-  wait_for_prior_grid();
-  allow_dependents();
-  __shared__ SelectShared sh;
-  __shared__ uint32_t bitmap[kBitmapWords];
-  __shared__ uint32_t warp_totals[kWarpsPerCta];
-  const int64_t row = blockIdx.x;
-  const int k = static_cast<int>(p.k);
-  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
-  const int64_t columns = p.columns;
-  const int words = static_cast<int>((columns + 31) / 32);
-  for (int i = threadIdx.x; i < words; i += kThreads) bitmap[i] = 0;
-  uint32_t key[kPerThread];
-  int32_t index[kPerThread];
+    for (int u = 0; u < kInFlight; ++u) {
+      const int j = base + u * kThreads + static_cast<int>(threadIdx.x);
+      v[u] = make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
+      if (4 * j + 3 < valid && vector_loads) {
+        v[u] = __ldg(reinterpret_cast<const float4*>(scores) + j);
+      } else if (4 * j < valid) {
+        v[u].x = __ldg(scores + 4 * j);
+        if (4 * j + 1 < valid) v[u].y = __ldg(scores + 4 * j + 1);
+        if (4 * j + 2 < valid) v[u].z = __ldg(scores + 4 * j + 2);
+        if (4 * j + 3 < valid) v[u].w = __ldg(scores + 4 * j + 3);
+      }
+    }
 #pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    const int slot = i * kThreads + static_cast<int>(threadIdx.x);
-    const int chunk = slot / k, within = slot % k;
-    key[i] = 0;
-    index[i] = 0;
-    if (chunk < chunks && within < static_cast<int>(ws.counts[row * chunks + chunk])) {
-      const int64_t at = (row * chunks + chunk) * p.k + within;
-      key[i] = ws.keys[at];
-      index[i] = ws.indices[at];
+    for (int u = 0; u < kInFlight; ++u) {
+      const int j = base + u * kThreads + static_cast<int>(threadIdx.x);
+      if (j < quads)
+        dynamic_keys[j] = make_uint4(ordered_key(v[u].x), ordered_key(v[u].y), ordered_key(v[u].z),
+                                     ordered_key(v[u].w));
     }
   }
-  // One chunk: its candidates are already the row's top-k (the chunk kernel selected them), no second select.
-  const Threshold threshold = chunks == 1 ? Threshold{1u, 0u} : select_threshold<kThreads>(key, index, k, sh);
-  __syncthreads();  // the bitmap is clear
-#pragma unroll
-  for (int i = 0; i < kPerThread; ++i)
-    if (chosen_by(threshold, key[i], index[i])) atomicOr(&bitmap[index[i] >> 5], 1u << (index[i] & 31));
-  __syncthreads();
-  // Thread t owns words [t·per, (t+1)·per): its count, then an exclusive scan across the CTA.
-  const int per = (words + kThreads - 1) / kThreads;
-  const int first = static_cast<int>(threadIdx.x) * per, last = min(words, first + per);
-  uint32_t mine = 0;
-  for (int w = first; w < last; ++w) mine += __popc(bitmap[w]);
-  uint32_t inclusive = mine;
-  for (int offset = 1; offset < 32; offset *= 2) {
-    const uint32_t v = __shfl_up_sync(0xffffffffu, inclusive, offset);
-    if (lane >= offset) inclusive += v;
+  cluster.sync();  // every CTA has started (its shared memory exists) and zeroed its histograms
+
+  // Radix passes over the keys in shared memory: 11, 11, 10 bits, stopping once the crossing bin is taken whole.
+  Selection sel;
+  sel.need = static_cast<uint32_t>(p.k);
+  for (int pass = 0; pass < 3; ++pass) {
+    uint32_t* histogram = sh.histogram[pass & 1];
+    if (pass == 2) {  // buffer 0 again: every CTA finished reading it before the barrier of pass 1
+      for (int i = threadIdx.x; i < kBins; i += kThreads) histogram[i] = 0;
+      __syncthreads();
+    }
+    histogram_pass(dynamic_keys, quads, sel, digit_bits(pass), histogram);
+    cluster.sync();
+    if (resolve_digit(cluster, ranks, histogram, digit_bits(pass), sel, sh)) break;
   }
-  if (lane == 31) warp_totals[warp] = inclusive;
-  __syncthreads();
+
+  // Compaction in entry order. Warp w owns the contiguous keys [w·per_warp, (w+1)·per_warp) of the span, in
+  // groups of 32 (lane l reads key 32g + l: no bank conflict); a key's output slot is the number of chosen keys
+  // at lower entries = the "above" keys before it + min(need, the "equal" keys before it).
+  const int per_warp = span / kWarps;
+  const int groups = per_warp / 32;
+  const uint32_t* my_keys = keys + warp * per_warp;
+  auto classify = [&](uint32_t key, bool& above, bool& equal) {
+    const uint32_t top = top_bits(key, sel.resolved);
+    above = key != 0 && top > sel.prefix;
+    equal = key != 0 && top == sel.prefix;
+  };
+  uint32_t warp_above = 0, warp_equal = 0;
+  for (int g = 0; g < groups; ++g) {
+    bool above, equal;
+    classify(my_keys[32 * g + lane], above, equal);
+    warp_above += __popc(__ballot_sync(0xffffffffu, above));
+    warp_equal += __popc(__ballot_sync(0xffffffffu, equal));
+  }
+  // Both counts in one scan: the span holds at most 32,768 keys, so each fits 16 bits.
+  uint32_t cta_packed;
+  const uint32_t packed = lane == 0 ? (warp_above << 16 | warp_equal) : 0u;
+  const uint32_t inclusive = block_inclusive_scan(packed, sh, cta_packed);
+  const uint32_t warp_before = __shfl_sync(0xffffffffu, inclusive - packed, 0);  // the warps before this one
+  if (threadIdx.x == 0) {
+    sh.cta_above = cta_packed >> 16;
+    sh.cta_equal = cta_packed & 0xffffu;
+  }
+  cluster.sync();
   if (warp == 0) {
-    uint32_t total = lane < kWarpsPerCta ? warp_totals[lane] : 0;
-    for (int offset = 1; offset < 32; offset *= 2) {
-      const uint32_t v = __shfl_up_sync(0xffffffffu, total, offset);
-      if (lane >= offset) total += v;
+    uint32_t above = 0, equal = 0, before_above = 0, before_equal = 0;
+    if (lane < ranks) {
+      const Shared* remote = cluster.map_shared_rank(&sh, lane);
+      above = remote->cta_above;
+      equal = remote->cta_equal;
     }
-    if (lane < kWarpsPerCta) warp_totals[lane] = total;  // inclusive over warps
+    if (lane < rank) {
+      before_above = above;
+      before_equal = equal;
+    }
+    for (int offset = 16; offset > 0; offset /= 2) {
+      above += __shfl_xor_sync(0xffffffffu, above, offset);
+      equal += __shfl_xor_sync(0xffffffffu, equal, offset);
+      before_above += __shfl_xor_sync(0xffffffffu, before_above, offset);
+      before_equal += __shfl_xor_sync(0xffffffffu, before_equal, offset);
+    }
+    if (lane == 0) {
+      sh.all_above = above;
+      sh.all_equal = equal;
+      sh.before_above = before_above;
+      sh.before_equal = before_equal;
+    }
   }
+  cluster_arrive();  // done reading the other CTAs' shared memory; they may exit once everyone arrived
   __syncthreads();
-  uint32_t slot = (warp > 0 ? warp_totals[warp - 1] : 0) + inclusive - mine;
-  const uint32_t n = warp_totals[kWarpsPerCta - 1];
+  uint32_t running_above = sh.before_above + (warp_before >> 16);
+  uint32_t running_equal = sh.before_equal + (warp_before & 0xffffu);
   int32_t* out = p.indices + row * p.k;
-  for (int w = first; w < last; ++w)
-    for (uint32_t bits = bitmap[w]; bits != 0; bits &= bits - 1) out[slot++] = w * 32 + __ffs(bits) - 1;
-  for (int i = static_cast<int>(n) + static_cast<int>(threadIdx.x); i < k; i += kThreads) out[i] = -1;
-  if (threadIdx.x == 0) p.lengths[row] = static_cast<int32_t>(n);
+  const int32_t entry0 = static_cast<int32_t>(first) + warp * per_warp;
+  const uint32_t lower_lanes = (1u << lane) - 1u;
+  for (int g = 0; g < groups; ++g) {
+    bool above, equal;
+    classify(my_keys[32 * g + lane], above, equal);
+    const uint32_t above_ballot = __ballot_sync(0xffffffffu, above);
+    const uint32_t equal_ballot = __ballot_sync(0xffffffffu, equal);
+    const uint32_t equal_before = running_equal + __popc(equal_ballot & lower_lanes);
+    if (above || (equal && equal_before < sel.need)) {
+      const uint32_t slot = running_above + __popc(above_ballot & lower_lanes) + min(sel.need, equal_before);
+      out[slot] = entry0 + 32 * g + lane;
+    }
+    running_above += __popc(above_ballot);
+    running_equal += __popc(equal_ballot);
+  }
+  if (rank == 0) {
+    const uint32_t chosen = sh.all_above + min(sel.need, sh.all_equal);
+    for (int i = static_cast<int>(chosen) + static_cast<int>(threadIdx.x); i < p.k; i += kThreads) out[i] = -1;
+    if (threadIdx.x == 0) p.lengths[row] = static_cast<int32_t>(chosen);
+  }
+  cluster_wait();
 }
 
-int chunk_columns(int64_t k) { return k <= 512 ? kChunk / 2 : kChunk; }
-int chunks_of(int64_t columns, int64_t k) {
-  return columns == 0 ? 1 : static_cast<int>((columns + chunk_columns(k) - 1) / chunk_columns(k));
+struct LaunchShape {
+  int cluster;  // CTAs per row
+  int span;     // keys per CTA
+};
+
+// DSV4_TOPK_CLUSTER=16 allows Hopper's non-portable 16-CTA clusters (half the keys per CTA); 8 by default.
+int max_cluster() {
+  static const int value = [] {
+    const char* text = std::getenv("DSV4_TOPK_CLUSTER");
+    return text != nullptr && std::atoi(text) == 16 ? 16 : kMaxCluster;
+  }();
+  return value;
+}
+
+LaunchShape launch_shape(int64_t columns) {
+  const int64_t wanted = (columns + kMinSpan - 1) / kMinSpan;
+  const int cluster = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_cluster(), wanted)));
+  int64_t span = (columns + cluster - 1) / cluster;
+  span = std::max<int64_t>(kSpanQuantum, (span + kSpanQuantum - 1) / kSpanQuantum * kSpanQuantum);
+  return {cluster, static_cast<int>(span)};
 }
 
 }  // namespace
 
-size_t top_k_workspace_bytes(int64_t rows, int64_t columns, int64_t k) {
-  const auto slots = static_cast<size_t>(rows) * static_cast<size_t>(chunks_of(columns, k));
-  return slots * static_cast<size_t>(k) * 8 + slots * 4 + 64;
-}
-
-cudaError_t top_k(const TopKParams& p, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+cudaError_t top_k(const TopKParams& p, cudaStream_t stream) {
   if (p.k <= 0 || p.k > kTopKMaxK || p.columns > kTopKMaxColumns || p.columns < 0 || p.rows > 65535 ||
       p.row_stride < p.columns)
     return cudaErrorInvalidValue;
   if (p.rows == 0) return cudaSuccess;
-  if (workspace_bytes < top_k_workspace_bytes(p.rows, p.columns, p.k)) return cudaErrorInvalidValue;
-  const int chunks = chunks_of(p.columns, p.k);
-  const auto slots = static_cast<size_t>(p.rows) * static_cast<size_t>(chunks);
-  Workspace ws;
-  ws.keys = static_cast<uint32_t*>(workspace);
-  ws.indices = reinterpret_cast<int32_t*>(ws.keys + slots * p.k);
-  ws.counts = reinterpret_cast<uint32_t*>(ws.indices + slots * p.k);
-  const dim3 grid(chunks, static_cast<unsigned>(p.rows));
-  if (p.k <= 512)
-    launch_dependent(chunk_select_kernel<kThreads / 2>, grid, kThreads / 2, 0, stream, p, ws, chunks);
-  else
-    launch_dependent(chunk_select_kernel<kThreads>, grid, kThreads, 0, stream, p, ws, chunks);
-  launch_dependent(merge_select_kernel, static_cast<unsigned>(p.rows), kThreads, 0, stream, p, ws, chunks);
-  return cudaGetLastError();
+  const LaunchShape shape = launch_shape(p.columns);
+  const size_t shared = static_cast<size_t>(shape.span) * sizeof(uint32_t);
+  // Per device, so set on every call (a host-side attribute, allowed during graph capture).
+  const cudaError_t configured = cudaFuncSetAttribute(
+      top_k_cluster_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSpan * static_cast<int>(sizeof(uint32_t)));
+  if (configured != cudaSuccess) return configured;
+  if (shape.cluster > kMaxCluster) {
+    const cudaError_t allowed =
+        cudaFuncSetAttribute(top_k_cluster_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    if (allowed != cudaSuccess) return allowed;
+  }
+  cudaLaunchAttribute attributes[2] = {};
+  attributes[0].id = cudaLaunchAttributeClusterDimension;
+  attributes[0].val.clusterDim.x = static_cast<unsigned>(shape.cluster);
+  attributes[0].val.clusterDim.y = 1;
+  attributes[0].val.clusterDim.z = 1;
+  attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[1].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(shape.cluster), static_cast<unsigned>(p.rows));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = shared;
+  config.stream = stream;
+  config.attrs = attributes;
+  config.numAttrs = programmatic_launch_enabled() ? 2 : 1;
+  return cudaLaunchKernelEx(&config, top_k_cluster_kernel, p, shape.span);
 }
 
 }  // namespace dsv4::ops::cuda

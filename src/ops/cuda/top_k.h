@@ -14,12 +14,10 @@ namespace dsv4::ops::cuda {
 inline constexpr int64_t kTopKMaxColumns = 262144;
 inline constexpr int64_t kTopKMaxK = 1024;
 
-// Bytes of workspace top_k needs for `rows` rows of `columns` scores and this k.
-size_t top_k_workspace_bytes(int64_t rows, int64_t columns, int64_t k);
-
-// Two launches, no allocation and no host synchronisation (CUDA-graph safe): (1) every chunk of a row (8,192 columns
-// for k ≤ 512, 16,384 above) selects its exact top-k by radix select in one CTA; (2) one CTA per row selects the top-k among the
-// chunks' candidates (the global top-k is contained in the union of the chunks' top-k) and sorts it by entry.
-cudaError_t top_k(const TopKParams& p, void* workspace, size_t workspace_bytes, cudaStream_t stream);
+// One launch, no workspace, no allocation and no host synchronisation (CUDA-graph safe): a thread-block
+// cluster of up to 8 CTAs per row holds the row's scores in shared memory as ordered keys, finds the k-th key by
+// a radix select over the cluster's combined histograms (11 + 11 + 10 bits, stopping early), and writes the
+// chosen entries in entry order.
+cudaError_t top_k(const TopKParams& p, cudaStream_t stream);
 
 }  // namespace dsv4::ops::cuda

@@ -150,16 +150,12 @@ void check_top_k(int64_t rows, int64_t columns, int64_t stride, int64_t k, const
   int32_t *d_indices, *d_lengths;
   ASSERT_EQ(cudaMalloc(&d_indices, rows * k * 4), cudaSuccess);
   ASSERT_EQ(cudaMalloc(&d_lengths, rows * 4), cudaSuccess);
-  const size_t ws_bytes = top_k_workspace_bytes(rows, columns, k);
-  void* d_ws;
-  ASSERT_EQ(cudaMalloc(&d_ws, ws_bytes), cudaSuccess);
   TopKParams p{rows, columns, stride, k, d_scores, d_row_lengths, d_indices, d_lengths};
   std::vector<int32_t> first;
   for (int run = 0; run < 2; ++run) {
     cudaMemset(d_indices, 0x7f, rows * k * 4);  // poison
     cudaMemset(d_lengths, 0x7f, rows * 4);
-    cudaMemset(d_ws, 0x5a, ws_bytes);
-    ASSERT_EQ(top_k(p, d_ws, ws_bytes, nullptr), cudaSuccess);
+    ASSERT_EQ(top_k(p, nullptr), cudaSuccess);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const auto indices = to_host(d_indices, rows * k);
     const auto lengths = to_host(d_lengths, rows);
@@ -174,7 +170,6 @@ void check_top_k(int64_t rows, int64_t columns, int64_t stride, int64_t k, const
   if (d_row_lengths) cudaFree(d_row_lengths);
   cudaFree(d_indices);
   cudaFree(d_lengths);
-  cudaFree(d_ws);
 }
 
 TEST_F(CudaIndexerTest, TopKMatchesCpuTwinAt262144Candidates) {
