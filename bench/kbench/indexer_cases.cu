@@ -180,6 +180,10 @@ std::vector<CaseResult> top_k_cases(const Ceilings&, const Options& options) {
   fill_normal<<<4096, 256>>>(scores, max_rows * max_columns, 9);
   auto* indices = device_alloc<int32_t>(max_rows * 1024);
   auto* lengths = device_alloc<int32_t>(max_rows);
+  // k 512 uses more, smaller chunks than k 1024 (more per-chunk counts): size for both.
+  const size_t workspace_bytes = std::max(ops::cuda::top_k_workspace_bytes(max_rows, max_columns, 512),
+                                          ops::cuda::top_k_workspace_bytes(max_rows, max_columns, 1024));
+  void* workspace = device_alloc<unsigned char>(workspace_bytes);
   check(cudaGetLastError(), "scores fill");
   for (const int64_t k : {512, 1024})
     for (const int64_t columns : contexts)
@@ -188,7 +192,7 @@ std::vector<CaseResult> top_k_cases(const Ceilings&, const Options& options) {
         ops::TopKParams p{batch, columns, columns, k, scores, nullptr, indices, lengths};
         cudaError_t status = cudaSuccess;
         const double us =
-            time_kernel_us([&] { status = ops::cuda::top_k(p, nullptr); }, iterations);
+            time_kernel_us([&] { status = ops::cuda::top_k(p, workspace, workspace_bytes, nullptr); }, iterations);
         CaseResult r;
         if (status != cudaSuccess) {
           r.name = shape_name("top_k FAILED", columns, batch);
@@ -212,7 +216,7 @@ std::vector<CaseResult> top_k_cases(const Ceilings&, const Options& options) {
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
-    check(ops::cuda::top_k(p, stream), "top_k captured");
+    check(ops::cuda::top_k(p, workspace, workspace_bytes, stream), "top_k captured");
     check(cudaStreamEndCapture(stream, &graph), "capture end");
     check(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
     const double us = time_kernel_us([&] { cudaGraphLaunch(exec, nullptr); }, iterations);
@@ -226,7 +230,7 @@ std::vector<CaseResult> top_k_cases(const Ceilings&, const Options& options) {
     cudaGraphDestroy(graph);
     cudaStreamDestroy(stream);
   }
-  for (void* ptr : std::initializer_list<void*>{scores, indices, lengths}) cudaFree(ptr);
+  for (void* ptr : std::initializer_list<void*>{scores, indices, lengths, workspace}) cudaFree(ptr);
   return results;
 }
 

@@ -1,16 +1,25 @@
 #!/usr/bin/env bash
-# One device run for top-k (docs/kernels/indexer_topk.md): the GPU tests of the carried build (FILTER), then
-# dsv4_kbench --suite top_k of two builds side by side (.devcarry/old, .devcarry/new: carry both) and torch.topk.
+# One device run for top-k (docs/kernels/indexer_topk.md), most important first (each step logs under $OUT, so a
+# cut-off run still returns what it finished): the top-k GPU tests of the carried build, dsv4_kbench --suite top_k
+# of two builds side by side (.devcarry/old and .devcarry/new: carry both), torch.topk at the same shapes, the
+# whole-model GPU tests that run the top-k (FILTER), bench latency of the 4-layer cut, the 16-CTA cluster variant.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 TORCH_CUBLAS=$(python3 -c "import nvidia.cublas, os; print(os.path.join(list(nvidia.cublas.__path__)[0], 'lib'))" 2>/dev/null)
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64:${TORCH_CUBLAS}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+NEW=.devcarry/new OLD=.devcarry/old
+table() { sed -n '/^case /,$p' "$1" | cut -c1-70; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
-timeout 240 .devcarry/new/dsv4_gpu_tests --gtest_filter="${FILTER:-CudaIndexer*:CudaModel*}" > "$OUT/gpu_tests.log" 2>&1; echo "gpu tests rc=$?"
-grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|Failure|error|Expected|Which" "$OUT/gpu_tests.log" | head -30
-timeout 120 .devcarry/old/dsv4_kbench --suite top_k > "$OUT/old.log" 2>&1; echo "old rc=$?"
-timeout 120 .devcarry/new/dsv4_kbench --suite top_k > "$OUT/new.log" 2>&1; echo "new rc=$?"
-timeout 120 python3 bench/kbench/torch_topk.py > "$OUT/torch.log" 2>&1; echo "torch rc=$?"
-paste -d'|' <(sed -n '/^case /,$p' "$OUT/old.log" | cut -c1-60) <(sed -n '/^case /,$p' "$OUT/new.log" | cut -c1-60)
-cat "$OUT/torch.log" | tail -30
-DSV4_TOPK_CLUSTER=16 timeout 120 .devcarry/new/dsv4_kbench --suite top_k > "$OUT/new16.log" 2>&1; echo "new16 rc=$?"; sed -n "/^case /,\$p" "$OUT/new16.log" | cut -c1-60
+timeout 60 $NEW/dsv4_gpu_tests --gtest_filter='CudaIndexer*TopK*' > "$OUT/topk_tests.log" 2>&1; echo "top-k tests rc=$?"
+grep -E "^\[  (PASSED|FAILED) |Failure|Expected|Which" "$OUT/topk_tests.log" | head -12
+timeout 90 $OLD/dsv4_kbench --suite top_k > "$OUT/old.log" 2>&1; echo "old rc=$?"
+timeout 90 $NEW/dsv4_kbench --suite top_k > "$OUT/new.log" 2>&1; echo "new rc=$?"
+paste -d'|' <(table "$OUT/old.log") <(table "$OUT/new.log")
+timeout 90 python3 bench/kbench/torch_topk.py > "$OUT/torch.log" 2>&1; echo "torch rc=$?"; tail -26 "$OUT/torch.log"
+timeout 150 $NEW/dsv4_gpu_tests --gtest_filter="${FILTER:-CudaModel.Fp32MatchesCpuOnTheTinyModel:CudaModel.Bf16GreedyTop1*:CudaModel.EngineGreedy*}" \
+  > "$OUT/model_tests.log" 2>&1; echo "model tests rc=$?"
+grep -E "^\[  (PASSED|FAILED) |Failure|Expected|Which|greedy top-1" "$OUT/model_tests.log" | head -12
+timeout 80 $NEW/dsv4 bench latency --model bench/configs/v4_flash_4layer.json --load-format dummy --device cuda \
+  --input-len 1024 --output-len 64 --batch-size 1,8 > "$OUT/latency.log" 2>&1; echo "latency rc=$?"
+grep -E "ms|tok" "$OUT/latency.log" | tail -6
+DSV4_TOPK_CLUSTER=16 timeout 60 $NEW/dsv4_kbench --suite top_k > "$OUT/new16.log" 2>&1; echo "new16 rc=$?"; table "$OUT/new16.log"

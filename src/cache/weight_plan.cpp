@@ -46,6 +46,7 @@ WeightPlan plan_weights(const ModelConfig& config, const WeightFormat& format) {
     switch (spec.role) {
       case TensorRole::kLinear:
         if (spec.name.find(".ffn.experts.") != std::string::npos) index = 0;
+        else if (spec.name.ends_with(".ffn.gate.weight")) index = 3;  // the router is held in fp32 (model_spec §9.1)
         else if (released_as_fp8(spec.name)) index = 1;
         else index = 2;
         break;

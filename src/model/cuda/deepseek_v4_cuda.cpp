@@ -531,7 +531,10 @@ void DeepseekV4CudaModel::upload_layer(const LayerWeights& l) {
     for (float& value : scaled.data) value *= head_scale;
     d.indexer_weights_proj = m.linear(scaled);
   }
-  d.gate = m.linear(l.gate);
+  // The router stays fp32 in bf16 mode too: DeepSeek's reference computes the gate logits as x_fp32 · W_fp32ᵀ
+  // (model_spec.md §9.1), and a bf16 product flips near-tied experts (a flipped expert is most of the bf16
+  // greedy disagreement, docs/PERF.md). Costs E·D·2 more bytes a layer (2 MB on V4-Flash).
+  d.gate = {m.upload_f32(l.gate), cu::GemmDtype::kF32, l.gate.dim(0), l.gate.dim(1), 0};
   d.gate_bias = m.upload_f32(l.gate_bias);
   if (!l.tid2eid.empty()) {
     d.tid2eid = static_cast<int32_t*>(m.weights_memory.allocate(l.tid2eid.size() * sizeof(int32_t)));
@@ -1223,7 +1226,9 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
       tp.row_lengths = step.csa_visible;
       tp.indices = topk_indices;
       tp.lengths = topk_lengths;
-      DSV4_CU(cu::top_k(tp, is));
+      const size_t workspace_bytes = cu::top_k_workspace_bytes(N, max_entries, topk);
+      void* workspace = buffer<std::byte>("topk_workspace", workspace_bytes);
+      DSV4_CU(cu::top_k(tp, workspace, workspace_bytes, is));
     }
     if (overlap) {
       DSV4_CU(cudaEventRecord(index_join, index_stream));
@@ -1431,7 +1436,7 @@ void DeepseekV4CudaModel::Impl::moe(int64_t layer, const Step& step, const float
     mp.shared = cu::MoeSharedExpert::kAdded;
   }
   float* logits = buffer<float>("router_logits", N * E);
-  gemm->linear(l.gate, x_operand, N, logits, stream);
+  gemm->linear(l.gate, x, N, logits, stream);  // fp32 x and weights in either mode (see the upload)
   int32_t* chosen = buffer<int32_t>("router_chosen", N * K);
   float* weights = buffer<float>("router_weights", N * K);
   cu::RouteParams rp;

@@ -7,17 +7,18 @@
 #include <cstdlib>
 
 #include "ops/cuda/launch.cuh"
+#include "ops/cuda/top_k_chunked.h"
+#include "ops/cuda/top_k_keys.cuh"
 
 namespace dsv4::ops::cuda {
 namespace {
 
 namespace cg = cooperative_groups;
 
-// One thread-block cluster per row (docs/kernels/indexer_topk.md "Top-k"): its CTAs split the row, each loads
-// its span of scores from global memory once, as order-preserving keys, into shared memory; every radix pass then
-// reads shared memory only, and the CTAs add their histograms through distributed shared memory. One launch, no
-// workspace, no host synchronisation (CUDA-graph safe). The previous design (a radix select per 8K-column chunk,
-// then a merge CTA) read the row once too but spent ~50 µs at 262,144 columns in 32 serial per-chunk selects.
+// The cluster path: one thread-block cluster per row (docs/kernels/indexer_topk.md "Top-k"). Its CTAs split the
+// row, each loads its span of scores from global memory once, as order-preserving keys, into shared memory;
+// every radix pass then reads shared memory only, and the CTAs add their histograms through distributed shared
+// memory. One launch, no workspace. Used when the whole grid fits one wave (see top_k below).
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxCluster = 8;                                  // the portable cluster size
@@ -29,16 +30,6 @@ __device__ __forceinline__ int digit_bits(int pass) { return pass < 2 ? 11 : 10;
 constexpr int kBins = 1 << 11;
 static_assert(kBins == 2 * kThreads, "each thread owns two bins of the widest digit");
 static_assert(kMaxSpan % kSpanQuantum == 0, "a full span is whole groups");
-
-// fp32 -> uint32 whose unsigned order is the float order; 0 marks "not a candidate" (−inf, NaN, masked). −0.0 is
-// folded onto +0.0 because the CPU twin compares them equal (then the lower index wins). The smallest finite
-// score, −FLT_MAX, maps to 0x00800000, so 0 is never a real key.
-__device__ __forceinline__ uint32_t ordered_key(float score) {
-  if (!(score > -INFINITY)) return 0;  // −inf and NaN
-  if (score == 0.0f) score = 0.0f;
-  const uint32_t bits = __float_as_uint(score);
-  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
-}
 
 // The selection after the passes: a key is chosen when its top `resolved` bits exceed `prefix`, or equal it and
 // fewer than `need` keys with that prefix sit at lower entries (so equal scores go to the lower entry, the
@@ -316,12 +307,27 @@ LaunchShape launch_shape(int64_t columns) {
 
 }  // namespace
 
-cudaError_t top_k(const TopKParams& p, cudaStream_t stream) {
+size_t top_k_workspace_bytes(int64_t rows, int64_t columns, int64_t k) {
+  return chunked_top_k_workspace_bytes(rows, columns, k);  // the cluster path needs none
+}
+
+cudaError_t top_k(const TopKParams& p, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   if (p.k <= 0 || p.k > kTopKMaxK || p.columns > kTopKMaxColumns || p.columns < 0 || p.rows > 65535 ||
       p.row_stride < p.columns)
     return cudaErrorInvalidValue;
   if (p.rows == 0) return cudaSuccess;
+  if (workspace_bytes < top_k_workspace_bytes(p.rows, p.columns, p.k)) return cudaErrorInvalidValue;
+  // The cluster path while its CTAs (1,024 threads and up to 144 KB of shared memory: one per SM) fit one wave;
+  // past that its per-CTA fixed cost (load, 2-3 cluster barriers, two block scans) comes in waves and the chunked
+  // path's smaller CTAs, two per SM, win. Measured side by side (H100, docs/PERF.md): cluster 12.6-14.9 µs against
+  // 18.7-20.1 at 2K × 1-128 rows, 18.4 against 37.8 at 32K × 1, 47.5 against 50.0 at 256K × 1; chunked 40.0
+  // against 51.6 at 32K × 32, 131.7 against 150.9 at 256K × 32.
+  int device = 0, multiprocessors = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    return cudaGetLastError();
   const LaunchShape shape = launch_shape(p.columns);
+  if (p.rows * shape.cluster > multiprocessors) return chunked_top_k(p, workspace, stream);
   const size_t shared = static_cast<size_t>(shape.span) * sizeof(uint32_t);
   // Per device, so set on every call (a host-side attribute, allowed during graph capture).
   const cudaError_t configured = cudaFuncSetAttribute(

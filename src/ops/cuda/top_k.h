@@ -14,10 +14,15 @@ namespace dsv4::ops::cuda {
 inline constexpr int64_t kTopKMaxColumns = 262144;
 inline constexpr int64_t kTopKMaxK = 1024;
 
-// One launch, no workspace, no allocation and no host synchronisation (CUDA-graph safe): a thread-block
-// cluster of up to 8 CTAs per row holds the row's scores in shared memory as ordered keys, finds the k-th key by
-// a radix select over the cluster's combined histograms (11 + 11 + 10 bits, stopping early), and writes the
-// chosen entries in entry order.
-cudaError_t top_k(const TopKParams& p, cudaStream_t stream);
+// Bytes of workspace top_k needs for `rows` rows of `columns` scores and this k.
+size_t top_k_workspace_bytes(int64_t rows, int64_t columns, int64_t k);
+
+// No allocation and no host synchronisation (CUDA-graph safe). Two paths, chosen by the grid's size:
+// - rows × CTAs-per-row ≤ the SMs: one launch, a thread-block cluster of up to 8 CTAs per row holds the row's
+//   scores in shared memory as ordered keys, finds the k-th key by a radix select over the cluster's combined
+//   histograms (11 + 11 + 10 bits, stopping early) and writes the chosen entries in entry order (top_k.cu);
+// - larger grids: two launches, every 8K / 16K-column chunk selects its top-k in one CTA, then one CTA per row
+//   selects among the chunks' candidates (top_k_chunked.cu).
+cudaError_t top_k(const TopKParams& p, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 }  // namespace dsv4::ops::cuda

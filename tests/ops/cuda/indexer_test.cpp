@@ -150,12 +150,16 @@ void check_top_k(int64_t rows, int64_t columns, int64_t stride, int64_t k, const
   int32_t *d_indices, *d_lengths;
   ASSERT_EQ(cudaMalloc(&d_indices, rows * k * 4), cudaSuccess);
   ASSERT_EQ(cudaMalloc(&d_lengths, rows * 4), cudaSuccess);
+  const size_t ws_bytes = top_k_workspace_bytes(rows, columns, k);
+  void* d_ws;
+  ASSERT_EQ(cudaMalloc(&d_ws, ws_bytes), cudaSuccess);
   TopKParams p{rows, columns, stride, k, d_scores, d_row_lengths, d_indices, d_lengths};
   std::vector<int32_t> first;
   for (int run = 0; run < 2; ++run) {
     cudaMemset(d_indices, 0x7f, rows * k * 4);  // poison
     cudaMemset(d_lengths, 0x7f, rows * 4);
-    ASSERT_EQ(top_k(p, nullptr), cudaSuccess);
+    cudaMemset(d_ws, 0x5a, ws_bytes);
+    ASSERT_EQ(top_k(p, d_ws, ws_bytes, nullptr), cudaSuccess);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const auto indices = to_host(d_indices, rows * k);
     const auto lengths = to_host(d_lengths, rows);
@@ -170,6 +174,7 @@ void check_top_k(int64_t rows, int64_t columns, int64_t stride, int64_t k, const
   if (d_row_lengths) cudaFree(d_row_lengths);
   cudaFree(d_indices);
   cudaFree(d_lengths);
+  cudaFree(d_ws);
 }
 
 TEST_F(CudaIndexerTest, TopKMatchesCpuTwinAt262144Candidates) {
@@ -183,6 +188,23 @@ TEST_F(CudaIndexerTest, TopKMatchesCpuTwinAt262144Candidates) {
     }
     check_top_k(rows, columns, columns, k, scores, {});
     check_top_k(rows, columns, columns, k, scores, {262144, 100003, 262144, 513});
+  }
+}
+
+// Both paths of top_k: one cluster per row while rows × CTAs fit the SMs, the chunked select past that (a
+// 32K-column row takes 8 CTAs, so 40 rows take the chunked path on any GPU of fewer than 320 SMs).
+TEST_F(CudaIndexerTest, TopKSameAnswerOnBothPaths) {
+  for (const int64_t k : {512, 1024}) {
+    const int64_t columns = 32768;
+    for (const int64_t rows : {int64_t{1}, int64_t{40}}) {
+      std::vector<float> scores = testing::random_scores(rows, columns, static_cast<uint32_t>(k + rows));
+      for (int64_t i = 0; i < columns; ++i)
+        if (i % 61 == 0) scores[i] = 2.0f;  // row 0: a tie crossing the threshold
+      std::vector<int32_t> lengths(static_cast<size_t>(rows));
+      for (int64_t r = 0; r < rows; ++r) lengths[r] = static_cast<int32_t>((r * 7919 + 1000) % (columns + 1));
+      check_top_k(rows, columns, columns, k, scores, {});
+      check_top_k(rows, columns, columns, k, scores, lengths);
+    }
   }
 }
 
