@@ -6,82 +6,108 @@ changing the algorithm, before spending device time:
 
     python3 tools/reference/top_k_cluster_model.py
 """
-import struct, random, math
-class NP:
-    inf = math.inf
-np=NP()
-def okey(f):
-    if not (f > -np.inf): return 0
-    if f == 0.0: f = 0.0
-    b = struct.unpack('<I', struct.pack('<f', f))[0]
-    return (~b) & 0xffffffff if b & 0x80000000 else b | 0x80000000
-def top_bits(k, bits): return 0 if bits == 0 else k >> (32-bits)
-def sim(scores, k, length=None, cluster_max=8):
-    N = len(scores)
-    if length is None: length = N
-    length = max(0, min(length, N))
-    C = max(1, min(cluster_max, -(-N//4096)))
-    span = -(-N//C) if N else 0
-    span = max(1024, -(-span//1024)*1024)
-    keys = [[okey(float(scores[c*span+i])) if c*span+i < length else 0 for i in range(span)] for c in range(C)]
+import math
+import random
+import struct
+
+MAX_CLUSTER, MIN_SPAN, SPAN_QUANTUM = 8, 4096, 1024
+
+
+def ordered_key(score):
+    """top_k_keys.cuh: uint32 in float order, 0 = never chosen."""
+    if not score > -math.inf:
+        return 0
+    if score == 0.0:
+        score = 0.0
+    bits = struct.unpack("<I", struct.pack("<f", score))[0]
+    return (~bits) & 0xFFFFFFFF if bits & 0x80000000 else bits | 0x80000000
+
+
+def top_bits(key, bits):
+    return 0 if bits == 0 else key >> (32 - bits)
+
+
+def cluster_top_k(scores, k, length=None):
+    columns = len(scores)
+    length = columns if length is None else max(0, min(length, columns))
+    cluster = max(1, min(MAX_CLUSTER, -(-columns // MIN_SPAN)))
+    span = -(-columns // cluster) if columns else 0
+    span = max(SPAN_QUANTUM, -(-span // SPAN_QUANTUM) * SPAN_QUANTUM)
+    keys = [[ordered_key(scores[c * span + i]) if c * span + i < length else 0 for i in range(span)]
+            for c in range(cluster)]
+    # The radix passes (resolve_digit): every CTA sees the same summed histogram.
     prefix, resolved, need = 0, 0, k
-    for pas in range(3):
-        bits = 11 if pas < 2 else 10
-        hist = [0]*2048
-        shift = 32 - resolved - bits
-        for c in range(C):
-            for key in keys[c]:
+    for digit_bits in (11, 11, 10):
+        histogram = [0] * 2048
+        shift = 32 - resolved - digit_bits
+        for span_keys in keys:
+            for key in span_keys:
                 if key != 0 and top_bits(key, resolved) == prefix:
-                    hist[(key >> shift) & ((1<<bits)-1)] += 1
-        total = sum(hist)
-        if total < need:
-            need = total; done = True
+                    histogram[(key >> shift) & ((1 << digit_bits) - 1)] += 1
+        if sum(histogram) < need:  # at most k valid keys: take them all
+            need = sum(histogram)
             break
-        above = 0; fb = None
-        for b in range(2047, -1, -1):
-            if above < need and above + hist[b] >= need:
-                fb = b; fa = above; fc = hist[b]; break
-            above += hist[b]
-        need -= fa; prefix = (prefix << bits) | fb; resolved += bits
-        if fc == need or resolved == 32: break
-    out = [-1]*k
-    ra = re = 0
-    for c in range(C):
-        for i, key in enumerate(keys[c]):
-            t = top_bits(key, resolved)
-            a = key != 0 and t > prefix; e = key != 0 and t == prefix
-            if a or (e and re < need):
-                out[ra + min(need, re)] = c*span + i
-            ra += a; re += e
-    n = ra + min(need, re)
-    return out, n
-def naive(scores, k, length=None):
-    N=len(scores); length = N if length is None else max(0,min(length,N))
-    items = [(okey(float(scores[i])), -i) for i in range(length) if okey(float(scores[i])) != 0]
-    items.sort(reverse=True)
-    ch = sorted(-x[1] for x in items[:k])
-    return ch + [-1]*(k-len(ch)), len(ch)
-random.seed(1)
-def f32(v): return struct.unpack('<f', struct.pack('<f', v))[0]
-def rs(n):
-    x=[]
+        above = 0
+        for digit in range(2047, -1, -1):
+            if above < need <= above + histogram[digit]:
+                break
+            above += histogram[digit]
+        need -= above
+        prefix, resolved = (prefix << digit_bits) | digit, resolved + digit_bits
+        if histogram[digit] == need or resolved == 32:
+            break
+    # Compaction: slot = "above" keys before + min(need, "equal" keys before).
+    out = [-1] * k
+    above_before = equal_before = 0
+    for c, span_keys in enumerate(keys):
+        for i, key in enumerate(span_keys):
+            top = top_bits(key, resolved)
+            is_above, is_equal = key != 0 and top > prefix, key != 0 and top == prefix
+            if is_above or (is_equal and equal_before < need):
+                out[above_before + min(need, equal_before)] = c * span + i
+            above_before += is_above
+            equal_before += is_equal
+    return out, above_before + min(need, equal_before)
+
+
+def naive_top_k(scores, k, length=None):
+    length = len(scores) if length is None else max(0, min(length, len(scores)))
+    ranked = sorted(((ordered_key(scores[i]), -i) for i in range(length) if ordered_key(scores[i]) != 0), reverse=True)
+    chosen = sorted(-neg_index for _, neg_index in ranked[:k])
+    return chosen + [-1] * (k - len(chosen)), len(chosen)
+
+
+def random_scores(n, rng):
+    """tests/ops/indexer_paged_fixture.h's mix: N(0,1), 20 % rounded to 1/8 (ties), some -inf, -0 and +0."""
+    out = []
     for _ in range(n):
-        v=f32(random.gauss(0,1)); kd=random.randrange(100)
-        if kd<20: v=round(v*8)/8
-        if kd==20: v=-math.inf
-        if kd==21: v=-0.0
-        if kd==22: v=0.0
-        x.append(v)
-    return x
-cases = []
-for n in [7, 2047, 16384+131, 40000]:
-    for k in [5, 512, 1024]:
-        cases.append((rs(n), k, None)); cases.append((rs(n), k, n//3+1))
-x = [1.5]*20000; cases.append((x, 512, None)); cases.append((x, 512, 100))
-x = [-math.inf]*20000; cases.append((x, 512, None))
-x = rs(20000); x = [v if i%50==7 else -math.inf for i,v in enumerate(x)]; cases.append((x, 512, None))
-x = rs(30000); x = [3.0 if i%97==0 else v for i,v in enumerate(x)]; cases.append((x, 1024, None))
-for s, k, L in cases:
-    a = sim(s, k, L); b = naive(s, k, L)
-    assert a == b, (len(s), k, L, a[1], b[1])
-print("ok", len(cases))
+        value, kind = struct.unpack("<f", struct.pack("<f", rng.gauss(0, 1)))[0], rng.randrange(100)
+        if kind < 20:
+            value = round(value * 8) / 8
+        value = {20: -math.inf, 21: -0.0, 22: 0.0}.get(kind, value)
+        out.append(value)
+    return out
+
+
+def main():
+    rng = random.Random(1)
+    cases = []
+    for n in (7, 2047, 16384 + 131, 40000):
+        for k in (5, 512, 1024):
+            cases.append((random_scores(n, rng), k, None))
+            cases.append((random_scores(n, rng), k, n // 3 + 1))
+    cases.append(([1.5] * 20000, 512, None))  # all tied
+    cases.append(([1.5] * 20000, 512, 100))
+    cases.append(([-math.inf] * 20000, 512, None))  # nothing valid
+    sparse = random_scores(20000, rng)
+    cases.append(([v if i % 50 == 7 else -math.inf for i, v in enumerate(sparse)], 512, None))  # fewer than k
+    tied = random_scores(30000, rng)
+    cases.append(([3.0 if i % 97 == 0 else v for i, v in enumerate(tied)], 1024, None))  # a tie across spans
+    for scores, k, length in cases:
+        got, want = cluster_top_k(scores, k, length), naive_top_k(scores, k, length)
+        assert got == want, (len(scores), k, length, got[1], want[1])
+    print(f"cluster top-k model: {len(cases)} cases equal the naive order")
+
+
+if __name__ == "__main__":
+    main()
