@@ -27,7 +27,29 @@ def top_bits(key, bits):
     return 0 if bits == 0 else key >> (32 - bits)
 
 
-def cluster_top_k(scores, k, length=None):
+def lower_bound(span_keys, k, threads=1024, groups_per_thread=4):
+    """The planned pre-filter (docs/kernels/indexer_topk.md "Plan"): each thread keeps the maxima of
+    groups_per_thread groups of the keys it loads; the bound is the lower edge of the 11-bit bin where the count
+    of the CTA's maxima, from the top, reaches k. At least k disjoint groups hold a key at or above it, so it is
+    <= the row's k-th key; 1 (no filter) when fewer than k groups hold a valid key."""
+    maxima = [0] * (threads * groups_per_thread)
+    for position, key in enumerate(span_keys):
+        load = position // 4  # thread t loads the uint4s t, t + 1024, ... (top_k.cu's load loop)
+        group = (load % threads) * groups_per_thread + (load // threads) % groups_per_thread
+        maxima[group] = max(maxima[group], key)
+    histogram = [0] * 2048
+    for m in maxima:
+        if m:
+            histogram[m >> 21] += 1
+    count = 0
+    for digit in range(2047, -1, -1):
+        count += histogram[digit]
+        if count >= k:
+            return max(1, digit << 21)
+    return 1
+
+
+def cluster_top_k(scores, k, length=None, prefilter=False):
     columns = len(scores)
     length = columns if length is None else max(0, min(length, columns))
     cluster = max(1, min(MAX_CLUSTER, -(-columns // MIN_SPAN)))
@@ -35,6 +57,9 @@ def cluster_top_k(scores, k, length=None):
     span = max(SPAN_QUANTUM, -(-span // SPAN_QUANTUM) * SPAN_QUANTUM)
     keys = [[ordered_key(scores[c * span + i]) if c * span + i < length else 0 for i in range(span)]
             for c in range(cluster)]
+    # With the pre-filter, keys below the cluster's largest lower bound take no part (they are below the k-th).
+    floor = max(lower_bound(span_keys, k) for span_keys in keys) if prefilter else 1
+    keys = [[key if key >= floor else 0 for key in span_keys] for span_keys in keys]
     # The radix passes (resolve_digit): every CTA sees the same summed histogram.
     prefix, resolved, need = 0, 0, k
     for digit_bits in (11, 11, 10):
@@ -104,9 +129,20 @@ def main():
     tied = random_scores(30000, rng)
     cases.append(([3.0 if i % 97 == 0 else v for i, v in enumerate(tied)], 1024, None))  # a tie across spans
     for scores, k, length in cases:
-        got, want = cluster_top_k(scores, k, length), naive_top_k(scores, k, length)
-        assert got == want, (len(scores), k, length, got[1], want[1])
-    print(f"cluster top-k model: {len(cases)} cases equal the naive order")
+        want = naive_top_k(scores, k, length)
+        for prefilter in (False, True):
+            got = cluster_top_k(scores, k, length, prefilter)
+            assert got == want, (len(scores), k, length, prefilter, got[1], want[1])
+    print(f"cluster top-k model: {len(cases)} cases equal the naive order, with and without the pre-filter")
+    # What the pre-filter leaves to the radix passes on a 262,144-column N(0,1) row (8 spans of 32,768).
+    row = [rng.gauss(0, 1) for _ in range(262144)]
+    span_keys = [[ordered_key(v) for v in row[c * 32768:(c + 1) * 32768]] for c in range(8)]
+    for k in (512, 1024):
+        for groups in (1, 2, 4):
+            floor = max(lower_bound(keys, k, groups_per_thread=groups) for keys in span_keys)
+            kept = sum(key >= floor for keys in span_keys for key in keys)
+            print(f"k {k}, {groups} maxima a thread: the pre-filter keeps {kept} of 262,144 keys "
+                  f"({100 * kept / 262144:.2f} %)")
 
 
 if __name__ == "__main__":
