@@ -2,7 +2,8 @@
 # One device run for top-k (docs/kernels/indexer_topk.md), most important first (each step logs under $OUT, so a
 # cut-off run still returns what it finished): the top-k GPU tests of the carried build, dsv4_kbench --suite top_k
 # of two builds side by side (.devcarry/old and .devcarry/new: carry both), torch.topk at the same shapes, the
-# whole-model GPU tests that run the top-k (FILTER), bench latency of the 4-layer cut, the 16-CTA cluster variant.
+# whole-model GPU tests that run the top-k (FILTER), bench latency of the 4-layer cut, then the cluster path with
+# its pre-filter (DSV4_TOPK_PREFILTER=1) and with 16-CTA clusters.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 TORCH_CUBLAS=$(python3 -c "import nvidia.cublas, os; print(os.path.join(list(nvidia.cublas.__path__)[0], 'lib'))" 2>/dev/null)
@@ -22,4 +23,6 @@ grep -E "^\[  (PASSED|FAILED) |Failure|Expected|Which|greedy top-1" "$OUT/model_
 timeout 80 $NEW/dsv4 bench latency --model bench/configs/v4_flash_4layer.json --load-format dummy --device cuda \
   --input-len 1024 --output-len 64 --batch-size 1,8 > "$OUT/latency.log" 2>&1; echo "latency rc=$?"
 grep -E "ms|tok" "$OUT/latency.log" | tail -6
+DSV4_TOPK_PREFILTER=1 timeout 60 $NEW/dsv4_kbench --suite top_k > "$OUT/prefilter.log" 2>&1; echo "prefilter rc=$?"
+table "$OUT/prefilter.log"
 DSV4_TOPK_CLUSTER=16 timeout 60 $NEW/dsv4_kbench --suite top_k > "$OUT/new16.log" 2>&1; echo "new16 rc=$?"; table "$OUT/new16.log"

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 
 #include "ops/cuda/launch.cuh"
 #include "ops/cuda/top_k_chunked.h"
@@ -34,10 +35,12 @@ static_assert(kMaxSpan % kSpanQuantum == 0, "a full span is whole groups");
 // The selection after the passes: a key is chosen when its top `resolved` bits exceed `prefix`, or equal it and
 // fewer than `need` keys with that prefix sit at lower entries (so equal scores go to the lower entry, the
 // twin's rule). resolved = 0 takes every valid key (a row with at most k of them).
+// `floor`: keys below it take no part (the pre-filter's lower bound of the threshold; 1 = every valid key).
 struct Selection {
   uint32_t prefix = 0;
   int resolved = 0;
   uint32_t need = 0;
+  uint32_t floor = 1;
 };
 
 __device__ __forceinline__ uint32_t top_bits(uint32_t key, int bits) { return bits == 0 ? 0u : key >> (32 - bits); }
@@ -46,6 +49,7 @@ struct alignas(16) Shared {
   uint32_t histogram[2][kBins];  // passes alternate buffers: one cluster barrier per pass
   uint32_t warp_sums[kWarps];
   uint32_t found_bin, found_above, found_count, total;
+  uint32_t floor;                             // this CTA's lower bound of the threshold, read by the cluster
   uint32_t cta_above, cta_equal;              // this CTA's compaction counts, read by the cluster
   uint32_t before_above, before_equal;        // the counts of the CTAs of lower rank
   uint32_t all_above, all_equal;              // the row's totals
@@ -89,7 +93,7 @@ __device__ __forceinline__ void histogram_pass(const uint4* keys4, int quads, co
     const uint32_t key[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const bool match = key[i] != 0 && top_bits(key[i], sel.resolved) == sel.prefix;
+      const bool match = key[i] >= sel.floor && top_bits(key[i], sel.resolved) == sel.prefix;
       if (__ballot_sync(0xffffffffu, match) == 0) continue;
       const uint32_t digit = (key[i] >> shift) & mask;
       const uint32_t peers = __match_any_sync(0xffffffffu, match ? digit : 0xffffffffu);
@@ -98,34 +102,42 @@ __device__ __forceinline__ void histogram_pass(const uint4* keys4, int quads, co
   }
 }
 
-// The cluster's histogram is complete (after a cluster barrier): every CTA sums it from all ranks and finds the
-// bin where the count from the top crosses `need`, so all CTAs reach the same decision without a broadcast.
-// Returns true once the selection is final.
-__device__ bool resolve_digit(cg::cluster_group& cluster, int ranks, uint32_t* histogram, int bits, Selection& sel,
-                              Shared& sh) {
-  // Thread t sums the bins of owner u = kThreads-1-t (bins 2u, 2u+1), so a forward scan over t counts from the
-  // highest bin down.
-  const int owner = kThreads - 1 - static_cast<int>(threadIdx.x);
-  uint32_t low = 0, high = 0;
-  for (int r = 0; r < ranks; ++r) {
-    const uint32_t* remote = cluster.map_shared_rank(histogram, r);
-    const uint2 pair = *reinterpret_cast<const uint2*>(remote + 2 * owner);
-    low += pair.x;
-    high += pair.y;
-  }
+// Thread t holds the counts of bins 2u (low) and 2u+1 (high) of owner u = kThreads-1-t, so a forward scan over t
+// counts from the highest bin down. Finds the bin where that count reaches `need` (sh.found_*, valid when the
+// returned total is at least `need`).
+__device__ __forceinline__ int bin_owner() { return kThreads - 1 - static_cast<int>(threadIdx.x); }
+
+__device__ uint32_t find_crossing_bin(uint32_t low, uint32_t high, uint32_t need, Shared& sh) {
+  const int owner = bin_owner();
   uint32_t total;
   const uint32_t inclusive = block_inclusive_scan(low + high, sh, total);
-  uint32_t above = inclusive - low - high;  // keys in the bins above this thread's two
-  if (above < sel.need && above + high >= sel.need) {
+  const uint32_t above = inclusive - low - high;  // keys in the bins above this thread's two
+  if (above < need && above + high >= need) {
     sh.found_bin = 2 * owner + 1;
     sh.found_above = above;
     sh.found_count = high;
-  } else if (above + high < sel.need && above + high + low >= sel.need) {
+  } else if (above + high < need && above + high + low >= need) {
     sh.found_bin = 2 * owner;
     sh.found_above = above + high;
     sh.found_count = low;
   }
   __syncthreads();
+  return total;
+}
+
+// The cluster's histogram is complete (after a cluster barrier): every CTA sums it from all ranks and finds the
+// bin where the count from the top crosses `need`, so all CTAs reach the same decision without a broadcast.
+// Returns true once the selection is final.
+__device__ bool resolve_digit(cg::cluster_group& cluster, int ranks, uint32_t* histogram, int bits, Selection& sel,
+                              Shared& sh) {
+  uint32_t low = 0, high = 0;
+  for (int r = 0; r < ranks; ++r) {
+    const uint32_t* remote = cluster.map_shared_rank(histogram, r);
+    const uint2 pair = *reinterpret_cast<const uint2*>(remote + 2 * bin_owner());
+    low += pair.x;
+    high += pair.y;
+  }
+  const uint32_t total = find_crossing_bin(low, high, sel.need, sh);
   if (total < sel.need) {  // fewer valid keys than k (first pass only): take them all
     sel.need = total;
     return true;
@@ -141,7 +153,33 @@ __device__ bool resolve_digit(cg::cluster_group& cluster, int ranks, uint32_t* h
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 
-__global__ void __launch_bounds__(kThreads, 1) top_k_cluster_kernel(const TopKParams p, int span) {
+// The pre-filter (DSV4_TOPK_PREFILTER=1, off until measured): each thread keeps the maxima of kFloorGroups groups
+// of the keys it loads; the lower edge of the 11-bit bin where the CTA's maxima, counted from the top, reach k is
+// at most the row's k-th key (k disjoint groups hold a key at or above it). The cluster's largest such bound lets
+// every pass and the compaction skip the keys below it: on a 256K N(0,1) row that leaves 2.3 % (k 512) / 4.0 %
+// (k 1024) of the keys (tools/reference/top_k_cluster_model.py, which also checks the selection stays exact).
+constexpr int kFloorGroups = 4;
+
+__device__ uint32_t span_lower_bound(const uint32_t (&group_max)[kFloorGroups], uint32_t k, Shared& sh) {
+  const int lane = threadIdx.x % 32;
+  uint32_t* histogram = sh.histogram[1];  // zero until pass 1; left zero again below
+#pragma unroll
+  for (int g = 0; g < kFloorGroups; ++g) {
+    const uint32_t m = group_max[g];
+    if (__ballot_sync(0xffffffffu, m != 0) == 0) continue;
+    const uint32_t digit = m >> 21;
+    const uint32_t peers = __match_any_sync(0xffffffffu, m != 0 ? digit : 0xffffffffu);
+    if (m != 0 && lane == __ffs(peers) - 1) atomicAdd(&histogram[digit], static_cast<uint32_t>(__popc(peers)));
+  }
+  __syncthreads();
+  uint2* pairs = reinterpret_cast<uint2*>(histogram);
+  const uint2 pair = pairs[bin_owner()];
+  const uint32_t total = find_crossing_bin(pair.x, pair.y, k, sh);
+  pairs[bin_owner()] = make_uint2(0, 0);  // only this thread read them; the cluster barrier orders the rest
+  return total < k ? 1u : max(1u, sh.found_bin << 21);
+}
+
+__global__ void __launch_bounds__(kThreads, 1) top_k_cluster_kernel(const TopKParams p, int span, bool prefilter) {
   extern __shared__ uint4 dynamic_keys[];
   __shared__ Shared sh;
   cg::cluster_group cluster = cg::this_cluster();
@@ -164,6 +202,8 @@ __global__ void __launch_bounds__(kThreads, 1) top_k_cluster_kernel(const TopKPa
   const float* scores = p.scores + row * p.row_stride + first;
   const bool vector_loads = (reinterpret_cast<uintptr_t>(scores) & 15) == 0;
   constexpr int kInFlight = 8;  // float4 loads per thread issued before any is used: the span in one round trip
+  static_assert(kInFlight % kFloorGroups == 0, "a load's group is its place in the batch");
+  uint32_t group_max[kFloorGroups] = {};
   for (int base = 0; base < quads; base += kInFlight * kThreads) {
     float4 v[kInFlight];
 #pragma unroll
@@ -182,16 +222,26 @@ __global__ void __launch_bounds__(kThreads, 1) top_k_cluster_kernel(const TopKPa
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) {
       const int j = base + u * kThreads + static_cast<int>(threadIdx.x);
-      if (j < quads)
-        dynamic_keys[j] = make_uint4(ordered_key(v[u].x), ordered_key(v[u].y), ordered_key(v[u].z),
+      if (j < quads) {
+        const uint4 key = make_uint4(ordered_key(v[u].x), ordered_key(v[u].y), ordered_key(v[u].z),
                                      ordered_key(v[u].w));
+        dynamic_keys[j] = key;
+        group_max[u % kFloorGroups] = max(group_max[u % kFloorGroups], max(max(key.x, key.y), max(key.z, key.w)));
+      }
     }
   }
-  cluster.sync();  // every CTA has started (its shared memory exists) and zeroed its histograms
+  if (prefilter) {
+    __syncthreads();  // the histograms are zero
+    const uint32_t floor = span_lower_bound(group_max, static_cast<uint32_t>(p.k), sh);
+    if (threadIdx.x == 0) sh.floor = floor;
+  }
+  cluster.sync();  // every CTA has started (its shared memory exists), zeroed its histograms, set its floor
 
   // Radix passes over the keys in shared memory: 11, 11, 10 bits, stopping once the crossing bin is taken whole.
   Selection sel;
   sel.need = static_cast<uint32_t>(p.k);
+  if (prefilter)
+    for (int r = 0; r < ranks; ++r) sel.floor = max(sel.floor, cluster.map_shared_rank(&sh, r)->floor);
   for (int pass = 0; pass < 3; ++pass) {
     uint32_t* histogram = sh.histogram[pass & 1];
     if (pass == 2) {  // buffer 0 again: every CTA finished reading it before the barrier of pass 1
@@ -211,8 +261,8 @@ __global__ void __launch_bounds__(kThreads, 1) top_k_cluster_kernel(const TopKPa
   const uint32_t* my_keys = keys + warp * per_warp;
   auto classify = [&](uint32_t key, bool& above, bool& equal) {
     const uint32_t top = top_bits(key, sel.resolved);
-    above = key != 0 && top > sel.prefix;
-    equal = key != 0 && top == sel.prefix;
+    above = key >= sel.floor && top > sel.prefix;
+    equal = key >= sel.floor && top == sel.prefix;
   };
   uint32_t warp_above = 0, warp_equal = 0;
   for (int g = 0; g < groups; ++g) {
@@ -352,7 +402,10 @@ cudaError_t top_k(const TopKParams& p, void* workspace, size_t workspace_bytes, 
   config.stream = stream;
   config.attrs = attributes;
   config.numAttrs = programmatic_launch_enabled() ? 2 : 1;
-  return cudaLaunchKernelEx(&config, top_k_cluster_kernel, p, shape.span);
+  // Read on every call (not cached) so a test can run both settings in one process.
+  const char* prefilter_switch = std::getenv("DSV4_TOPK_PREFILTER");
+  const bool prefilter = prefilter_switch != nullptr && std::strcmp(prefilter_switch, "1") == 0;
+  return cudaLaunchKernelEx(&config, top_k_cluster_kernel, p, shape.span, prefilter);
 }
 
 }  // namespace dsv4::ops::cuda
