@@ -265,6 +265,17 @@ TEST(WeightPlan, V4FlashAsReleasedIsTheCheckpointLessMtp) {
   EXPECT_EQ(sum, plan.params);
 }
 
+// The router's gate is held in fp32 on the device (DeepSeek's reference computes the gate in fp32, model_spec §9.1):
+// the fp32 class holds every layer's [E, D] gate besides the hc / sink / bias / ape tensors.
+TEST(WeightPlan, RouterGateCountsAsFp32) {
+  const ModelConfig config = ModelConfig::preset("v4-flash");
+  const WeightPlan plan = plan_weights(config, {4.25, true});
+  ASSERT_EQ(plan.classes[3].name, "fp32 tensors");
+  const int64_t gates = config.num_hidden_layers * config.n_routed_experts * config.hidden_size;
+  EXPECT_GE(plan.classes[3].params, gates);
+  EXPECT_EQ(plan.classes[3].bytes, plan.classes[3].params * 4);
+}
+
 TEST(WeightPlan, FewerExpertBitsShrinkOnlyTheExperts) {
   const ModelConfig config = ModelConfig::preset("v4-flash");
   const WeightPlan released = plan_weights(config, {4.25, true}), q25 = plan_weights(config, {2.5, true});
