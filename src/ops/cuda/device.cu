@@ -19,4 +19,12 @@ std::vector<DeviceInfo> list_devices() {
   return devices;
 }
 
+int current_device_multiprocessors() {
+  int device = 0, count = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    return 0;
+  return count;
+}
+
 }  // namespace dsv4::ops::cuda

@@ -16,4 +16,8 @@ struct DeviceInfo {
 // Devices visible to this process; empty (not an error) when there is no driver or no GPU.
 std::vector<DeviceInfo> list_devices();
 
+// Multiprocessors of the calling thread's current device, asked on every call (a process may drive several
+// devices); 0 when the runtime cannot say.
+int current_device_multiprocessors();
+
 }  // namespace dsv4::ops::cuda

@@ -8,6 +8,7 @@
 #include <climits>
 #include <cmath>
 
+#include "ops/cuda/device.h"
 #include "ops/cuda/launch.cuh"
 
 namespace dsv4::ops::cuda {
@@ -456,13 +457,6 @@ cudaError_t launch(const SparseAttentionParams& p, const uint16_t* q, uint16_t* 
   return cudaGetLastError();
 }
 
-int current_multiprocessors() {
-  int device = 0, count = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 1;
-  if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 1;
-  return std::max(count, 1);
-}
-
 }  // namespace
 
 int64_t sparse_attention_splits(const SparseAttentionParams& p, int multiprocessors) {
@@ -483,7 +477,7 @@ cudaError_t sparse_attention(const SparseAttentionParams& p, const uint16_t* q, 
                              size_t workspace_bytes, cudaStream_t stream) {
   if (p.tokens == 0) return cudaSuccess;
   if (p.heads <= 0 || p.heads % kHeadsPerCta != 0 || p.tokens > 65535) return cudaErrorInvalidValue;
-  const int multiprocessors = current_multiprocessors();
+  const int multiprocessors = std::max(current_device_multiprocessors(), 1);
   const int splits = static_cast<int>(sparse_attention_splits(p, multiprocessors));
   const bool fp8 = p.format == KvEntryFormat::kFp8;
   if (splits == 1) {

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "ops/cuda/device.h"
 #include "ops/cuda/launch.cuh"
 #include "ops/cuda/top_k_chunked.h"
 #include "ops/cuda/top_k_keys.cuh"
@@ -372,10 +373,8 @@ cudaError_t top_k(const TopKParams& p, void* workspace, size_t workspace_bytes, 
   // path's smaller CTAs, two per SM, win. Measured side by side (H100, docs/PERF.md): cluster 12.6-14.9 µs against
   // 18.7-20.1 at 2K × 1-128 rows, 18.4 against 37.8 at 32K × 1, 47.5 against 50.0 at 256K × 1; chunked 40.0
   // against 51.6 at 32K × 32, 131.7 against 150.9 at 256K × 32.
-  int device = 0, multiprocessors = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-    return cudaGetLastError();
+  const int multiprocessors = current_device_multiprocessors();
+  if (multiprocessors == 0) return cudaGetLastError();
   const LaunchShape shape = launch_shape(p.columns);
   if (p.rows * shape.cluster > multiprocessors) return chunked_top_k(p, workspace, stream);
   const size_t shared = static_cast<size_t>(shape.span) * sizeof(uint32_t);
