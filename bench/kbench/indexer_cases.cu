@@ -188,6 +188,8 @@ std::vector<CaseResult> top_k_cases(const Ceilings&, const Options& options) {
   for (const int64_t k : {512, 1024})
     for (const int64_t columns : contexts)
       for (const int64_t batch : batches) {
+        const std::string name = shape_name(k == 512 ? "top_k 512" : "top_k 1024", columns, batch);
+        if (!options.wants(name)) continue;
         // rows are `columns` apart: each row's scores are distinct data
         ops::TopKParams p{batch, columns, columns, k, scores, nullptr, indices, lengths};
         cudaError_t status = cudaSuccess;
@@ -202,14 +204,14 @@ std::vector<CaseResult> top_k_cases(const Ceilings&, const Options& options) {
           cudaGetLastError();
           continue;
         }
-        r.name = shape_name(k == 512 ? "top_k 512" : "top_k 1024", columns, batch);
+        r.name = name;
         r.microseconds = us;
         r.bytes = double(batch) * columns * 4 + batch * k * 4;
         r.note = "fp32 scores read once";
         results.push_back(r);
       }
   // CUDA-graph replay of the largest batch-1 case: the launch gaps of a captured decode step.
-  {
+  if (options.wants("top_k 512 256K b1 (graph)")) {
     cudaStream_t stream;
     check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
     ops::TopKParams p{1, 262144, 262144, 512, scores, nullptr, indices, lengths};

@@ -32,6 +32,15 @@ inline constexpr double kH200Fp8FlopsPerSecond = 1979e12;
 
 struct Options {
   bool quick = false;  // fewer iterations and the smaller contexts only (a smoke run)
+  // --case NAME (repeatable): run only the cases of these exact names (e.g. to profile one under ncu); suites
+  // that support it skip the others before allocating or timing anything.
+  std::vector<std::string> cases;
+  bool wants(const std::string& name) const {
+    if (cases.empty()) return true;
+    for (const std::string& c : cases)
+      if (c == name) return true;
+    return false;
+  }
 };
 
 using Suite = std::function<std::vector<CaseResult>(const Ceilings&, const Options&)>;

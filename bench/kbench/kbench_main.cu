@@ -1,6 +1,6 @@
 // dsv4_kbench: measures the device's ceilings (D2D copy bandwidth, cuBLAS bf16 GEMM rate), runs the registered
 // suites (bench/kbench/*_cases.cu) and prints one table: every case against the ceiling that binds it.
-//   dsv4_kbench [--quick] [--suite NAME]...
+//   dsv4_kbench [--quick] [--suite NAME]... [--case NAME]...
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -134,8 +134,10 @@ int main(int argc, char** argv) {
       options.quick = true;
     } else if (!std::strcmp(argv[i], "--suite") && i + 1 < argc) {
       wanted.push_back(argv[++i]);
+    } else if (!std::strcmp(argv[i], "--case") && i + 1 < argc) {
+      options.cases.push_back(argv[++i]);
     } else {
-      std::fprintf(stderr, "usage: dsv4_kbench [--quick] [--suite NAME]...\n");
+      std::fprintf(stderr, "usage: dsv4_kbench [--quick] [--suite NAME]... [--case NAME]...\n");
       return 2;
     }
   }

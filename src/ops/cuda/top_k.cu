@@ -376,7 +376,12 @@ cudaError_t top_k(const TopKParams& p, void* workspace, size_t workspace_bytes, 
   const int multiprocessors = current_device_multiprocessors();
   if (multiprocessors == 0) return cudaGetLastError();
   const LaunchShape shape = launch_shape(p.columns);
-  if (p.rows * shape.cluster > multiprocessors) return chunked_top_k(p, workspace, stream);
+  // DSV4_TOPK_PATH=cluster|chunked forces one path whatever the shape (to time both at every shape); read per call.
+  const char* forced = std::getenv("DSV4_TOPK_PATH");
+  const bool force_cluster = forced != nullptr && std::strcmp(forced, "cluster") == 0;
+  const bool force_chunked = forced != nullptr && std::strcmp(forced, "chunked") == 0;
+  if (force_chunked || (!force_cluster && p.rows * shape.cluster > multiprocessors))
+    return chunked_top_k(p, workspace, stream);
   const size_t shared = static_cast<size_t>(shape.span) * sizeof(uint32_t);
   // Per device, so set on every call (a host-side attribute, allowed during graph capture).
   const cudaError_t configured = cudaFuncSetAttribute(
