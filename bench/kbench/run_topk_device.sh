@@ -17,15 +17,21 @@ grep -E "^\[  (PASSED|FAILED) |Failure|Expected|Which" "$OUT/topk_tests.log" | h
 timeout 90 $OLD/dsv4_kbench --suite top_k > "$OUT/old.log" 2>&1; echo "old rc=$?"
 timeout 90 $NEW/dsv4_kbench --suite top_k > "$OUT/new.log" 2>&1; echo "new rc=$?"
 paste -d'|' <(table "$OUT/old.log") <(table "$OUT/new.log")
+DSV4_TOPK_PATH=sampled timeout 90 $NEW/dsv4_kbench --suite top_k > "$OUT/sampled.log" 2>&1
+echo "sampled path everywhere rc=$?"; table "$OUT/sampled.log"
+DSV4_TOPK_PATH=sampled DSV4_TOPK_CLUSTER=16 timeout 90 $NEW/dsv4_kbench --suite top_k --case "top_k 512 256K b1" \
+  --case "top_k 1024 256K b1" --case "top_k 512 32K b1" > "$OUT/sampled16.log" 2>&1
+echo "sampled path, 16-CTA clusters rc=$?"; table "$OUT/sampled16.log"
 DSV4_TOPK_PREFILTER=1 DSV4_TOPK_PATH=cluster timeout 90 $NEW/dsv4_kbench --suite top_k > "$OUT/prefilter.log" 2>&1
 echo "cluster path everywhere, pre-filter on rc=$?"; table "$OUT/prefilter.log"
 # Where the cluster path's time goes at 256K × 1 (without and with the pre-filter): ncu's full set on one call.
-for prefilter in 0 1; do
-  DSV4_TOPK_PREFILTER=$prefilter timeout 120 ncu --set full --kernel-name regex:top_k_cluster --launch-skip 2 \
+ncu_path() { echo "${1%%+*}"; }
+for variant in sampled cluster cluster+prefilter; do
+  DSV4_TOPK_PATH=$(ncu_path $variant) DSV4_TOPK_PREFILTER=$([[ $variant == *prefilter ]] && echo 1 || echo 0) timeout 120 ncu --set full --kernel-name regex:top_k_ --launch-skip 2 \
     --launch-count 1 $NEW/dsv4_kbench --suite top_k --quick --case "top_k 512 256K b1" \
-    > "$OUT/ncu_256k_b1_prefilter$prefilter.txt" 2>&1; echo "ncu prefilter=$prefilter rc=$?"
+    > "$OUT/ncu_256k_b1_$variant.txt" 2>&1; echo "ncu $variant rc=$?"
   grep -E "Duration|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Stall|Warp Cycles Per Issued" \
-    "$OUT/ncu_256k_b1_prefilter$prefilter.txt" | head -8
+    "$OUT/ncu_256k_b1_$variant.txt" | head -8
 done
 timeout 90 python3 bench/kbench/torch_topk.py > "$OUT/torch.log" 2>&1; echo "torch rc=$?"; tail -26 "$OUT/torch.log"
 timeout 150 $NEW/dsv4_gpu_tests --gtest_filter="${FILTER:-CudaModel.Fp32MatchesCpuOnTheTinyModel:CudaModel.Bf16GreedyTop1*:CudaModel.EngineGreedy*}" \

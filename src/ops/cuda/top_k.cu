@@ -48,34 +48,38 @@ __device__ __forceinline__ uint32_t top_bits(uint32_t key, int bits) { return bi
 
 struct alignas(16) Shared {
   uint32_t histogram[2][kBins];  // passes alternate buffers: one cluster barrier per pass
-  uint32_t warp_sums[kWarps];
+  uint64_t warp_sums[kWarps];
   uint32_t found_bin, found_above, found_count, total;
   uint32_t floor;                             // this CTA's lower bound of the threshold, read by the cluster
   uint32_t cta_above, cta_equal;              // this CTA's compaction counts, read by the cluster
   uint32_t before_above, before_equal;        // the counts of the CTAs of lower rank
   uint32_t all_above, all_equal;              // the row's totals
+  uint32_t candidates;                        // sampled path: keys this CTA kept (may exceed the capacity)
+  uint32_t row_candidates, overflow;          // sampled path: the cluster's sum, whether any CTA overflowed
 };
 
 // Inclusive scan of one value per thread across the CTA (thread order); all threads get the CTA total too.
-__device__ __forceinline__ uint32_t block_inclusive_scan(uint32_t value, Shared& sh, uint32_t& total) {
+// Count = uint32_t, or uint64_t for two 32-bit counts packed in one scan.
+template <typename Count>
+__device__ __forceinline__ Count block_inclusive_scan(Count value, Shared& sh, Count& total) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   for (int offset = 1; offset < 32; offset *= 2) {
-    const uint32_t v = __shfl_up_sync(0xffffffffu, value, offset);
+    const Count v = __shfl_up_sync(0xffffffffu, value, offset);
     if (lane >= offset) value += v;
   }
   if (lane == 31) sh.warp_sums[warp] = value;
   __syncthreads();
   if (warp == 0) {
-    uint32_t w = sh.warp_sums[lane];
+    Count w = static_cast<Count>(sh.warp_sums[lane]);
     for (int offset = 1; offset < 32; offset *= 2) {
-      const uint32_t v = __shfl_up_sync(0xffffffffu, w, offset);
+      const Count v = __shfl_up_sync(0xffffffffu, w, offset);
       if (lane >= offset) w += v;
     }
     sh.warp_sums[lane] = w;
   }
   __syncthreads();
-  total = sh.warp_sums[kWarps - 1];
-  const uint32_t result = value + (warp > 0 ? sh.warp_sums[warp - 1] : 0u);
+  total = static_cast<Count>(sh.warp_sums[kWarps - 1]);
+  const Count result = value + (warp > 0 ? static_cast<Count>(sh.warp_sums[warp - 1]) : Count{0});
   __syncthreads();  // warp_sums may be reused by the caller's next scan
   return result;
 }
@@ -334,6 +338,322 @@ __global__ void __launch_bounds__(kThreads, 1) top_k_cluster_kernel(const TopKPa
   cluster_wait();
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// The sampled path (DSV4_TOPK_PATH=sampled while it is measured against the two above): a cluster of C CTAs per
+// row, C chosen so the grid fits one wave, reads its row from global memory once and keeps only the keys at or
+// above a threshold T estimated from a 1-in-16 sample of the row, so shared memory holds a few thousand
+// candidates instead of the row, and a row of 256K keys fits one CTA. Exactness does not rest on the estimate:
+// if at least k keys of the row reach T, the k-th largest key does too, so every key the answer can take (ties at
+// the k-th included) is a candidate and the radix select over the candidates gives the row's answer. When fewer
+// than k keys reach T, or a CTA's candidates overflow its buffer (many ties at T), every CTA of the cluster
+// reaches the same verdict and selects over its span in global memory instead (the fallback: exact, slower).
+constexpr int kCandidateCapacity = 8192;  // keys (+ entries) per CTA: 64 KB of shared memory
+constexpr int kSampleStride = 16;         // one 32-key line in 16 is sampled
+constexpr int kSampleMargin = 2;          // T is the sample's (kSampleMargin · k / kSampleStride)-th key
+constexpr int kTileEntries = kThreads * 32;  // entries a CTA filters per round: 8 float4 per thread in flight
+constexpr int kMaxSampleLinesPerWarp = kTopKMaxColumns / 32 / kSampleStride / kWarps;  // 16
+static_assert(kTopKMaxColumns / kSampleStride <= 2 * kCandidateCapacity, "the sample fits the candidate buffers");
+
+// Where the radix passes and the compaction read keys: shared-memory candidates (with their entries) or a span
+// of scores in global memory (the fallback; entry = first + position).
+struct SharedCandidates {
+  const uint32_t* keys;
+  const int32_t* entries;
+  int count;
+  __device__ uint32_t key(int i) const { return keys[i]; }
+  __device__ int32_t entry(int i) const { return entries[i]; }
+};
+struct GlobalSpan {
+  const float* scores;
+  int count;
+  int32_t first;
+  __device__ uint32_t key(int i) const { return ordered_key(__ldg(scores + i)); }
+  __device__ int32_t entry(int i) const { return first + i; }
+};
+
+// histogram_pass over any source, one key per thread per step; whole warps step together (the count is padded
+// to 32), so ballots and __match_any_sync see full warps.
+template <class Source>
+__device__ void histogram_pass_from(const Source& source, const Selection& sel, int bits, uint32_t* histogram) {
+  const int lane = threadIdx.x % 32;
+  const uint32_t mask = (1u << bits) - 1u;
+  const int shift = 32 - sel.resolved - bits;
+  const int padded = (source.count + 31) & ~31;
+  for (int i = static_cast<int>(threadIdx.x); i < padded; i += kThreads) {
+    const uint32_t key = i < source.count ? source.key(i) : 0u;
+    const bool match = key >= sel.floor && top_bits(key, sel.resolved) == sel.prefix;
+    if (__ballot_sync(0xffffffffu, match) == 0) continue;
+    const uint32_t digit = (key >> shift) & mask;
+    const uint32_t peers = __match_any_sync(0xffffffffu, match ? digit : 0xffffffffu);
+    if (match && lane == __ffs(peers) - 1) atomicAdd(&histogram[digit], static_cast<uint32_t>(__popc(peers)));
+  }
+}
+
+// Up to `max_passes` radix passes (11, 11, 10 bits) over the cluster's sources, stopping once resolved. The two
+// histogram buffers alternate over every pass of the kernel (`passes_run` counts them): before a buffer is used a
+// second time it is zeroed, which is safe because every CTA read it (resolve_digit) before the barrier of the
+// pass in between.
+template <class Source>
+__device__ void radix_select(const Source& source, cg::cluster_group& cluster, int ranks, Selection& sel, Shared& sh,
+                             int& passes_run, int max_passes) {
+  for (int pass = 0; pass < max_passes && sel.resolved < 32; ++pass) {
+    const int bits = min(11, 32 - sel.resolved);
+    uint32_t* histogram = sh.histogram[passes_run & 1];
+    if (passes_run >= 2) {
+      for (int i = threadIdx.x; i < kBins; i += kThreads) histogram[i] = 0;
+      __syncthreads();
+    }
+    ++passes_run;
+    histogram_pass_from(source, sel, bits, histogram);
+    cluster.sync();
+    if (resolve_digit(cluster, ranks, histogram, bits, sel, sh)) return;
+  }
+}
+
+// Entry-order compaction of the selection over a source (the cluster path's, for any source): warp w owns the
+// contiguous positions [w·per_warp, (w+1)·per_warp); a chosen key's output slot is the "above" keys before it +
+// min(need, the "equal" keys before it), counted by ballots, one block scan and the lower ranks' counts.
+template <class Source>
+__device__ void compact_selection(const Source& source, const Selection& sel, cg::cluster_group& cluster, int ranks,
+                                  int rank, Shared& sh, int32_t* out, int k, int32_t* row_length) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int per_warp = (source.count + kThreads - 1) / kThreads * 32;
+  const int begin = warp * per_warp;
+  const int end = min(source.count, begin + per_warp);
+  const int groups = per_warp / 32;
+  auto classify = [&](int i, bool& above, bool& equal) {
+    const uint32_t key = i < end ? source.key(i) : 0u;
+    const uint32_t top = top_bits(key, sel.resolved);
+    above = key >= sel.floor && top > sel.prefix;
+    equal = key >= sel.floor && top == sel.prefix;
+  };
+  uint32_t warp_above = 0, warp_equal = 0;
+  for (int g = 0; g < groups; ++g) {
+    bool above, equal;
+    classify(begin + 32 * g + lane, above, equal);
+    warp_above += __popc(__ballot_sync(0xffffffffu, above));
+    warp_equal += __popc(__ballot_sync(0xffffffffu, equal));
+  }
+  uint64_t cta_packed;
+  const uint64_t packed = lane == 0 ? (uint64_t{warp_above} << 32 | warp_equal) : uint64_t{0};
+  const uint64_t inclusive = block_inclusive_scan(packed, sh, cta_packed);
+  const uint64_t warp_before = __shfl_sync(0xffffffffu, inclusive - packed, 0);
+  if (threadIdx.x == 0) {
+    sh.cta_above = static_cast<uint32_t>(cta_packed >> 32);
+    sh.cta_equal = static_cast<uint32_t>(cta_packed);
+  }
+  cluster.sync();
+  if (warp == 0) {
+    uint32_t above = 0, equal = 0, before_above = 0, before_equal = 0;
+    if (lane < ranks) {
+      const Shared* remote = cluster.map_shared_rank(&sh, lane);
+      above = remote->cta_above;
+      equal = remote->cta_equal;
+    }
+    if (lane < rank) {
+      before_above = above;
+      before_equal = equal;
+    }
+    for (int offset = 16; offset > 0; offset /= 2) {
+      above += __shfl_xor_sync(0xffffffffu, above, offset);
+      equal += __shfl_xor_sync(0xffffffffu, equal, offset);
+      before_above += __shfl_xor_sync(0xffffffffu, before_above, offset);
+      before_equal += __shfl_xor_sync(0xffffffffu, before_equal, offset);
+    }
+    if (lane == 0) {
+      sh.all_above = above;
+      sh.all_equal = equal;
+      sh.before_above = before_above;
+      sh.before_equal = before_equal;
+    }
+  }
+  __syncthreads();
+  uint32_t running_above = sh.before_above + static_cast<uint32_t>(warp_before >> 32);
+  uint32_t running_equal = sh.before_equal + static_cast<uint32_t>(warp_before);
+  const uint32_t lower_lanes = (1u << lane) - 1u;
+  for (int g = 0; g < groups; ++g) {
+    const int i = begin + 32 * g + lane;
+    bool above, equal;
+    classify(i, above, equal);
+    const uint32_t above_ballot = __ballot_sync(0xffffffffu, above);
+    const uint32_t equal_ballot = __ballot_sync(0xffffffffu, equal);
+    const uint32_t equal_before = running_equal + __popc(equal_ballot & lower_lanes);
+    if (above || (equal && equal_before < sel.need)) {
+      const uint32_t slot = running_above + __popc(above_ballot & lower_lanes) + min(sel.need, equal_before);
+      out[slot] = source.entry(i);
+    }
+    running_above += __popc(above_ballot);
+    running_equal += __popc(equal_ballot);
+  }
+  if (rank == 0) {
+    const uint32_t chosen = sh.all_above + min(sel.need, sh.all_equal);
+    for (int i = static_cast<int>(chosen) + static_cast<int>(threadIdx.x); i < k; i += kThreads) out[i] = -1;
+    if (threadIdx.x == 0) *row_length = static_cast<int32_t>(chosen);
+  }
+}
+
+// Loads 32 consecutive scores per lane group: lane l of warp w takes quads warp_first + 32u + l, u < 8 (coalesced
+// 512-byte rows per instruction); entries at or past `valid` come back −inf.
+__device__ __forceinline__ void load_tile(const float* scores, int warp_first_entry, int valid, bool vector_loads,
+                                          float4 (&v)[8]) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int u = 0; u < 8; ++u) {
+    const int e = warp_first_entry + 4 * (32 * u + lane);
+    v[u] = make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
+    if (e + 3 < valid && vector_loads) {
+      v[u] = __ldg(reinterpret_cast<const float4*>(scores + e));
+    } else if (e < valid) {
+      v[u].x = __ldg(scores + e);
+      if (e + 1 < valid) v[u].y = __ldg(scores + e + 1);
+      if (e + 2 < valid) v[u].z = __ldg(scores + e + 2);
+      if (e + 3 < valid) v[u].w = __ldg(scores + e + 3);
+    }
+  }
+}
+
+__device__ __forceinline__ uint32_t count_at_least(const float4& v, uint32_t floor) {
+  return (ordered_key(v.x) >= floor) + (ordered_key(v.y) >= floor) + (ordered_key(v.z) >= floor) +
+         (ordered_key(v.w) >= floor);
+}
+
+// Exclusive prefix over the warp's lanes of `count` (lane order); `total` gets the warp's sum.
+__device__ __forceinline__ uint32_t warp_exclusive_scan(uint32_t count, uint32_t& total) {
+  const int lane = threadIdx.x % 32;
+  uint32_t inclusive = count;
+  for (int offset = 1; offset < 32; offset *= 2) {
+    const uint32_t v = __shfl_up_sync(0xffffffffu, inclusive, offset);
+    if (lane >= offset) inclusive += v;
+  }
+  total = __shfl_sync(0xffffffffu, inclusive, 31);
+  return inclusive - count;
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    top_k_sampled_kernel(const TopKParams p, int span, bool sample, bool force_fallback) {
+  extern __shared__ uint4 dynamic_candidates[];
+  __shared__ Shared sh;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int ranks = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int64_t row = blockIdx.y;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  uint32_t* candidate_keys = reinterpret_cast<uint32_t*>(dynamic_candidates);
+  int32_t* candidate_entries = reinterpret_cast<int32_t*>(candidate_keys + kCandidateCapacity);
+
+  for (int i = threadIdx.x; i < 2 * kBins; i += kThreads) (&sh.histogram[0][0])[i] = 0;
+  wait_for_prior_grid();  // the scores come from the previous kernel
+  allow_dependents();
+
+  int64_t length = p.columns;
+  if (p.row_lengths) length = max(int64_t{0}, min(length, static_cast<int64_t>(p.row_lengths[row])));
+  const int64_t first = static_cast<int64_t>(rank) * span;
+  const int valid = static_cast<int>(max(int64_t{0}, min(static_cast<int64_t>(span), length - first)));
+  const float* scores = p.scores + row * p.row_stride + first;
+  const bool vector_loads = (reinterpret_cast<uintptr_t>(scores) & 15) == 0;
+  int passes_run = 0;
+
+  // 1. The threshold. Spans that fit the buffer keep every valid key (T = 1). Otherwise the sample: line 16j of
+  //    the span (32 keys) for every j, all of a warp's loads issued before any is used, kept as keys in the
+  //    (still unused) candidate buffer; two radix passes over the cluster's sample find the key with
+  //    kSampleMargin · k / kSampleStride sample keys at or above it to 22 bits, and T is that prefix's lower
+  //    edge: about kSampleMargin · k keys of the row reach it. A sample with fewer valid keys gives T = 1.
+  uint32_t threshold = 1;
+  if (sample) {
+    const int sample_lines = ((valid + 31) / 32 + kSampleStride - 1) / kSampleStride;
+    float sampled[kMaxSampleLinesPerWarp];
+#pragma unroll
+    for (int t = 0; t < kMaxSampleLinesPerWarp; ++t) {
+      const int line = warp + kWarps * t;
+      const int e = line * kSampleStride * 32 + lane;
+      sampled[t] = line < sample_lines && e < valid ? __ldg(scores + e) : -INFINITY;
+    }
+#pragma unroll
+    for (int t = 0; t < kMaxSampleLinesPerWarp; ++t) {
+      const int line = warp + kWarps * t;
+      if (line < sample_lines) candidate_keys[line * 32 + lane] = ordered_key(sampled[t]);
+    }
+    __syncthreads();
+    Selection estimate;
+    estimate.need = static_cast<uint32_t>(max(int64_t{1}, kSampleMargin * p.k / kSampleStride));
+    cluster.sync();  // every CTA has started and zeroed its histograms before any reads them remotely
+    radix_select(SharedCandidates{candidate_keys, nullptr, sample_lines * 32}, cluster, ranks, estimate, sh,
+                 passes_run, 2);
+    if (estimate.resolved > 0) threshold = max(1u, estimate.prefix << (32 - estimate.resolved));
+    __syncthreads();  // the sample's keys are read before the candidates overwrite them
+  }
+
+  // 2. One pass over the span keeps the keys ≥ T, in entry order: per round, warp w filters the 1,024 entries
+  //    [round + 1024w, round + 1024(w+1)), a warp scan per load gives each lane its place among the warp's keys,
+  //    one block scan over the warps' totals their place in the CTA's buffer. Keys past the capacity are counted,
+  //    not kept.
+  uint32_t kept = 0;
+  for (int round = 0; round < valid; round += kTileEntries) {
+    const int warp_first_entry = round + warp * (kTileEntries / kWarps);
+    float4 v[8];
+    load_tile(scores, warp_first_entry, valid, vector_loads, v);
+    uint32_t warp_kept = 0;
+#pragma unroll
+    for (int u = 0; u < 8; ++u) warp_kept += __reduce_add_sync(0xffffffffu, count_at_least(v[u], threshold));
+    uint32_t round_kept;
+    const uint32_t lane0 = lane == 0 ? warp_kept : 0u;
+    const uint32_t inclusive = block_inclusive_scan(lane0, sh, round_kept);
+    uint32_t position = kept + __shfl_sync(0xffffffffu, inclusive - lane0, 0);
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      uint32_t load_total;
+      const uint32_t mine = count_at_least(v[u], threshold);
+      uint32_t slot = position + warp_exclusive_scan(mine, load_total);
+      const int e = warp_first_entry + 4 * (32 * u + lane);
+      const float values[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t key = ordered_key(values[i]);
+        if (key >= threshold) {
+          if (slot < kCandidateCapacity) {
+            candidate_keys[slot] = key;
+            candidate_entries[slot] = static_cast<int32_t>(first) + e + i;
+          }
+          ++slot;
+        }
+      }
+      position += load_total;
+    }
+    kept += round_kept;
+  }
+  if (threadIdx.x == 0) sh.candidates = kept;
+  cluster.sync();  // every CTA's count is final
+  if (warp == 0) {
+    const uint32_t count = lane < ranks ? cluster.map_shared_rank(&sh, lane)->candidates : 0u;
+    const uint32_t total = __reduce_add_sync(0xffffffffu, count);
+    const bool overflow = __any_sync(0xffffffffu, count > kCandidateCapacity);
+    if (lane == 0) {
+      sh.row_candidates = total;
+      sh.overflow = overflow;
+    }
+  }
+  __syncthreads();
+  const bool exact_on_candidates =
+      !force_fallback && !sh.overflow && (sh.row_candidates >= static_cast<uint32_t>(p.k) || threshold == 1);
+
+  // 3. Radix select and entry-order compaction, over the candidates or (fallback) over the span in global memory.
+  int32_t* out = p.indices + row * p.k;
+  Selection sel;
+  sel.need = static_cast<uint32_t>(p.k);
+  if (exact_on_candidates) {
+    sel.floor = threshold;
+    const SharedCandidates source{candidate_keys, candidate_entries, static_cast<int>(kept)};
+    radix_select(source, cluster, ranks, sel, sh, passes_run, 3);
+    compact_selection(source, sel, cluster, ranks, rank, sh, out, p.k, p.lengths + row);
+  } else {
+    const GlobalSpan source{scores, valid, static_cast<int32_t>(first)};
+    radix_select(source, cluster, ranks, sel, sh, passes_run, 3);
+    compact_selection(source, sel, cluster, ranks, rank, sh, out, p.k, p.lengths + row);
+  }
+  cluster_arrive();  // done reading the other CTAs' shared memory; they may exit once everyone arrived
+  cluster_wait();
+}
+
 struct LaunchShape {
   int cluster;  // CTAs per row
   int span;     // keys per CTA
@@ -356,6 +676,55 @@ LaunchShape launch_shape(int64_t columns) {
   return {cluster, static_cast<int>(span)};
 }
 
+// The sampled path's shape: as many CTAs per row as fit one wave beside the other rows (1 once rows ≥ SMs), at
+// most the cluster limit, no span under kMinSpan; spans are whole 512-key runs, so every CTA's sample lines sit at
+// the same offsets of the row.
+LaunchShape sampled_launch_shape(int64_t rows, int64_t columns, int multiprocessors) {
+  const int64_t by_wave = std::max<int64_t>(1, multiprocessors / rows);
+  const int64_t by_span = (columns + kMinSpan - 1) / kMinSpan;
+  const int cluster = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({max_cluster(), by_wave, by_span})));
+  constexpr int64_t kQuantum = 32 * kSampleStride;
+  int64_t span = (columns + cluster - 1) / cluster;
+  span = std::max<int64_t>(kQuantum, (span + kQuantum - 1) / kQuantum * kQuantum);
+  return {cluster, static_cast<int>(span)};
+}
+
+bool env_is(const char* name, const char* value) {
+  const char* text = std::getenv(name);
+  return text != nullptr && std::strcmp(text, value) == 0;
+}
+
+cudaError_t launch_sampled(const TopKParams& p, int multiprocessors, cudaStream_t stream) {
+  const LaunchShape shape = sampled_launch_shape(p.rows, p.columns, multiprocessors);
+  constexpr int kShared = kCandidateCapacity * 2 * static_cast<int>(sizeof(uint32_t));
+  const cudaError_t configured =
+      cudaFuncSetAttribute(top_k_sampled_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kShared);
+  if (configured != cudaSuccess) return configured;
+  if (shape.cluster > kMaxCluster) {
+    const cudaError_t allowed =
+        cudaFuncSetAttribute(top_k_sampled_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    if (allowed != cudaSuccess) return allowed;
+  }
+  cudaLaunchAttribute attributes[2] = {};
+  attributes[0].id = cudaLaunchAttributeClusterDimension;
+  attributes[0].val.clusterDim.x = static_cast<unsigned>(shape.cluster);
+  attributes[0].val.clusterDim.y = 1;
+  attributes[0].val.clusterDim.z = 1;
+  attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[1].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(shape.cluster), static_cast<unsigned>(p.rows));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = kShared;
+  config.stream = stream;
+  config.attrs = attributes;
+  config.numAttrs = programmatic_launch_enabled() ? 2 : 1;
+  const bool sample = shape.span > kCandidateCapacity;
+  // DSV4_TOPK_FALLBACK=1 (tests): every row takes the exact fallback over global memory. Read on every call.
+  const bool force_fallback = env_is("DSV4_TOPK_FALLBACK", "1");
+  return cudaLaunchKernelEx(&config, top_k_sampled_kernel, p, shape.span, sample, force_fallback);
+}
+
 }  // namespace
 
 size_t top_k_workspace_bytes(int64_t rows, int64_t columns, int64_t k) {
@@ -376,10 +745,11 @@ cudaError_t top_k(const TopKParams& p, void* workspace, size_t workspace_bytes, 
   const int multiprocessors = current_device_multiprocessors();
   if (multiprocessors == 0) return cudaGetLastError();
   const LaunchShape shape = launch_shape(p.columns);
-  // DSV4_TOPK_PATH=cluster|chunked forces one path whatever the shape (to time both at every shape); read per call.
-  const char* forced = std::getenv("DSV4_TOPK_PATH");
-  const bool force_cluster = forced != nullptr && std::strcmp(forced, "cluster") == 0;
-  const bool force_chunked = forced != nullptr && std::strcmp(forced, "chunked") == 0;
+  // DSV4_TOPK_PATH=cluster|chunked|sampled forces one path whatever the shape (to time them side by side at every
+  // shape); read per call.
+  if (env_is("DSV4_TOPK_PATH", "sampled")) return launch_sampled(p, multiprocessors, stream);
+  const bool force_cluster = env_is("DSV4_TOPK_PATH", "cluster");
+  const bool force_chunked = env_is("DSV4_TOPK_PATH", "chunked");
   if (force_chunked || (!force_cluster && p.rows * shape.cluster > multiprocessors))
     return chunked_top_k(p, workspace, stream);
   const size_t shared = static_cast<size_t>(shape.span) * sizeof(uint32_t);

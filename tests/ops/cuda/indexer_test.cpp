@@ -8,6 +8,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include <cuda_runtime.h>
@@ -156,26 +157,45 @@ void check_top_k(int64_t rows, int64_t columns, int64_t stride, int64_t k, const
   ASSERT_EQ(cudaMalloc(&d_ws, ws_bytes), cudaSuccess);
   TopKParams p{rows, columns, stride, k, d_scores, d_row_lengths, d_indices, d_lengths};
   std::vector<int32_t> first;
-  // Runs 0-1 as configured, 2-3 with the cluster path's pre-filter (DSV4_TOPK_PREFILTER=1, read on every call):
-  // the same answer either way, bitwise repeatable.
-  struct PrefilterOffOnExit {
-    ~PrefilterOffOnExit() { unsetenv("DSV4_TOPK_PREFILTER"); }
-  } prefilter_off_on_exit;  // also when an ASSERT returns early
-  for (int run = 0; run < 4; ++run) {
-    if (run == 2) setenv("DSV4_TOPK_PREFILTER", "1", 1);
+  // Every path of top_k gives the same answer (the switches are read on every call): the default choice twice
+  // (bitwise repeatable), then each path forced at this shape, the cluster path with its pre-filter, and the
+  // sampled path's exact fallback over global memory.
+  const std::vector<std::vector<std::pair<const char*, const char*>>> runs = {
+      {},
+      {},
+      {{"DSV4_TOPK_PATH", "cluster"}},
+      {{"DSV4_TOPK_PATH", "cluster"}, {"DSV4_TOPK_PREFILTER", "1"}},
+      {{"DSV4_TOPK_PATH", "chunked"}},
+      {{"DSV4_TOPK_PATH", "sampled"}},
+      {{"DSV4_TOPK_PATH", "sampled"}, {"DSV4_TOPK_FALLBACK", "1"}},
+  };
+  struct SwitchesOffOnExit {
+    static void clear() {
+      for (const char* name : {"DSV4_TOPK_PATH", "DSV4_TOPK_PREFILTER", "DSV4_TOPK_FALLBACK"}) unsetenv(name);
+    }
+    ~SwitchesOffOnExit() { clear(); }
+  } switches_off_on_exit;  // also when an ASSERT returns early
+  for (size_t run = 0; run < runs.size(); ++run) {
+    SwitchesOffOnExit::clear();
+    std::string label = "default";
+    for (const auto& [name, value] : runs[run]) {
+      setenv(name, value, 1);
+      label = label == "default" ? std::string(name) + "=" + value : label + " " + name + "=" + value;
+    }
     cudaMemset(d_indices, 0x7f, rows * k * 4);  // poison
     cudaMemset(d_lengths, 0x7f, rows * 4);
     cudaMemset(d_ws, 0x5a, ws_bytes);
-    ASSERT_EQ(top_k(p, d_ws, ws_bytes, nullptr), cudaSuccess);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ASSERT_EQ(top_k(p, d_ws, ws_bytes, nullptr), cudaSuccess) << label;
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << label;
     const auto indices = to_host(d_indices, rows * k);
     const auto lengths = to_host(d_lengths, rows);
-    EXPECT_EQ(lengths, expected_lengths) << rows << "x" << columns << " k " << k;
+    EXPECT_EQ(lengths, expected_lengths) << rows << "x" << columns << " k " << k << " " << label;
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t i = 0; i < k; ++i)
-        ASSERT_EQ(indices[r * k + i], expected[r * k + i]) << "row " << r << " slot " << i << " of " << columns;
+        ASSERT_EQ(indices[r * k + i], expected[r * k + i])
+            << "row " << r << " slot " << i << " of " << columns << " " << label;
     if (run == 0) first = indices;
-    else EXPECT_EQ(first, indices) << "not bitwise repeatable (run " << run << ")";
+    else if (run == 1) EXPECT_EQ(first, indices) << "not bitwise repeatable";
   }
   cudaFree(d_scores);
   if (d_row_lengths) cudaFree(d_row_lengths);
@@ -213,6 +233,25 @@ TEST_F(CudaIndexerTest, TopKSameAnswerOnBothPaths) {
       check_top_k(rows, columns, columns, k, scores, lengths);
     }
   }
+}
+
+// The sampled path's two ways out of its estimate, on real data: (row 0) the large scores sit exactly on the
+// sampled lines (every 16th run of 32), so fewer than k keys of the row reach the sample's threshold; (row 1)
+// 100,000 equal top scores overflow every CTA's candidate buffer. Both must take the exact fallback. Then 70 rows
+// of 65,536, one CTA per row on a 132-SM device with a sample of its own.
+TEST_F(CudaIndexerTest, TopKSampledPathFallsBackWhenTheEstimateFails) {
+  for (const int64_t k : {512, 1024}) {
+    const int64_t rows = 2, columns = 262144;
+    std::vector<float> scores = testing::random_scores(rows, columns, static_cast<uint32_t>(k + 3));
+    for (int64_t i = 0; i < columns; ++i) {
+      if ((i / 32) % 16 == 0) scores[i] += 10.0f;
+      if (i % 5 < 2 && i < 250000) scores[columns + i] = 4.5f;
+    }
+    check_top_k(rows, columns, columns, k, scores, {});
+    check_top_k(rows, columns, columns, k, scores, {200001, 262144});
+  }
+  const int64_t rows = 70, columns = 65536;
+  check_top_k(rows, columns, columns, 512, testing::random_scores(rows, columns, 71), {});
 }
 
 TEST_F(CudaIndexerTest, TopKCornerCases) {
