@@ -3,6 +3,7 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -347,7 +348,7 @@ __global__ void __launch_bounds__(kThreads, 1) top_k_cluster_kernel(const TopKPa
 // the k-th included) is a candidate and the radix select over the candidates gives the row's answer. When fewer
 // than k keys reach T, or a CTA's candidates overflow its buffer (many ties at T), every CTA of the cluster
 // reaches the same verdict and selects over its span in global memory instead (the fallback: exact, slower).
-constexpr int kCandidateCapacity = 8192;  // keys (+ entries) per CTA: 64 KB of shared memory
+constexpr int kCandidateCapacity = 8192;  // keys (+ entries) per CTA of a sampled span: 64 KB of shared memory
 constexpr int kSampleStride = 16;         // one 32-key line in 16 is sampled
 constexpr int kSampleMargin = 2;          // T is the sample's (kSampleMargin · k / kSampleStride)-th key
 constexpr int kTileEntries = kThreads * 32;  // entries a CTA filters per round: 8 float4 per thread in flight
@@ -396,6 +397,7 @@ __device__ void histogram_pass_from(const Source& source, const Selection& sel, 
 template <class Source>
 __device__ void radix_select(const Source& source, cg::cluster_group& cluster, int ranks, Selection& sel, Shared& sh,
                              int& passes_run, int max_passes) {
+#pragma unroll 1
   for (int pass = 0; pass < max_passes && sel.resolved < 32; ++pass) {
     const int bits = min(11, 32 - sel.resolved);
     uint32_t* histogram = sh.histogram[passes_run & 1];
@@ -512,25 +514,15 @@ __device__ __forceinline__ void load_tile(const float* scores, int warp_first_en
   }
 }
 
-__device__ __forceinline__ uint32_t count_at_least(const float4& v, uint32_t floor) {
-  return (ordered_key(v.x) >= floor) + (ordered_key(v.y) >= floor) + (ordered_key(v.z) >= floor) +
-         (ordered_key(v.w) >= floor);
-}
-
-// Exclusive prefix over the warp's lanes of `count` (lane order); `total` gets the warp's sum.
-__device__ __forceinline__ uint32_t warp_exclusive_scan(uint32_t count, uint32_t& total) {
-  const int lane = threadIdx.x % 32;
-  uint32_t inclusive = count;
-  for (int offset = 1; offset < 32; offset *= 2) {
-    const uint32_t v = __shfl_up_sync(0xffffffffu, inclusive, offset);
-    if (lane >= offset) inclusive += v;
-  }
-  total = __shfl_sync(0xffffffffu, inclusive, 31);
-  return inclusive - count;
+// The float form of a key threshold: score >= key_threshold_score(T) exactly when ordered_key(score) >= T, for
+// every score (−inf and NaN compare false; −0.0 compares as +0.0, as its key does), so the filter compares floats.
+__device__ __forceinline__ float key_threshold_score(uint32_t threshold) {
+  if (threshold <= 0x00800000u) return -FLT_MAX;  // at or below the key of −FLT_MAX: every finite score
+  return __uint_as_float((threshold & 0x80000000u) ? (threshold & 0x7fffffffu) : ~threshold);
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
-    top_k_sampled_kernel(const TopKParams p, int span, bool sample, bool force_fallback) {
+    top_k_sampled_kernel(const TopKParams p, int span, int capacity, bool sample, bool force_fallback) {
   extern __shared__ uint4 dynamic_candidates[];
   __shared__ Shared sh;
   cg::cluster_group cluster = cg::this_cluster();
@@ -539,7 +531,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t row = blockIdx.y;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   uint32_t* candidate_keys = reinterpret_cast<uint32_t*>(dynamic_candidates);
-  int32_t* candidate_entries = reinterpret_cast<int32_t*>(candidate_keys + kCandidateCapacity);
+  int32_t* candidate_entries = reinterpret_cast<int32_t*>(candidate_keys + capacity);
 
   for (int i = threadIdx.x; i < 2 * kBins; i += kThreads) (&sh.histogram[0][0])[i] = 0;
   wait_for_prior_grid();  // the scores come from the previous kernel
@@ -588,36 +580,50 @@ __global__ void __launch_bounds__(kThreads, 1)
   //    one block scan over the warps' totals their place in the CTA's buffer. Keys past the capacity are counted,
   //    not kept.
   uint32_t kept = 0;
+  const float threshold_score = key_threshold_score(threshold);
+  const uint32_t lower_lanes = (1u << lane) - 1u;
   for (int round = 0; round < valid; round += kTileEntries) {
     const int warp_first_entry = round + warp * (kTileEntries / kWarps);
     float4 v[8];
     load_tile(scores, warp_first_entry, valid, vector_loads, v);
-    uint32_t warp_kept = 0;
+    uint32_t lane_kept = 0;
 #pragma unroll
-    for (int u = 0; u < 8; ++u) warp_kept += __reduce_add_sync(0xffffffffu, count_at_least(v[u], threshold));
+    for (int u = 0; u < 8; ++u)
+      lane_kept += (v[u].x >= threshold_score) + (v[u].y >= threshold_score) + (v[u].z >= threshold_score) +
+                   (v[u].w >= threshold_score);
+    const uint32_t warp_kept = __reduce_add_sync(0xffffffffu, lane_kept);
     uint32_t round_kept;
     const uint32_t lane0 = lane == 0 ? warp_kept : 0u;
     const uint32_t inclusive = block_inclusive_scan(lane0, sh, round_kept);
     uint32_t position = kept + __shfl_sync(0xffffffffu, inclusive - lane0, 0);
+    if (warp_kept != 0) {
 #pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      uint32_t load_total;
-      const uint32_t mine = count_at_least(v[u], threshold);
-      uint32_t slot = position + warp_exclusive_scan(mine, load_total);
-      const int e = warp_first_entry + 4 * (32 * u + lane);
-      const float values[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+      for (int u = 0; u < 8; ++u) {
+        // Entry order inside a load: lane, then component; one ballot per component places every kept key.
+        const bool keep[4] = {v[u].x >= threshold_score, v[u].y >= threshold_score, v[u].z >= threshold_score,
+                              v[u].w >= threshold_score};
+        uint32_t ballots[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const uint32_t key = ordered_key(values[i]);
-        if (key >= threshold) {
-          if (slot < kCandidateCapacity) {
-            candidate_keys[slot] = key;
+        for (int i = 0; i < 4; ++i) ballots[i] = __ballot_sync(0xffffffffu, keep[i]);
+        if ((ballots[0] | ballots[1] | ballots[2] | ballots[3]) == 0) continue;
+        uint32_t slot = position;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          slot += __popc(ballots[i] & lower_lanes);
+          position += __popc(ballots[i]);
+        }
+        const int e = warp_first_entry + 4 * (32 * u + lane);
+        const float values[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          if (!keep[i]) continue;
+          if (slot < static_cast<uint32_t>(capacity)) {
+            candidate_keys[slot] = ordered_key(values[i]);
             candidate_entries[slot] = static_cast<int32_t>(first) + e + i;
           }
           ++slot;
         }
       }
-      position += load_total;
     }
     kept += round_kept;
   }
@@ -626,7 +632,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (warp == 0) {
     const uint32_t count = lane < ranks ? cluster.map_shared_rank(&sh, lane)->candidates : 0u;
     const uint32_t total = __reduce_add_sync(0xffffffffu, count);
-    const bool overflow = __any_sync(0xffffffffu, count > kCandidateCapacity);
+    const bool overflow = __any_sync(0xffffffffu, count > static_cast<uint32_t>(capacity));
     if (lane == 0) {
       sh.row_candidates = total;
       sh.overflow = overflow;
@@ -696,9 +702,13 @@ bool env_is(const char* name, const char* value) {
 
 cudaError_t launch_sampled(const TopKParams& p, int multiprocessors, cudaStream_t stream) {
   const LaunchShape shape = sampled_launch_shape(p.rows, p.columns, multiprocessors);
-  constexpr int kShared = kCandidateCapacity * 2 * static_cast<int>(sizeof(uint32_t));
-  const cudaError_t configured =
-      cudaFuncSetAttribute(top_k_sampled_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kShared);
+  // A span that fits the buffer keeps all its keys, so its buffer is the span; a sampled span gets the full
+  // buffer, which also holds its sample (span / 16 keys) while the threshold is found.
+  const bool sample = shape.span > kCandidateCapacity;
+  const int capacity = sample ? kCandidateCapacity : shape.span;
+  const int shared = capacity * 2 * static_cast<int>(sizeof(uint32_t));
+  const cudaError_t configured = cudaFuncSetAttribute(top_k_sampled_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                      kCandidateCapacity * 2 * static_cast<int>(sizeof(uint32_t)));
   if (configured != cudaSuccess) return configured;
   if (shape.cluster > kMaxCluster) {
     const cudaError_t allowed =
@@ -715,14 +725,13 @@ cudaError_t launch_sampled(const TopKParams& p, int multiprocessors, cudaStream_
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(shape.cluster), static_cast<unsigned>(p.rows));
   config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = kShared;
+  config.dynamicSmemBytes = static_cast<size_t>(shared);
   config.stream = stream;
   config.attrs = attributes;
   config.numAttrs = programmatic_launch_enabled() ? 2 : 1;
-  const bool sample = shape.span > kCandidateCapacity;
   // DSV4_TOPK_FALLBACK=1 (tests): every row takes the exact fallback over global memory. Read on every call.
   const bool force_fallback = env_is("DSV4_TOPK_FALLBACK", "1");
-  return cudaLaunchKernelEx(&config, top_k_sampled_kernel, p, shape.span, sample, force_fallback);
+  return cudaLaunchKernelEx(&config, top_k_sampled_kernel, p, shape.span, capacity, sample, force_fallback);
 }
 
 }  // namespace
