@@ -1,6 +1,6 @@
-"""A pure-Python model of ops/cuda/top_k.cu's cluster path (docs/kernels/indexer_topk.md "Top-k"): CTA spans,
-the 11/11/10-bit radix passes over the cluster's summed histograms with the early stop, and the closed-form
-entry-order compaction. It checks the selection logic against the naive order (higher score first, then the
+"""A pure-Python model of ops/cuda/top_k.cu's cluster and sampled paths (docs/kernels/indexer_topk.md "Top-k"): CTA
+spans, the sampled threshold with its fallback, the 11/11/10-bit radix passes over the cluster's summed histograms
+with the early stop, and the closed-form entry-order compaction. It checks the selection logic against the naive order (higher score first, then the
 lower entry; -inf/NaN never chosen; -0 == +0) on random rows with ties, masks and ragged lengths. Run it after
 changing the algorithm, before spending device time:
 
@@ -27,51 +27,19 @@ def top_bits(key, bits):
     return 0 if bits == 0 else key >> (32 - bits)
 
 
-def lower_bound(span_keys, k, threads=1024, groups_per_thread=4):
-    """The planned pre-filter (docs/kernels/indexer_topk.md "Plan"): each thread keeps the maxima of
-    groups_per_thread groups of the keys it loads; the bound is the lower edge of the 11-bit bin where the count
-    of the CTA's maxima, from the top, reaches k. At least k disjoint groups hold a key at or above it, so it is
-    <= the row's k-th key; 1 (no filter) when fewer than k groups hold a valid key."""
-    maxima = [0] * (threads * groups_per_thread)
-    for position, key in enumerate(span_keys):
-        load = position // 4  # thread t loads the uint4s t, t + 1024, ... (top_k.cu's load loop)
-        group = (load % threads) * groups_per_thread + (load // threads) % groups_per_thread
-        maxima[group] = max(maxima[group], key)
-    histogram = [0] * 2048
-    for m in maxima:
-        if m:
-            histogram[m >> 21] += 1
-    count = 0
-    for digit in range(2047, -1, -1):
-        count += histogram[digit]
-        if count >= k:
-            return max(1, digit << 21)
-    return 1
-
-
-def cluster_top_k(scores, k, length=None, prefilter=False):
-    columns = len(scores)
-    length = columns if length is None else max(0, min(length, columns))
-    cluster = max(1, min(MAX_CLUSTER, -(-columns // MIN_SPAN)))
-    span = -(-columns // cluster) if columns else 0
-    span = max(SPAN_QUANTUM, -(-span // SPAN_QUANTUM) * SPAN_QUANTUM)
-    keys = [[ordered_key(scores[c * span + i]) if c * span + i < length else 0 for i in range(span)]
-            for c in range(cluster)]
-    # With the pre-filter, keys below the cluster's largest lower bound take no part (they are below the k-th).
-    floor = max(lower_bound(span_keys, k) for span_keys in keys) if prefilter else 1
-    keys = [[key if key >= floor else 0 for key in span_keys] for span_keys in keys]
-    # The radix passes (resolve_digit): every CTA sees the same summed histogram.
-    prefix, resolved, need = 0, 0, k
-    for digit_bits in (11, 11, 10):
+def radix_passes(key_lists, need, passes=3):
+    """The radix passes (resolve_digit): every CTA sees the same summed histogram. Returns (prefix, resolved,
+    need); resolved 0 with need = the valid count when fewer than `need` keys are valid."""
+    prefix, resolved = 0, 0
+    for digit_bits in (11, 11, 10)[:passes]:
         histogram = [0] * 2048
         shift = 32 - resolved - digit_bits
-        for span_keys in keys:
-            for key in span_keys:
+        for keys in key_lists:
+            for key in keys:
                 if key != 0 and top_bits(key, resolved) == prefix:
                     histogram[(key >> shift) & ((1 << digit_bits) - 1)] += 1
-        if sum(histogram) < need:  # at most k valid keys: take them all
-            need = sum(histogram)
-            break
+        if sum(histogram) < need:  # fewer valid keys than needed: take them all
+            return prefix, resolved, sum(histogram)
         above = 0
         for digit in range(2047, -1, -1):
             if above < need <= above + histogram[digit]:
@@ -81,6 +49,32 @@ def cluster_top_k(scores, k, length=None, prefilter=False):
         prefix, resolved = (prefix << digit_bits) | digit, resolved + digit_bits
         if histogram[digit] == need or resolved == 32:
             break
+    return prefix, resolved, need
+
+
+def sampled_threshold(key_lists, k, stride=16, margin=2):
+    """The sampled path's threshold (top_k.cu top_k_sampled_kernel): the 32-key lines 16j of every span, two
+    radix passes over them for the (margin * k / stride)-th key, T = the lower edge of the 22-bit prefix found.
+    Returns the floor the selection may use: T when at least k keys of the row reach it, else 1 (the fallback)."""
+    sample = [[key for line in range(0, len(keys), 32 * stride) for key in keys[line:line + 32]] for keys in key_lists]
+    prefix, resolved, _ = radix_passes(sample, max(1, margin * k // stride), passes=2)
+    threshold = max(1, prefix << (32 - resolved)) if resolved else 1
+    reached = sum(key >= threshold for keys in key_lists for key in keys)
+    return threshold if reached >= k else 1
+
+
+def cluster_top_k(scores, k, length=None, sampled=False):
+    columns = len(scores)
+    length = columns if length is None else max(0, min(length, columns))
+    cluster = max(1, min(MAX_CLUSTER, -(-columns // MIN_SPAN)))
+    span = -(-columns // cluster) if columns else 0
+    span = max(SPAN_QUANTUM, -(-span // SPAN_QUANTUM) * SPAN_QUANTUM)
+    keys = [[ordered_key(scores[c * span + i]) if c * span + i < length else 0 for i in range(span)]
+            for c in range(cluster)]
+    # The sampled path keeps only the keys at or above its threshold (the candidates; 1 after a fallback).
+    floor = sampled_threshold(keys, k) if sampled else 1
+    keys = [[key if key >= floor else 0 for key in span_keys] for span_keys in keys]
+    prefix, resolved, need = radix_passes(keys, k)
     # Compaction: slot = "above" keys before + min(need, "equal" keys before).
     out = [-1] * k
     above_before = equal_before = 0
@@ -130,19 +124,17 @@ def main():
     cases.append(([3.0 if i % 97 == 0 else v for i, v in enumerate(tied)], 1024, None))  # a tie across spans
     for scores, k, length in cases:
         want = naive_top_k(scores, k, length)
-        for prefilter in (False, True):
-            got = cluster_top_k(scores, k, length, prefilter)
-            assert got == want, (len(scores), k, length, prefilter, got[1], want[1])
-    print(f"cluster top-k model: {len(cases)} cases equal the naive order, with and without the pre-filter")
-    # What the pre-filter leaves to the radix passes on a 262,144-column N(0,1) row (8 spans of 32,768).
+        for sampled in (False, True):
+            got = cluster_top_k(scores, k, length, sampled)
+            assert got == want, (len(scores), k, length, sampled, got[1], want[1])
+    print(f"top-k model: {len(cases)} cases equal the naive order, all keys and sampled candidates")
+    # How many candidates the sampled threshold keeps of a 262,144-column N(0,1) row (8 spans of 32,768).
     row = [rng.gauss(0, 1) for _ in range(262144)]
     span_keys = [[ordered_key(v) for v in row[c * 32768:(c + 1) * 32768]] for c in range(8)]
     for k in (512, 1024):
-        for groups in (1, 2, 4):
-            floor = max(lower_bound(keys, k, groups_per_thread=groups) for keys in span_keys)
-            kept = sum(key >= floor for keys in span_keys for key in keys)
-            print(f"k {k}, {groups} maxima a thread: the pre-filter keeps {kept} of 262,144 keys "
-                  f"({100 * kept / 262144:.2f} %)")
+        floor = sampled_threshold(span_keys, k)
+        kept = sum(key >= floor for keys in span_keys for key in keys)
+        print(f"k {k}: the sampled threshold keeps {kept} of 262,144 keys ({100 * kept / 262144:.2f} %)")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ static_assert(kMaxSpan % kSpanQuantum == 0, "a full span is whole groups");
 // The selection after the passes: a key is chosen when its top `resolved` bits exceed `prefix`, or equal it and
 // fewer than `need` keys with that prefix sit at lower entries (so equal scores go to the lower entry, the
 // twin's rule). resolved = 0 takes every valid key (a row with at most k of them).
-// `floor`: keys below it take no part (the pre-filter's lower bound of the threshold; 1 = every valid key).
+// `floor`: keys below it take no part (the sampled path's threshold; 1 = every valid key).
 struct Selection {
   uint32_t prefix = 0;
   int resolved = 0;
@@ -51,7 +51,6 @@ struct alignas(16) Shared {
   uint32_t histogram[2][kBins];  // passes alternate buffers: one cluster barrier per pass
   uint64_t warp_sums[kWarps];
   uint32_t found_bin, found_above, found_count, total;
-  uint32_t floor;                             // this CTA's lower bound of the threshold, read by the cluster
   uint32_t cta_above, cta_equal;              // this CTA's compaction counts, read by the cluster
   uint32_t before_above, before_equal;        // the counts of the CTAs of lower rank
   uint32_t all_above, all_equal;              // the row's totals
@@ -159,33 +158,7 @@ __device__ bool resolve_digit(cg::cluster_group& cluster, int ranks, uint32_t* h
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 
-// The pre-filter (DSV4_TOPK_PREFILTER=1, off until measured): each thread keeps the maxima of kFloorGroups groups
-// of the keys it loads; the lower edge of the 11-bit bin where the CTA's maxima, counted from the top, reach k is
-// at most the row's k-th key (k disjoint groups hold a key at or above it). The cluster's largest such bound lets
-// every pass and the compaction skip the keys below it: on a 256K N(0,1) row that leaves 2.3 % (k 512) / 4.0 %
-// (k 1024) of the keys (tools/reference/top_k_cluster_model.py, which also checks the selection stays exact).
-constexpr int kFloorGroups = 4;
-
-__device__ uint32_t span_lower_bound(const uint32_t (&group_max)[kFloorGroups], uint32_t k, Shared& sh) {
-  const int lane = threadIdx.x % 32;
-  uint32_t* histogram = sh.histogram[1];  // zero until pass 1; left zero again below
-#pragma unroll
-  for (int g = 0; g < kFloorGroups; ++g) {
-    const uint32_t m = group_max[g];
-    if (__ballot_sync(0xffffffffu, m != 0) == 0) continue;
-    const uint32_t digit = m >> 21;
-    const uint32_t peers = __match_any_sync(0xffffffffu, m != 0 ? digit : 0xffffffffu);
-    if (m != 0 && lane == __ffs(peers) - 1) atomicAdd(&histogram[digit], static_cast<uint32_t>(__popc(peers)));
-  }
-  __syncthreads();
-  uint2* pairs = reinterpret_cast<uint2*>(histogram);
-  const uint2 pair = pairs[bin_owner()];
-  const uint32_t total = find_crossing_bin(pair.x, pair.y, k, sh);
-  pairs[bin_owner()] = make_uint2(0, 0);  // only this thread read them; the cluster barrier orders the rest
-  return total < k ? 1u : max(1u, sh.found_bin << 21);
-}
-
-__global__ void __launch_bounds__(kThreads, 1) top_k_cluster_kernel(const TopKParams p, int span, bool prefilter) {
+__global__ void __launch_bounds__(kThreads, 1) top_k_cluster_kernel(const TopKParams p, int span) {
   extern __shared__ uint4 dynamic_keys[];
   __shared__ Shared sh;
   cg::cluster_group cluster = cg::this_cluster();
@@ -208,8 +181,6 @@ __global__ void __launch_bounds__(kThreads, 1) top_k_cluster_kernel(const TopKPa
   const float* scores = p.scores + row * p.row_stride + first;
   const bool vector_loads = (reinterpret_cast<uintptr_t>(scores) & 15) == 0;
   constexpr int kInFlight = 8;  // float4 loads per thread issued before any is used: the span in one round trip
-  static_assert(kInFlight % kFloorGroups == 0, "a load's group is its place in the batch");
-  uint32_t group_max[kFloorGroups] = {};
   for (int base = 0; base < quads; base += kInFlight * kThreads) {
     float4 v[kInFlight];
 #pragma unroll
@@ -232,22 +203,14 @@ __global__ void __launch_bounds__(kThreads, 1) top_k_cluster_kernel(const TopKPa
         const uint4 key = make_uint4(ordered_key(v[u].x), ordered_key(v[u].y), ordered_key(v[u].z),
                                      ordered_key(v[u].w));
         dynamic_keys[j] = key;
-        group_max[u % kFloorGroups] = max(group_max[u % kFloorGroups], max(max(key.x, key.y), max(key.z, key.w)));
       }
     }
   }
-  if (prefilter) {
-    __syncthreads();  // the histograms are zero
-    const uint32_t floor = span_lower_bound(group_max, static_cast<uint32_t>(p.k), sh);
-    if (threadIdx.x == 0) sh.floor = floor;
-  }
-  cluster.sync();  // every CTA has started (its shared memory exists), zeroed its histograms, set its floor
+  cluster.sync();  // every CTA has started (its shared memory exists) and zeroed its histograms
 
   // Radix passes over the keys in shared memory: 11, 11, 10 bits, stopping once the crossing bin is taken whole.
   Selection sel;
   sel.need = static_cast<uint32_t>(p.k);
-  if (prefilter)
-    for (int r = 0; r < ranks; ++r) sel.floor = max(sel.floor, cluster.map_shared_rank(&sh, r)->floor);
   for (int pass = 0; pass < 3; ++pass) {
     uint32_t* histogram = sh.histogram[pass & 1];
     if (pass == 2) {  // buffer 0 again: every CTA finished reading it before the barrier of pass 1
@@ -746,17 +709,21 @@ cudaError_t top_k(const TopKParams& p, void* workspace, size_t workspace_bytes, 
     return cudaErrorInvalidValue;
   if (p.rows == 0) return cudaSuccess;
   if (workspace_bytes < top_k_workspace_bytes(p.rows, p.columns, p.k)) return cudaErrorInvalidValue;
-  // The cluster path while its CTAs (1,024 threads and up to 144 KB of shared memory: one per SM) fit one wave;
-  // past that its per-CTA fixed cost (load, 2-3 cluster barriers, two block scans) comes in waves and the chunked
-  // path's smaller CTAs, two per SM, win. Measured side by side (H100, docs/PERF.md): cluster 12.6-14.9 µs against
-  // 18.7-20.1 at 2K × 1-128 rows, 18.4 against 37.8 at 32K × 1, 47.5 against 50.0 at 256K × 1; chunked 40.0
-  // against 51.6 at 32K × 32, 131.7 against 150.9 at 256K × 32.
+  // Three paths (docs/kernels/indexer_topk.md), measured side by side (H200, docs/PERF.md "Top-k"):
+  // - the sampled path wherever its span is sampled (rows long enough for one: 32K × ≥ 64, 256K × any): 27.8 µs
+  //   against 46.3 (cluster) at 256K × 1, 49.6 against 221.5 (chunked) at 256K × 64, 28.5 against 73.0 at 32K × 128;
+  // - else the cluster path while rows × CTAs fit one wave: 10.9 against 15.1 (sampled) at 2K × 1, 17.0 against
+  //   21.6 at 32K × 1;
+  // - else the chunked path: 40.1 against 46.0 (sampled) at 32K × 32.
   const int multiprocessors = current_device_multiprocessors();
   if (multiprocessors == 0) return cudaGetLastError();
   const LaunchShape shape = launch_shape(p.columns);
   // DSV4_TOPK_PATH=cluster|chunked|sampled forces one path whatever the shape (to time them side by side at every
   // shape); read per call.
-  if (env_is("DSV4_TOPK_PATH", "sampled")) return launch_sampled(p, multiprocessors, stream);
+  const bool samples = sampled_launch_shape(p.rows, p.columns, multiprocessors).span > kCandidateCapacity;
+  if (env_is("DSV4_TOPK_PATH", "sampled") || (samples && !env_is("DSV4_TOPK_PATH", "cluster") &&
+                                              !env_is("DSV4_TOPK_PATH", "chunked")))
+    return launch_sampled(p, multiprocessors, stream);
   const bool force_cluster = env_is("DSV4_TOPK_PATH", "cluster");
   const bool force_chunked = env_is("DSV4_TOPK_PATH", "chunked");
   if (force_chunked || (!force_cluster && p.rows * shape.cluster > multiprocessors))
@@ -785,10 +752,7 @@ cudaError_t top_k(const TopKParams& p, void* workspace, size_t workspace_bytes, 
   config.stream = stream;
   config.attrs = attributes;
   config.numAttrs = programmatic_launch_enabled() ? 2 : 1;
-  // Read on every call (not cached) so a test can run both settings in one process.
-  const char* prefilter_switch = std::getenv("DSV4_TOPK_PREFILTER");
-  const bool prefilter = prefilter_switch != nullptr && std::strcmp(prefilter_switch, "1") == 0;
-  return cudaLaunchKernelEx(&config, top_k_cluster_kernel, p, shape.span, prefilter);
+  return cudaLaunchKernelEx(&config, top_k_cluster_kernel, p, shape.span);
 }
 
 }  // namespace dsv4::ops::cuda

@@ -17,11 +17,13 @@ inline constexpr int64_t kTopKMaxK = 1024;
 // Bytes of workspace top_k needs for `rows` rows of `columns` scores and this k.
 size_t top_k_workspace_bytes(int64_t rows, int64_t columns, int64_t k);
 
-// No allocation and no host synchronisation (CUDA-graph safe). Two paths, chosen by the grid's size:
-// - rows × CTAs-per-row ≤ the SMs: one launch, a thread-block cluster of up to 8 CTAs per row holds the row's
-//   scores in shared memory as ordered keys, finds the k-th key by a radix select over the cluster's combined
-//   histograms (11 + 11 + 10 bits, stopping early) and writes the chosen entries in entry order (top_k.cu);
-// - larger grids: two launches, every 8K / 16K-column chunk selects its top-k in one CTA, then one CTA per row
+// No allocation and no host synchronisation (CUDA-graph safe). Three paths, chosen by the shape (top_k.cu):
+// - rows long enough to sample (one wave of thread-block clusters, each CTA's span over 8,192 keys): the sampled
+//   path, one launch: a 1-in-16 sample of the row sets a threshold, one read of the row keeps the keys at or above
+//   it, a radix select over those candidates (exact: a fallback over the row when the estimate fails);
+// - else rows × CTAs-per-row ≤ the SMs: one launch, a cluster of up to 8 CTAs per row holds the row's scores in
+//   shared memory as ordered keys and radix-selects over the cluster's combined histograms (11 + 11 + 10 bits);
+// - else two launches, every 8K / 16K-column chunk selects its top-k in one CTA, then one CTA per row
 //   selects among the chunks' candidates (top_k_chunked.cu).
 cudaError_t top_k(const TopKParams& p, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 

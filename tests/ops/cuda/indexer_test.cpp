@@ -158,20 +158,19 @@ void check_top_k(int64_t rows, int64_t columns, int64_t stride, int64_t k, const
   TopKParams p{rows, columns, stride, k, d_scores, d_row_lengths, d_indices, d_lengths};
   std::vector<int32_t> first;
   // Every path of top_k gives the same answer (the switches are read on every call): the default choice twice
-  // (bitwise repeatable), then each path forced at this shape, the cluster path with its pre-filter, and the
-  // sampled path's exact fallback over global memory.
+  // (bitwise repeatable), then each path forced at this shape, and the sampled path's exact fallback over global
+  // memory.
   const std::vector<std::vector<std::pair<const char*, const char*>>> runs = {
       {},
       {},
       {{"DSV4_TOPK_PATH", "cluster"}},
-      {{"DSV4_TOPK_PATH", "cluster"}, {"DSV4_TOPK_PREFILTER", "1"}},
       {{"DSV4_TOPK_PATH", "chunked"}},
       {{"DSV4_TOPK_PATH", "sampled"}},
       {{"DSV4_TOPK_PATH", "sampled"}, {"DSV4_TOPK_FALLBACK", "1"}},
   };
   struct SwitchesOffOnExit {
     static void clear() {
-      for (const char* name : {"DSV4_TOPK_PATH", "DSV4_TOPK_PREFILTER", "DSV4_TOPK_FALLBACK"}) unsetenv(name);
+      for (const char* name : {"DSV4_TOPK_PATH", "DSV4_TOPK_FALLBACK"}) unsetenv(name);
     }
     ~SwitchesOffOnExit() { clear(); }
   } switches_off_on_exit;  // also when an ASSERT returns early
@@ -218,8 +217,8 @@ TEST_F(CudaIndexerTest, TopKMatchesCpuTwinAt262144Candidates) {
   }
 }
 
-// Both paths of top_k: one cluster per row while rows × CTAs fit the SMs, the chunked select past that (a
-// 32K-column row takes 8 CTAs, so 40 rows take the chunked path on any GPU of fewer than 320 SMs).
+// The shapes where top_k's default choice changes (a 32K-column row: the cluster path at 1 row, the sampled path
+// at 40 on a 132-SM device, where 3 CTAs a row sample); check_top_k also forces every path on each.
 TEST_F(CudaIndexerTest, TopKSameAnswerOnBothPaths) {
   for (const int64_t k : {512, 1024}) {
     const int64_t columns = 32768;
