@@ -193,8 +193,11 @@ void check_top_k(int64_t rows, int64_t columns, int64_t stride, int64_t k, const
       for (int64_t i = 0; i < k; ++i)
         ASSERT_EQ(indices[r * k + i], expected[r * k + i])
             << "row " << r << " slot " << i << " of " << columns << " " << label;
-    if (run == 0) first = indices;
-    else if (run == 1) EXPECT_EQ(first, indices) << "not bitwise repeatable";
+    if (run == 0) {
+      first = indices;
+    } else if (run == 1) {
+      EXPECT_EQ(first, indices) << "not bitwise repeatable";
+    }
   }
   cudaFree(d_scores);
   if (d_row_lengths) cudaFree(d_row_lengths);
