@@ -135,13 +135,19 @@ __device__ uint32_t find_crossing_bin(uint32_t low, uint32_t high, uint32_t need
 // Returns true once the selection is final.
 __device__ bool resolve_digit(cg::cluster_group& cluster, int ranks, uint32_t* histogram, int bits, Selection& sel,
                               Shared& sh) {
+  // Every rank's pair is requested before any is added: one distributed-shared-memory round trip, not `ranks`.
+  constexpr int kMaxRanks = 16;
+  uint2 pairs[kMaxRanks];
+#pragma unroll
+  for (int r = 0; r < kMaxRanks; ++r)
+    if (r < ranks) pairs[r] = *reinterpret_cast<const uint2*>(cluster.map_shared_rank(histogram, r) + 2 * bin_owner());
   uint32_t low = 0, high = 0;
-  for (int r = 0; r < ranks; ++r) {
-    const uint32_t* remote = cluster.map_shared_rank(histogram, r);
-    const uint2 pair = *reinterpret_cast<const uint2*>(remote + 2 * bin_owner());
-    low += pair.x;
-    high += pair.y;
-  }
+#pragma unroll
+  for (int r = 0; r < kMaxRanks; ++r)
+    if (r < ranks) {
+      low += pairs[r].x;
+      high += pairs[r].y;
+    }
   const uint32_t total = find_crossing_bin(low, high, sel.need, sh);
   if (total < sel.need) {  // fewer valid keys than k (first pass only): take them all
     sel.need = total;
@@ -314,31 +320,30 @@ __global__ void __launch_bounds__(kThreads, 1) top_k_cluster_kernel(const TopKPa
 constexpr int kCandidateCapacity = 8192;  // keys (+ entries) per CTA of a sampled span: 64 KB of shared memory
 constexpr int kSampleStride = 16;         // one 32-key line in 16 is sampled
 constexpr int kSampleMargin = 2;          // T is the sample's (kSampleMargin · k / kSampleStride)-th key
+// Clusters this wide find T by one 11-bit pass (T = the lower edge of the crossing bin: up to a few times more
+// candidates, spread over ≥ 4 buffers) instead of two (22 bits), saving a cluster barrier.
+constexpr int kOnePassSampleRanks = 4;
 constexpr int kTileEntries = kThreads * 32;  // entries a CTA filters per round: 8 float4 per thread in flight
 constexpr int kMaxSampleLinesPerWarp = kTopKMaxColumns / 32 / kSampleStride / kWarps;  // 16
 static_assert(kTopKMaxColumns / kSampleStride <= 2 * kCandidateCapacity, "the sample fits the candidate buffers");
 
-// Where the radix passes and the compaction read keys: shared-memory candidates (with their entries) or a span
-// of scores in global memory (the fallback; entry = first + position).
-struct SharedCandidates {
-  const uint32_t* keys;
-  const int32_t* entries;
-  int count;
-  __device__ uint32_t key(int i) const { return keys[i]; }
-  __device__ int32_t entry(int i) const { return entries[i]; }
-};
-struct GlobalSpan {
+// Where the radix passes and the compaction read keys: candidates in shared memory (keys, with their entries; a
+// sample has none) or, for the fallback, the span's scores in global memory (entry = first + position). One type
+// with a uniform branch rather than a template per source: the kernel's code is fetched cold on every call, so one
+// copy of each pass costs less than a second instantiation.
+struct KeySource {
+  const uint32_t* keys;    // shared-memory keys, or nullptr: read `scores`
+  const int32_t* entries;  // their entries
   const float* scores;
   int count;
   int32_t first;
-  __device__ uint32_t key(int i) const { return ordered_key(__ldg(scores + i)); }
-  __device__ int32_t entry(int i) const { return first + i; }
+  __device__ uint32_t key(int i) const { return keys != nullptr ? keys[i] : ordered_key(__ldg(scores + i)); }
+  __device__ int32_t entry(int i) const { return keys != nullptr ? entries[i] : first + i; }
 };
 
 // histogram_pass over any source, one key per thread per step; whole warps step together (the count is padded
 // to 32), so ballots and __match_any_sync see full warps.
-template <class Source>
-__device__ void histogram_pass_from(const Source& source, const Selection& sel, int bits, uint32_t* histogram) {
+__device__ void histogram_pass_from(const KeySource& source, const Selection& sel, int bits, uint32_t* histogram) {
   const int lane = threadIdx.x % 32;
   const uint32_t mask = (1u << bits) - 1u;
   const int shift = 32 - sel.resolved - bits;
@@ -357,8 +362,7 @@ __device__ void histogram_pass_from(const Source& source, const Selection& sel, 
 // histogram buffers alternate over every pass of the kernel (`passes_run` counts them): before a buffer is used a
 // second time it is zeroed, which is safe because every CTA read it (resolve_digit) before the barrier of the
 // pass in between.
-template <class Source>
-__device__ void radix_select(const Source& source, cg::cluster_group& cluster, int ranks, Selection& sel, Shared& sh,
+__device__ void radix_select(const KeySource& source, cg::cluster_group& cluster, int ranks, Selection& sel, Shared& sh,
                              int& passes_run, int max_passes) {
 #pragma unroll 1
   for (int pass = 0; pass < max_passes && sel.resolved < 32; ++pass) {
@@ -378,8 +382,7 @@ __device__ void radix_select(const Source& source, cg::cluster_group& cluster, i
 // Entry-order compaction of the selection over a source (the cluster path's, for any source): warp w owns the
 // contiguous positions [w·per_warp, (w+1)·per_warp); a chosen key's output slot is the "above" keys before it +
 // min(need, the "equal" keys before it), counted by ballots, one block scan and the lower ranks' counts.
-template <class Source>
-__device__ void compact_selection(const Source& source, const Selection& sel, cg::cluster_group& cluster, int ranks,
+__device__ void compact_selection(const KeySource& source, const Selection& sel, cg::cluster_group& cluster, int ranks,
                                   int rank, Shared& sh, int32_t* out, int k, int32_t* row_length) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int per_warp = (source.count + kThreads - 1) / kThreads * 32;
@@ -510,9 +513,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // 1. The threshold. Spans that fit the buffer keep every valid key (T = 1). Otherwise the sample: line 16j of
   //    the span (32 keys) for every j, all of a warp's loads issued before any is used, kept as keys in the
-  //    (still unused) candidate buffer; two radix passes over the cluster's sample find the key with
-  //    kSampleMargin · k / kSampleStride sample keys at or above it to 22 bits, and T is that prefix's lower
-  //    edge: about kSampleMargin · k keys of the row reach it. A sample with fewer valid keys gives T = 1.
+  //    (still unused) candidate buffer; radix passes over the cluster's sample find the key with
+  //    kSampleMargin · k / kSampleStride sample keys at or above it to 22 bits (11 in clusters of
+  //    kOnePassSampleRanks or more), and T is that prefix's lower edge: about kSampleMargin · k keys of the row
+  //    reach it (more with 11 bits). A sample with fewer valid keys gives T = 1.
   uint32_t threshold = 1;
   if (sample) {
     const int sample_lines = ((valid + 31) / 32 + kSampleStride - 1) / kSampleStride;
@@ -532,16 +536,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     Selection estimate;
     estimate.need = static_cast<uint32_t>(max(int64_t{1}, kSampleMargin * p.k / kSampleStride));
     cluster.sync();  // every CTA has started and zeroed its histograms before any reads them remotely
-    radix_select(SharedCandidates{candidate_keys, nullptr, sample_lines * 32}, cluster, ranks, estimate, sh,
-                 passes_run, 2);
+    radix_select(KeySource{candidate_keys, nullptr, nullptr, sample_lines * 32, 0}, cluster, ranks, estimate, sh,
+                 passes_run, ranks >= kOnePassSampleRanks ? 1 : 2);
     if (estimate.resolved > 0) threshold = max(1u, estimate.prefix << (32 - estimate.resolved));
     __syncthreads();  // the sample's keys are read before the candidates overwrite them
   }
 
-  // 2. One pass over the span keeps the keys ≥ T, in entry order: per round, warp w filters the 1,024 entries
-  //    [round + 1024w, round + 1024(w+1)), a warp scan per load gives each lane its place among the warp's keys,
-  //    one block scan over the warps' totals their place in the CTA's buffer. Keys past the capacity are counted,
-  //    not kept.
+  // 2. One pass over the span keeps the keys ≥ T (compared as floats), in entry order: per round, warp w filters
+  //    the 1,024 entries [round + 1024w, round + 1024(w+1)), ballots per load give each lane its place among the
+  //    warp's keys, one block scan over the warps' totals their place in the CTA's buffer. Keys past the
+  //    capacity are counted, not kept.
+  // The first radix pass over the candidates is counted here, as each is kept (its 11-bit digit into this
+  // histogram buffer), so the barrier that publishes the counts also completes that pass.
+  uint32_t* first_histogram = sh.histogram[passes_run & 1];
+  if (passes_run >= 2)
+    for (int i = threadIdx.x; i < kBins; i += kThreads) first_histogram[i] = 0;  // ordered by the scan's barrier
+  ++passes_run;
   uint32_t kept = 0;
   const float threshold_score = key_threshold_score(threshold);
   const uint32_t lower_lanes = (1u << lane) - 1u;
@@ -580,8 +590,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           if (!keep[i]) continue;
+          const uint32_t key = ordered_key(values[i]);
+          atomicAdd(&first_histogram[key >> 21], 1u);
           if (slot < static_cast<uint32_t>(capacity)) {
-            candidate_keys[slot] = ordered_key(values[i]);
+            candidate_keys[slot] = key;
             candidate_entries[slot] = static_cast<int32_t>(first) + e + i;
           }
           ++slot;
@@ -609,16 +621,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   int32_t* out = p.indices + row * p.k;
   Selection sel;
   sel.need = static_cast<uint32_t>(p.k);
+  KeySource source{candidate_keys, candidate_entries, scores, static_cast<int>(kept), static_cast<int32_t>(first)};
   if (exact_on_candidates) {
     sel.floor = threshold;
-    const SharedCandidates source{candidate_keys, candidate_entries, static_cast<int>(kept)};
-    radix_select(source, cluster, ranks, sel, sh, passes_run, 3);
-    compact_selection(source, sel, cluster, ranks, rank, sh, out, p.k, p.lengths + row);
+    if (!resolve_digit(cluster, ranks, first_histogram, digit_bits(0), sel, sh))
+      radix_select(source, cluster, ranks, sel, sh, passes_run, 2);
   } else {
-    const GlobalSpan source{scores, valid, static_cast<int32_t>(first)};
+    source.keys = nullptr;
+    source.count = valid;
     radix_select(source, cluster, ranks, sel, sh, passes_run, 3);
-    compact_selection(source, sel, cluster, ranks, rank, sh, out, p.k, p.lengths + row);
   }
+  compact_selection(source, sel, cluster, ranks, rank, sh, out, p.k, p.lengths + row);
   cluster_arrive();  // done reading the other CTAs' shared memory; they may exit once everyone arrived
   cluster_wait();
 }
