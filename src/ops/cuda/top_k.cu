@@ -535,7 +535,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();
     Selection estimate;
     estimate.need = static_cast<uint32_t>(max(int64_t{1}, kSampleMargin * p.k / kSampleStride));
-    cluster.sync();  // every CTA has started and zeroed its histograms before any reads them remotely
+    // No barrier needed before the passes: the first remote read of a histogram follows the pass's own cluster
+    // barrier, by which every CTA has started and zeroed its histograms.
     radix_select(KeySource{candidate_keys, nullptr, nullptr, sample_lines * 32, 0}, cluster, ranks, estimate, sh,
                  passes_run, ranks >= kOnePassSampleRanks ? 1 : 2);
     if (estimate.resolved > 0) threshold = max(1u, estimate.prefix << (32 - estimate.resolved));
