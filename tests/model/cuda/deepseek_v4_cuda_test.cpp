@@ -294,43 +294,39 @@ TEST(CudaModel, Bf16TracksCpuOnTheTinyModel) {
 }
 
 // Greedy agreement over 1,000 decode steps (4 requests × 250, one batch; positions 20-290 cross the window, the
-// CSA entries and the HCA ratio), both models fed the CPU's greedy tokens. Measured (H200, 2026-12-04): 988 of
-// 1,010 compared steps, 97.8 % — short of issue 8's 99 %: random weights give flat logits and a random router
-// near-ties, so a bf16 rounding flips an expert (worst step 0.79 rel L2) or a top-2 order. The bar holds the
-// measured level.
-TEST(CudaModel, Bf16GreedyTop1AgreesOver1000Steps) {
-  SKIP_WITHOUT_GPU();
-  const ModelConfig config = tiny_config();
-  const ModelWeights weights = random_weights(config, 19);
+// CSA entries and the HCA ratio), both models fed the CPU's greedy tokens; compared: the decode steps and the last
+// position of each prompt chunk (2-3 per request). `bar`: the fraction of steps that must agree.
+void expect_greedy_top1(const ModelConfig& config, const ModelWeights& weights, const char* label, double bar) {
   std::vector<Script> scripts;
   for (int r = 0; r < 4; ++r) scripts.push_back({random_ids(20 + 7 * r, config.vocab_size, 40 + r), 16, 250});
-  // Compared: the 1,000 decode steps and the last position of each prompt chunk (2-3 per request).
   const Comparison c = compare(config, weights, CudaPrecision::kBf16, scripts);
-  std::printf("  bf16 greedy top-1: %lld of %lld steps agreed (%.2f %%), worst rel L2 %.3g\n",
+  std::printf("  bf16 greedy top-1%s: %lld of %lld steps agreed (%.2f %%), worst rel L2 %.3g\n", label,
               static_cast<long long>(c.agreed), static_cast<long long>(c.compared),
               100.0 * static_cast<double>(c.agreed) / static_cast<double>(c.compared), c.worst_relative_l2);
   EXPECT_GE(c.compared, 1000);
-  EXPECT_GE(static_cast<double>(c.agreed), 0.97 * static_cast<double>(c.compared));
+  EXPECT_GE(static_cast<double>(c.agreed), bar * static_cast<double>(c.compared));
 }
 
-// The same greedy comparison on a bf16 checkpoint (every weight on the bf16 grid, as a released bf16 or FP8
-// checkpoint is): both sides then run the same model, and what is left is the GPU's bf16 arithmetic alone. The
-// test above also counts the rounding of fp32 random weights to bf16, which changes the model itself.
+// On fp32 random weights, which the bf16 mode also rounds (a slightly different model). Measured: 988 of 1,010
+// (97.8 %, H200, 2026-12-04, bf16 router), 992 (98.22 %, H100, 2026-12-06, fp32 router) — short of issue 8's 99 %:
+// random weights give flat logits and a random router near-ties, so a bf16 rounding flips an expert or a top-2
+// order. The bar holds the measured level.
+TEST(CudaModel, Bf16GreedyTop1AgreesOver1000Steps) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig config = tiny_config();
+  expect_greedy_top1(config, random_weights(config, 19), "", 0.97);
+}
+
+// The same on a bf16 checkpoint (every weight on the bf16 grid, as a released bf16 or FP8 checkpoint is): both
+// sides run the same model, and what is left is the GPU's bf16 arithmetic alone. Measured: 996 of 1,010
+// (98.61 %, H100, 2026-12-06).
 TEST(CudaModel, Bf16GreedyTop1OnABf16Checkpoint) {
   SKIP_WITHOUT_GPU();
   const ModelConfig config = tiny_config();
   auto tensors = random_tensors(config, 19);
   for (auto& [name, tensor] : tensors)  // the hash-routing table holds expert ids, not weights
     if (name.find("tid2eid") == std::string::npos) ops::cpu::round_to_bf16(tensor.ptr(), tensor.numel());
-  const ModelWeights weights = ModelWeights::from_tensors(config, std::move(tensors));
-  std::vector<Script> scripts;
-  for (int r = 0; r < 4; ++r) scripts.push_back({random_ids(20 + 7 * r, config.vocab_size, 40 + r), 16, 250});
-  const Comparison c = compare(config, weights, CudaPrecision::kBf16, scripts);
-  std::printf("  bf16 greedy top-1 on bf16 weights: %lld of %lld steps agreed (%.2f %%), worst rel L2 %.3g\n",
-              static_cast<long long>(c.agreed), static_cast<long long>(c.compared),
-              100.0 * static_cast<double>(c.agreed) / static_cast<double>(c.compared), c.worst_relative_l2);
-  EXPECT_GE(c.compared, 1000);
-  EXPECT_GE(static_cast<double>(c.agreed), 0.97 * static_cast<double>(c.compared));
+  expect_greedy_top1(config, ModelWeights::from_tensors(config, std::move(tensors)), " on bf16 weights", 0.98);
 }
 
 // The FP8 checkpoint in bf16 mode: its FP8 projections stay FP8 on the device and run DeepSeek's FP8 linear
