@@ -3,8 +3,8 @@
 # cut-off run still returns what it finished): the top-k GPU tests, dsv4_kbench --suite top_k with the default
 # choice and with each path forced (DSV4_TOPK_PATH), side by side, torch.topk at the same shapes, ncu's stall
 # reasons for the sampled path at three shapes, the SASS size of each top-k kernel, then the whole-model GPU tests
-# that run the top-k (FILTER). Carry the build in .devcarry/new (dsv4_gpu_tests, dsv4_kbench) and an unstripped
-# dsv4_kbench as .devcarry/kbench_unstripped.
+# that run the top-k (FILTER). Carry the build in .devcarry/new (dsv4_gpu_tests, dsv4_kbench), an unstripped
+# dsv4_kbench as .devcarry/kbench_unstripped, and optionally a second build's dsv4_kbench as .devcarry/base (A/B).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 TORCH_CUBLAS=$(python3 -c "import nvidia.cublas, os; print(os.path.join(list(nvidia.cublas.__path__)[0], 'lib'))" 2>/dev/null)
@@ -21,6 +21,17 @@ done
 echo "columns: default | sampled | cluster | chunked (us)"
 paste -d'|' <(table "$OUT/kbench_default.log") <(table "$OUT/kbench_sampled.log" | cut -c47-60) \
   <(table "$OUT/kbench_cluster.log" | cut -c47-60) <(table "$OUT/kbench_chunked.log" | cut -c47-60)
+# A/B: with a second build carried as .devcarry/base/dsv4_kbench (e.g. main, against a branch in .devcarry/new), its
+# default and sampled path beside this build's, from the same run.
+if [[ -x .devcarry/base/dsv4_kbench ]]; then
+  for path in default sampled; do
+    DSV4_TOPK_PATH=${path#default} timeout 90 .devcarry/base/dsv4_kbench --suite top_k > "$OUT/base_$path.log" 2>&1
+    echo "base kbench $path rc=$?"
+  done
+  echo "columns: base default | new default | base sampled | new sampled (us)"
+  paste -d'|' <(table "$OUT/base_default.log") <(table "$OUT/kbench_default.log" | cut -c47-60) \
+    <(table "$OUT/base_sampled.log" | cut -c47-60) <(table "$OUT/kbench_sampled.log" | cut -c47-60)
+fi
 timeout 90 python3 bench/kbench/torch_topk.py > "$OUT/torch.log" 2>&1; echo "torch rc=$?"; tail -26 "$OUT/torch.log"
 for c in "top_k 512 256K b1" "top_k 512 2K b1" "top_k 512 256K b64"; do
   f="$OUT/ncu_sampled_$(echo $c | tr ' ' '_').txt"
