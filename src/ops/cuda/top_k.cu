@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <string_view>
 
 #include "ops/cuda/device.h"
 #include "ops/cuda/launch.cuh"
@@ -309,8 +310,8 @@ __global__ void __launch_bounds__(kThreads, 1) top_k_cluster_kernel(const TopKPa
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// The sampled path (DSV4_TOPK_PATH=sampled while it is measured against the two above): a cluster of C CTAs per
-// row, C chosen so the grid fits one wave, reads its row from global memory once and keeps only the keys at or
+// The sampled path (top_k's choice wherever a CTA's span is too long to keep whole; docs/kernels/indexer_topk.md):
+// a cluster of C CTAs per row, C chosen so the grid fits one wave, reads its row from global memory once and keeps only the keys at or
 // above a threshold T estimated from a 1-in-16 sample of the row, so shared memory holds a few thousand
 // candidates instead of the row, and a row of 256K keys fits one CTA. Exactness does not rest on the estimate:
 // if at least k keys of the row reach T, the k-th largest key does too, so every key the answer can take (ties at
@@ -677,19 +678,17 @@ bool env_is(const char* name, const char* value) {
   return text != nullptr && std::strcmp(text, value) == 0;
 }
 
-cudaError_t launch_sampled(const TopKParams& p, int multiprocessors, cudaStream_t stream) {
-  const LaunchShape shape = sampled_launch_shape(p.rows, p.columns, multiprocessors);
-  // A span that fits the buffer keeps all its keys, so its buffer is the span; a sampled span gets the full
-  // buffer, which also holds its sample (span / 16 keys) while the threshold is found.
-  const bool sample = shape.span > kCandidateCapacity;
-  const int capacity = sample ? kCandidateCapacity : shape.span;
-  const int shared = capacity * 2 * static_cast<int>(sizeof(uint32_t));
-  const cudaError_t configured = cudaFuncSetAttribute(top_k_sampled_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                      kCandidateCapacity * 2 * static_cast<int>(sizeof(uint32_t)));
+// Launches one of the two cluster kernels: a cluster of `shape.cluster` CTAs per row, one row per grid row, with
+// programmatic dependent launch when enabled. The dynamic shared-memory limit and the non-portable cluster size
+// are set per call (host-side attributes, per device, allowed during graph capture).
+template <typename... Params, typename... Args>
+cudaError_t launch_row_clusters(void (*kernel)(Params...), const LaunchShape& shape, int64_t rows,
+                                size_t shared_bytes, int max_shared_bytes, cudaStream_t stream, Args... args) {
+  const cudaError_t configured =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_shared_bytes);
   if (configured != cudaSuccess) return configured;
   if (shape.cluster > kMaxCluster) {
-    const cudaError_t allowed =
-        cudaFuncSetAttribute(top_k_sampled_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    const cudaError_t allowed = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (allowed != cudaSuccess) return allowed;
   }
   cudaLaunchAttribute attributes[2] = {};
@@ -700,15 +699,25 @@ cudaError_t launch_sampled(const TopKParams& p, int multiprocessors, cudaStream_
   attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attributes[1].val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(shape.cluster), static_cast<unsigned>(p.rows));
+  config.gridDim = dim3(static_cast<unsigned>(shape.cluster), static_cast<unsigned>(rows));
   config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = static_cast<size_t>(shared);
+  config.dynamicSmemBytes = shared_bytes;
   config.stream = stream;
   config.attrs = attributes;
   config.numAttrs = programmatic_launch_enabled() ? 2 : 1;
+  return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
+cudaError_t launch_sampled(const TopKParams& p, const LaunchShape& shape, cudaStream_t stream) {
+  // A span that fits the buffer keeps all its keys, so its buffer is the span; a sampled span gets the full
+  // buffer, which also holds its sample (span / 16 keys) while the threshold is found.
+  const bool sample = shape.span > kCandidateCapacity;
+  const int capacity = sample ? kCandidateCapacity : shape.span;
   // DSV4_TOPK_FALLBACK=1 (tests): every row takes the exact fallback over global memory. Read on every call.
   const bool force_fallback = env_is("DSV4_TOPK_FALLBACK", "1");
-  return cudaLaunchKernelEx(&config, top_k_sampled_kernel, p, shape.span, capacity, sample, force_fallback);
+  return launch_row_clusters(top_k_sampled_kernel, shape, p.rows, static_cast<size_t>(capacity) * 2 * sizeof(uint32_t),
+                             kCandidateCapacity * 2 * static_cast<int>(sizeof(uint32_t)), stream, p, shape.span,
+                             capacity, sample, force_fallback);
 }
 
 }  // namespace
@@ -731,42 +740,18 @@ cudaError_t top_k(const TopKParams& p, void* workspace, size_t workspace_bytes, 
   // - else the chunked path: 40.1 against 46.0 (sampled) at 32K × 32.
   const int multiprocessors = current_device_multiprocessors();
   if (multiprocessors == 0) return cudaGetLastError();
-  const LaunchShape shape = launch_shape(p.columns);
   // DSV4_TOPK_PATH=cluster|chunked|sampled forces one path whatever the shape (to time them side by side at every
   // shape); read per call.
-  const bool samples = sampled_launch_shape(p.rows, p.columns, multiprocessors).span > kCandidateCapacity;
-  if (env_is("DSV4_TOPK_PATH", "sampled") || (samples && !env_is("DSV4_TOPK_PATH", "cluster") &&
-                                              !env_is("DSV4_TOPK_PATH", "chunked")))
-    return launch_sampled(p, multiprocessors, stream);
-  const bool force_cluster = env_is("DSV4_TOPK_PATH", "cluster");
-  const bool force_chunked = env_is("DSV4_TOPK_PATH", "chunked");
-  if (force_chunked || (!force_cluster && p.rows * shape.cluster > multiprocessors))
+  const char* forced = std::getenv("DSV4_TOPK_PATH");
+  const std::string_view path = forced != nullptr ? forced : "";
+  const LaunchShape sampled = sampled_launch_shape(p.rows, p.columns, multiprocessors);
+  if (path == "sampled" || (path != "cluster" && path != "chunked" && sampled.span > kCandidateCapacity))
+    return launch_sampled(p, sampled, stream);
+  const LaunchShape shape = launch_shape(p.columns);
+  if (path == "chunked" || (path != "cluster" && p.rows * shape.cluster > multiprocessors))
     return chunked_top_k(p, workspace, stream);
-  const size_t shared = static_cast<size_t>(shape.span) * sizeof(uint32_t);
-  // Per device, so set on every call (a host-side attribute, allowed during graph capture).
-  const cudaError_t configured = cudaFuncSetAttribute(
-      top_k_cluster_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSpan * static_cast<int>(sizeof(uint32_t)));
-  if (configured != cudaSuccess) return configured;
-  if (shape.cluster > kMaxCluster) {
-    const cudaError_t allowed =
-        cudaFuncSetAttribute(top_k_cluster_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-    if (allowed != cudaSuccess) return allowed;
-  }
-  cudaLaunchAttribute attributes[2] = {};
-  attributes[0].id = cudaLaunchAttributeClusterDimension;
-  attributes[0].val.clusterDim.x = static_cast<unsigned>(shape.cluster);
-  attributes[0].val.clusterDim.y = 1;
-  attributes[0].val.clusterDim.z = 1;
-  attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attributes[1].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(shape.cluster), static_cast<unsigned>(p.rows));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = shared;
-  config.stream = stream;
-  config.attrs = attributes;
-  config.numAttrs = programmatic_launch_enabled() ? 2 : 1;
-  return cudaLaunchKernelEx(&config, top_k_cluster_kernel, p, shape.span);
+  return launch_row_clusters(top_k_cluster_kernel, shape, p.rows, static_cast<size_t>(shape.span) * sizeof(uint32_t),
+                             kMaxSpan * static_cast<int>(sizeof(uint32_t)), stream, p, shape.span);
 }
 
 }  // namespace dsv4::ops::cuda
