@@ -136,19 +136,13 @@ __device__ uint32_t find_crossing_bin(uint32_t low, uint32_t high, uint32_t need
 // Returns true once the selection is final.
 __device__ bool resolve_digit(cg::cluster_group& cluster, int ranks, uint32_t* histogram, int bits, Selection& sel,
                               Shared& sh) {
-  // Every rank's pair is requested before any is added: one distributed-shared-memory round trip, not `ranks`.
-  constexpr int kMaxRanks = 16;
-  uint2 pairs[kMaxRanks];
-#pragma unroll
-  for (int r = 0; r < kMaxRanks; ++r)
-    if (r < ranks) pairs[r] = *reinterpret_cast<const uint2*>(cluster.map_shared_rank(histogram, r) + 2 * bin_owner());
   uint32_t low = 0, high = 0;
-#pragma unroll
-  for (int r = 0; r < kMaxRanks; ++r)
-    if (r < ranks) {
-      low += pairs[r].x;
-      high += pairs[r].y;
-    }
+  for (int r = 0; r < ranks; ++r) {
+    const uint32_t* remote = cluster.map_shared_rank(histogram, r);
+    const uint2 pair = *reinterpret_cast<const uint2*>(remote + 2 * bin_owner());
+    low += pair.x;
+    high += pair.y;
+  }
   const uint32_t total = find_crossing_bin(low, high, sel.need, sh);
   if (total < sel.need) {  // fewer valid keys than k (first pass only): take them all
     sel.need = total;
