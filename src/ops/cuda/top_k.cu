@@ -318,7 +318,7 @@ constexpr int kSampleMargin = 2;          // T is the sample's (kSampleMargin ·
 // Clusters this wide find T by one 11-bit pass (T = the lower edge of the crossing bin: up to a few times more
 // candidates, spread over ≥ 4 buffers) instead of two (22 bits), saving a cluster barrier.
 constexpr int kOnePassSampleRanks = 4;
-constexpr int kTileEntries = kThreads * 32;  // entries a CTA filters per round: 8 float4 per thread in flight
+constexpr int kTileEntries = kThreads * 32;  // entries a CTA filters per round: 8 float4 per lane in flight
 constexpr int kMaxSampleLinesPerWarp = kTopKMaxColumns / 32 / kSampleStride / kWarps;  // 16
 static_assert(kTopKMaxColumns / kSampleStride <= 2 * kCandidateCapacity, "the sample fits the candidate buffers");
 
@@ -538,67 +538,97 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();  // the sample's keys are read before the candidates overwrite them
   }
 
-  // 2. One pass over the span keeps the keys ≥ T (compared as floats), in entry order: per round, warp w filters
-  //    the 1,024 entries [round + 1024w, round + 1024(w+1)), ballots per load give each lane its place among the
-  //    warp's keys, one block scan over the warps' totals their place in the CTA's buffer. Keys past the
-  //    capacity are counted, not kept.
+  // 2. One pass over the span keeps the keys ≥ T (compared as floats). Warp w streams its own contiguous
+  //    w-th 1/32 of the span, 1,024 entries a round (eight float4 loads per lane in flight), and appends its kept
+  //    keys, in entry order, to its own 1/32 of the candidate buffer: a ballot per component of each load places
+  //    them, with no barrier in the loop. Then one block scan over the warps' counts and one move (all reads,
+  //    a barrier, all writes) pack the regions in warp order, which is entry order. A warp whose keys overflow
+  //    its region makes the CTA report an overflow (the fallback).
   // The first radix pass over the candidates is counted here, as each is kept (its 11-bit digit into this
   // histogram buffer), so the barrier that publishes the counts also completes that pass.
   uint32_t* first_histogram = sh.histogram[passes_run & 1];
   if (passes_run >= 2)
-    for (int i = threadIdx.x; i < kBins; i += kThreads) first_histogram[i] = 0;  // ordered by the scan's barrier
+    for (int i = threadIdx.x; i < kBins; i += kThreads) first_histogram[i] = 0;
+  __syncthreads();
   ++passes_run;
-  uint32_t kept = 0;
   const float threshold_score = key_threshold_score(threshold);
   const uint32_t lower_lanes = (1u << lane) - 1u;
-  for (int round = 0; round < valid; round += kTileEntries) {
-    const int warp_first_entry = round + warp * (kTileEntries / kWarps);
+  const int warp_span = span / kWarps;  // a multiple of 16 (spans are whole 512-key runs): float4-aligned
+  const int warp_begin = warp * warp_span;
+  const int warp_end = min(valid, warp_begin + warp_span);
+  const uint32_t region = static_cast<uint32_t>(capacity / kWarps);
+  uint32_t* region_keys = candidate_keys + warp * region;
+  int32_t* region_entries = candidate_entries + warp * region;
+  uint32_t warp_kept = 0;
+  for (int round = warp_begin; round < warp_end; round += kTileEntries / kWarps) {
     float4 v[8];
-    load_tile(scores, warp_first_entry, valid, vector_loads, v);
-    uint32_t lane_kept = 0;
+    load_tile(scores, round, warp_end, vector_loads, v);
 #pragma unroll
-    for (int u = 0; u < 8; ++u)
-      lane_kept += (v[u].x >= threshold_score) + (v[u].y >= threshold_score) + (v[u].z >= threshold_score) +
-                   (v[u].w >= threshold_score);
-    const uint32_t warp_kept = __reduce_add_sync(0xffffffffu, lane_kept);
-    uint32_t round_kept;
-    const uint32_t lane0 = lane == 0 ? warp_kept : 0u;
-    const uint32_t inclusive = block_inclusive_scan(lane0, sh, round_kept);
-    uint32_t position = kept + __shfl_sync(0xffffffffu, inclusive - lane0, 0);
-    if (warp_kept != 0) {
+    for (int u = 0; u < 8; ++u) {
+      // Entry order inside a load: lane, then component; one ballot per component places every kept key.
+      const bool keep[4] = {v[u].x >= threshold_score, v[u].y >= threshold_score, v[u].z >= threshold_score,
+                            v[u].w >= threshold_score};
+      uint32_t ballots[4];
 #pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        // Entry order inside a load: lane, then component; one ballot per component places every kept key.
-        const bool keep[4] = {v[u].x >= threshold_score, v[u].y >= threshold_score, v[u].z >= threshold_score,
-                              v[u].w >= threshold_score};
-        uint32_t ballots[4];
+      for (int i = 0; i < 4; ++i) ballots[i] = __ballot_sync(0xffffffffu, keep[i]);
+      if ((ballots[0] | ballots[1] | ballots[2] | ballots[3]) == 0) continue;
+      uint32_t slot = warp_kept;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) ballots[i] = __ballot_sync(0xffffffffu, keep[i]);
-        if ((ballots[0] | ballots[1] | ballots[2] | ballots[3]) == 0) continue;
-        uint32_t slot = position;
+      for (int i = 0; i < 4; ++i) {
+        slot += __popc(ballots[i] & lower_lanes);
+        warp_kept += __popc(ballots[i]);
+      }
+      const int e = round + 4 * (32 * u + lane);
+      const float values[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          slot += __popc(ballots[i] & lower_lanes);
-          position += __popc(ballots[i]);
+      for (int i = 0; i < 4; ++i) {
+        if (!keep[i]) continue;
+        const uint32_t key = ordered_key(values[i]);
+        atomicAdd(&first_histogram[key >> 21], 1u);
+        if (slot < region) {
+          region_keys[slot] = key;
+          region_entries[slot] = static_cast<int32_t>(first) + e + i;
         }
-        const int e = warp_first_entry + 4 * (32 * u + lane);
-        const float values[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+        ++slot;
+      }
+    }
+  }
+  uint32_t kept;
+  const uint32_t lane0 = lane == 0 ? warp_kept : 0u;
+  const uint32_t inclusive = block_inclusive_scan(lane0, sh, kept);
+  const bool region_overflow = __syncthreads_or(lane == 0 && warp_kept > region);
+  if (!region_overflow) {
+    // Pack: candidate j of warp region j / region moves to that warp's first slot + its place in the region.
+    // Destinations never pass their sources but may land on another warp's unread ones: read all, then write.
+    constexpr int kMovesPerThread = kCandidateCapacity / kThreads;
+    if (lane == 0) sh.warp_sums[warp] = uint64_t{inclusive - lane0} << 32 | warp_kept;  // first slot, count
+    __syncthreads();
+    uint32_t move_keys[kMovesPerThread];
+    int32_t move_entries[kMovesPerThread];
+    int move_to[kMovesPerThread];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          if (!keep[i]) continue;
-          const uint32_t key = ordered_key(values[i]);
-          atomicAdd(&first_histogram[key >> 21], 1u);
-          if (slot < static_cast<uint32_t>(capacity)) {
-            candidate_keys[slot] = key;
-            candidate_entries[slot] = static_cast<int32_t>(first) + e + i;
-          }
-          ++slot;
+    for (int t = 0; t < kMovesPerThread; ++t) {
+      const int j = static_cast<int>(threadIdx.x) + t * kThreads;
+      move_to[t] = -1;
+      if (j < capacity) {
+        const uint64_t placed = sh.warp_sums[j / static_cast<int>(region)];
+        const uint32_t offset = static_cast<uint32_t>(j) % region;
+        if (offset < static_cast<uint32_t>(placed)) {
+          move_to[t] = static_cast<int>((placed >> 32) + offset);
+          move_keys[t] = candidate_keys[j];
+          move_entries[t] = candidate_entries[j];
         }
       }
     }
-    kept += round_kept;
+    __syncthreads();
+#pragma unroll
+    for (int t = 0; t < kMovesPerThread; ++t)
+      if (move_to[t] >= 0) {
+        candidate_keys[move_to[t]] = move_keys[t];
+        candidate_entries[move_to[t]] = move_entries[t];
+      }
   }
-  if (threadIdx.x == 0) sh.candidates = kept;
+  if (threadIdx.x == 0) sh.candidates = region_overflow ? static_cast<uint32_t>(capacity) + 1 : kept;
   cluster.sync();  // every CTA's count is final
   if (warp == 0) {
     const uint32_t count = lane < ranks ? cluster.map_shared_rank(&sh, lane)->candidates : 0u;
