@@ -85,29 +85,6 @@ __device__ __forceinline__ Count block_inclusive_scan(Count value, Shared& sh, C
   return result;
 }
 
-// Adds the digit below `sel.prefix` of every key matching it to this CTA's histogram. Scores cluster in few bins
-// (a pass sees sign, exponent and a few mantissa bits), and lanes adding to one shared counter serialise: one
-// atomic per distinct digit per warp instead (__match_any_sync).
-__device__ __forceinline__ void histogram_pass(const uint4* keys4, int quads, const Selection& sel, int bits,
-                                               uint32_t* histogram) {
-  const int lane = threadIdx.x % 32;
-  const uint32_t mask = (1u << bits) - 1u;
-  const int shift = 32 - sel.resolved - bits;
-  for (int base = 0; base < quads; base += kThreads) {
-    const int j = base + static_cast<int>(threadIdx.x);
-    const uint4 v = j < quads ? keys4[j] : make_uint4(0, 0, 0, 0);
-    const uint32_t key[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const bool match = key[i] >= sel.floor && top_bits(key[i], sel.resolved) == sel.prefix;
-      if (__ballot_sync(0xffffffffu, match) == 0) continue;
-      const uint32_t digit = (key[i] >> shift) & mask;
-      const uint32_t peers = __match_any_sync(0xffffffffu, match ? digit : 0xffffffffu);
-      if (match && lane == __ffs(peers) - 1) atomicAdd(&histogram[digit], static_cast<uint32_t>(__popc(peers)));
-    }
-  }
-}
-
 // Thread t holds the counts of bins 2u (low) and 2u+1 (high) of owner u = kThreads-1-t, so a forward scan over t
 // counts from the highest bin down. Finds the bin where that count reaches `need` (sh.found_*, valid when the
 // returned total is at least `need`).
@@ -159,150 +136,6 @@ __device__ bool resolve_digit(cg::cluster_group& cluster, int ranks, uint32_t* h
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 
-__global__ void __launch_bounds__(kThreads, 1) top_k_cluster_kernel(const TopKParams p, int span) {
-  extern __shared__ uint4 dynamic_keys[];
-  __shared__ Shared sh;
-  cg::cluster_group cluster = cg::this_cluster();
-  const int ranks = static_cast<int>(cluster.num_blocks());
-  const int rank = static_cast<int>(cluster.block_rank());
-  const int64_t row = blockIdx.y;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  uint32_t* keys = reinterpret_cast<uint32_t*>(dynamic_keys);
-  const int quads = span / 4;
-
-  for (int i = threadIdx.x; i < 2 * kBins; i += kThreads) (&sh.histogram[0][0])[i] = 0;
-  wait_for_prior_grid();  // the scores come from the previous kernel
-  allow_dependents();
-
-  // Load this CTA's span [first, first + span) as keys; entries at or past the row's length are not read.
-  int64_t length = p.columns;
-  if (p.row_lengths) length = max(int64_t{0}, min(length, static_cast<int64_t>(p.row_lengths[row])));
-  const int64_t first = static_cast<int64_t>(rank) * span;
-  const int valid = static_cast<int>(max(int64_t{0}, min(static_cast<int64_t>(span), length - first)));
-  const float* scores = p.scores + row * p.row_stride + first;
-  const bool vector_loads = (reinterpret_cast<uintptr_t>(scores) & 15) == 0;
-  constexpr int kInFlight = 8;  // float4 loads per thread issued before any is used: the span in one round trip
-  for (int base = 0; base < quads; base += kInFlight * kThreads) {
-    float4 v[kInFlight];
-#pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      const int j = base + u * kThreads + static_cast<int>(threadIdx.x);
-      v[u] = make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
-      if (4 * j + 3 < valid && vector_loads) {
-        v[u] = __ldg(reinterpret_cast<const float4*>(scores) + j);
-      } else if (4 * j < valid) {
-        v[u].x = __ldg(scores + 4 * j);
-        if (4 * j + 1 < valid) v[u].y = __ldg(scores + 4 * j + 1);
-        if (4 * j + 2 < valid) v[u].z = __ldg(scores + 4 * j + 2);
-        if (4 * j + 3 < valid) v[u].w = __ldg(scores + 4 * j + 3);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      const int j = base + u * kThreads + static_cast<int>(threadIdx.x);
-      if (j < quads) {
-        const uint4 key = make_uint4(ordered_key(v[u].x), ordered_key(v[u].y), ordered_key(v[u].z),
-                                     ordered_key(v[u].w));
-        dynamic_keys[j] = key;
-      }
-    }
-  }
-  cluster.sync();  // every CTA has started (its shared memory exists) and zeroed its histograms
-
-  // Radix passes over the keys in shared memory: 11, 11, 10 bits, stopping once the crossing bin is taken whole.
-  Selection sel;
-  sel.need = static_cast<uint32_t>(p.k);
-  for (int pass = 0; pass < 3; ++pass) {
-    uint32_t* histogram = sh.histogram[pass & 1];
-    if (pass == 2) {  // buffer 0 again: every CTA finished reading it before the barrier of pass 1
-      for (int i = threadIdx.x; i < kBins; i += kThreads) histogram[i] = 0;
-      __syncthreads();
-    }
-    histogram_pass(dynamic_keys, quads, sel, digit_bits(pass), histogram);
-    cluster.sync();
-    if (resolve_digit(cluster, ranks, histogram, digit_bits(pass), sel, sh)) break;
-  }
-
-  // Compaction in entry order. Warp w owns the contiguous keys [w·per_warp, (w+1)·per_warp) of the span, in
-  // groups of 32 (lane l reads key 32g + l: no bank conflict); a key's output slot is the number of chosen keys
-  // at lower entries = the "above" keys before it + min(need, the "equal" keys before it).
-  const int per_warp = span / kWarps;
-  const int groups = per_warp / 32;
-  const uint32_t* my_keys = keys + warp * per_warp;
-  auto classify = [&](uint32_t key, bool& above, bool& equal) {
-    const uint32_t top = top_bits(key, sel.resolved);
-    above = key >= sel.floor && top > sel.prefix;
-    equal = key >= sel.floor && top == sel.prefix;
-  };
-  uint32_t warp_above = 0, warp_equal = 0;
-  for (int g = 0; g < groups; ++g) {
-    bool above, equal;
-    classify(my_keys[32 * g + lane], above, equal);
-    warp_above += __popc(__ballot_sync(0xffffffffu, above));
-    warp_equal += __popc(__ballot_sync(0xffffffffu, equal));
-  }
-  // Both counts in one scan: the span holds at most 32,768 keys, so each fits 16 bits.
-  uint32_t cta_packed;
-  const uint32_t packed = lane == 0 ? (warp_above << 16 | warp_equal) : 0u;
-  const uint32_t inclusive = block_inclusive_scan(packed, sh, cta_packed);
-  const uint32_t warp_before = __shfl_sync(0xffffffffu, inclusive - packed, 0);  // the warps before this one
-  if (threadIdx.x == 0) {
-    sh.cta_above = cta_packed >> 16;
-    sh.cta_equal = cta_packed & 0xffffu;
-  }
-  cluster.sync();
-  if (warp == 0) {
-    uint32_t above = 0, equal = 0, before_above = 0, before_equal = 0;
-    if (lane < ranks) {
-      const Shared* remote = cluster.map_shared_rank(&sh, lane);
-      above = remote->cta_above;
-      equal = remote->cta_equal;
-    }
-    if (lane < rank) {
-      before_above = above;
-      before_equal = equal;
-    }
-    for (int offset = 16; offset > 0; offset /= 2) {
-      above += __shfl_xor_sync(0xffffffffu, above, offset);
-      equal += __shfl_xor_sync(0xffffffffu, equal, offset);
-      before_above += __shfl_xor_sync(0xffffffffu, before_above, offset);
-      before_equal += __shfl_xor_sync(0xffffffffu, before_equal, offset);
-    }
-    if (lane == 0) {
-      sh.all_above = above;
-      sh.all_equal = equal;
-      sh.before_above = before_above;
-      sh.before_equal = before_equal;
-    }
-  }
-  cluster_arrive();  // done reading the other CTAs' shared memory; they may exit once everyone arrived
-  __syncthreads();
-  uint32_t running_above = sh.before_above + (warp_before >> 16);
-  uint32_t running_equal = sh.before_equal + (warp_before & 0xffffu);
-  int32_t* out = p.indices + row * p.k;
-  const int32_t entry0 = static_cast<int32_t>(first) + warp * per_warp;
-  const uint32_t lower_lanes = (1u << lane) - 1u;
-  for (int g = 0; g < groups; ++g) {
-    bool above, equal;
-    classify(my_keys[32 * g + lane], above, equal);
-    const uint32_t above_ballot = __ballot_sync(0xffffffffu, above);
-    const uint32_t equal_ballot = __ballot_sync(0xffffffffu, equal);
-    const uint32_t equal_before = running_equal + __popc(equal_ballot & lower_lanes);
-    if (above || (equal && equal_before < sel.need)) {
-      const uint32_t slot = running_above + __popc(above_ballot & lower_lanes) + min(sel.need, equal_before);
-      out[slot] = entry0 + 32 * g + lane;
-    }
-    running_above += __popc(above_ballot);
-    running_equal += __popc(equal_ballot);
-  }
-  if (rank == 0) {
-    const uint32_t chosen = sh.all_above + min(sel.need, sh.all_equal);
-    for (int i = static_cast<int>(chosen) + static_cast<int>(threadIdx.x); i < p.k; i += kThreads) out[i] = -1;
-    if (threadIdx.x == 0) p.lengths[row] = static_cast<int32_t>(chosen);
-  }
-  cluster_wait();
-}
-
 // ---------------------------------------------------------------------------------------------------------------
 // The sampled path (top_k's choice wherever a CTA's span is too long to keep whole; docs/kernels/indexer_topk.md):
 // a cluster of C CTAs per row, C chosen so the grid fits one wave, reads its row from global memory once and keeps only the keys at or
@@ -328,16 +161,18 @@ static_assert(kTopKMaxColumns / kSampleStride <= 2 * kCandidateCapacity, "the sa
 // copy of each pass costs less than a second instantiation.
 struct KeySource {
   const uint32_t* keys;    // shared-memory keys, or nullptr: read `scores`
-  const int32_t* entries;  // their entries
+  const int32_t* entries;  // their entries, or nullptr: key i is entry first + i
   const float* scores;
   int count;
   int32_t first;
   __device__ uint32_t key(int i) const { return keys != nullptr ? keys[i] : ordered_key(__ldg(scores + i)); }
-  __device__ int32_t entry(int i) const { return keys != nullptr ? entries[i] : first + i; }
+  __device__ int32_t entry(int i) const { return entries != nullptr ? entries[i] : first + i; }
 };
 
-// histogram_pass over any source, one key per thread per step; whole warps step together (the count is padded
-// to 32), so ballots and __match_any_sync see full warps.
+// Adds the digit below `sel.prefix` of every key matching it to this CTA's histogram, one key per thread per
+// step; whole warps step together (the count is padded to 32), so ballots and __match_any_sync see full warps.
+// Scores cluster in few bins (a pass sees sign, exponent and a few mantissa bits), and lanes adding to one shared
+// counter serialise: one atomic per distinct digit per warp instead.
 __device__ void histogram_pass_from(const KeySource& source, const Selection& sel, int bits, uint32_t* histogram) {
   const int lane = threadIdx.x % 32;
   const uint32_t mask = (1u << bits) - 1u;
@@ -480,6 +315,67 @@ __device__ __forceinline__ void load_tile(const float* scores, int warp_first_en
 __device__ __forceinline__ float key_threshold_score(uint32_t threshold) {
   if (threshold <= 0x00800000u) return -FLT_MAX;  // at or below the key of −FLT_MAX: every finite score
   return __uint_as_float((threshold & 0x80000000u) ? (threshold & 0x7fffffffu) : ~threshold);
+}
+
+__global__ void __launch_bounds__(kThreads, 1) top_k_cluster_kernel(const TopKParams p, int span) {
+  extern __shared__ uint4 dynamic_keys[];
+  __shared__ Shared sh;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int ranks = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int64_t row = blockIdx.y;
+  const uint32_t* keys = reinterpret_cast<const uint32_t*>(dynamic_keys);
+  const int quads = span / 4;
+
+  for (int i = threadIdx.x; i < 2 * kBins; i += kThreads) (&sh.histogram[0][0])[i] = 0;
+  wait_for_prior_grid();  // the scores come from the previous kernel
+  allow_dependents();
+
+  // Load this CTA's span [first, first + span) as keys; entries at or past the row's length are not read.
+  int64_t length = p.columns;
+  if (p.row_lengths) length = max(int64_t{0}, min(length, static_cast<int64_t>(p.row_lengths[row])));
+  const int64_t first = static_cast<int64_t>(rank) * span;
+  const int valid = static_cast<int>(max(int64_t{0}, min(static_cast<int64_t>(span), length - first)));
+  const float* scores = p.scores + row * p.row_stride + first;
+  const bool vector_loads = (reinterpret_cast<uintptr_t>(scores) & 15) == 0;
+  constexpr int kInFlight = 8;  // float4 loads per thread issued before any is used: the span in one round trip
+  for (int base = 0; base < quads; base += kInFlight * kThreads) {
+    float4 v[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int j = base + u * kThreads + static_cast<int>(threadIdx.x);
+      v[u] = make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
+      if (4 * j + 3 < valid && vector_loads) {
+        v[u] = __ldg(reinterpret_cast<const float4*>(scores) + j);
+      } else if (4 * j < valid) {
+        v[u].x = __ldg(scores + 4 * j);
+        if (4 * j + 1 < valid) v[u].y = __ldg(scores + 4 * j + 1);
+        if (4 * j + 2 < valid) v[u].z = __ldg(scores + 4 * j + 2);
+        if (4 * j + 3 < valid) v[u].w = __ldg(scores + 4 * j + 3);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int j = base + u * kThreads + static_cast<int>(threadIdx.x);
+      if (j < quads) {
+        const uint4 key = make_uint4(ordered_key(v[u].x), ordered_key(v[u].y), ordered_key(v[u].z),
+                                     ordered_key(v[u].w));
+        dynamic_keys[j] = key;
+      }
+    }
+  }
+  __syncthreads();  // the span's keys are in shared memory; the passes' own barriers order the remote reads
+
+  // Radix passes over the keys in shared memory (11, 11, 10 bits, stopping once the crossing bin is taken whole),
+  // then the entry-order compaction: the same steps as the sampled path's, over the whole span.
+  Selection sel;
+  sel.need = static_cast<uint32_t>(p.k);
+  int passes_run = 0;
+  const KeySource source{keys, nullptr, nullptr, span, static_cast<int32_t>(first)};
+  radix_select(source, cluster, ranks, sel, sh, passes_run, 3);
+  compact_selection(source, sel, cluster, ranks, rank, sh, p.indices + row * p.k, p.k, p.lengths + row);
+  cluster_arrive();  // done reading the other CTAs' shared memory; they may exit once everyone arrived
+  cluster_wait();
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
