@@ -133,6 +133,27 @@ __device__ bool resolve_digit(cg::cluster_group& cluster, int ranks, uint32_t* h
   return whole_bin || sel.resolved == 32;
 }
 
+// Every CTA of both cluster kernels starts the same way: zero both histogram buffers, wait for the kernel that
+// wrote the scores, then find its span of the row: entries [first, first + valid) (the row's length clamped to
+// [0, columns]; entries at or past it are never read).
+struct CtaSpan {
+  int64_t first;
+  int valid;
+  const float* scores;  // the score of entry `first`
+  bool vector_loads;    // `scores` is 16-byte aligned
+};
+__device__ __forceinline__ CtaSpan begin_row_cta(const TopKParams& p, Shared& sh, int64_t row, int rank, int span) {
+  for (int i = threadIdx.x; i < 2 * kBins; i += kThreads) (&sh.histogram[0][0])[i] = 0;
+  wait_for_prior_grid();  // the scores come from the previous kernel
+  allow_dependents();
+  int64_t length = p.columns;
+  if (p.row_lengths) length = max(int64_t{0}, min(length, static_cast<int64_t>(p.row_lengths[row])));
+  const int64_t first = static_cast<int64_t>(rank) * span;
+  const int valid = static_cast<int>(max(int64_t{0}, min(static_cast<int64_t>(span), length - first)));
+  const float* scores = p.scores + row * p.row_stride + first;
+  return {first, valid, scores, (reinterpret_cast<uintptr_t>(scores) & 15) == 0};
+}
+
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 
@@ -327,17 +348,12 @@ __global__ void __launch_bounds__(kThreads, 1) top_k_cluster_kernel(const TopKPa
   const uint32_t* keys = reinterpret_cast<const uint32_t*>(dynamic_keys);
   const int quads = span / 4;
 
-  for (int i = threadIdx.x; i < 2 * kBins; i += kThreads) (&sh.histogram[0][0])[i] = 0;
-  wait_for_prior_grid();  // the scores come from the previous kernel
-  allow_dependents();
-
   // Load this CTA's span [first, first + span) as keys; entries at or past the row's length are not read.
-  int64_t length = p.columns;
-  if (p.row_lengths) length = max(int64_t{0}, min(length, static_cast<int64_t>(p.row_lengths[row])));
-  const int64_t first = static_cast<int64_t>(rank) * span;
-  const int valid = static_cast<int>(max(int64_t{0}, min(static_cast<int64_t>(span), length - first)));
-  const float* scores = p.scores + row * p.row_stride + first;
-  const bool vector_loads = (reinterpret_cast<uintptr_t>(scores) & 15) == 0;
+  const CtaSpan here = begin_row_cta(p, sh, row, rank, span);
+  const int64_t first = here.first;
+  const int valid = here.valid;
+  const float* scores = here.scores;
+  const bool vector_loads = here.vector_loads;
   constexpr int kInFlight = 8;  // float4 loads per thread issued before any is used: the span in one round trip
   for (int base = 0; base < quads; base += kInFlight * kThreads) {
     float4 v[kInFlight];
@@ -390,16 +406,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint32_t* candidate_keys = reinterpret_cast<uint32_t*>(dynamic_candidates);
   int32_t* candidate_entries = reinterpret_cast<int32_t*>(candidate_keys + capacity);
 
-  for (int i = threadIdx.x; i < 2 * kBins; i += kThreads) (&sh.histogram[0][0])[i] = 0;
-  wait_for_prior_grid();  // the scores come from the previous kernel
-  allow_dependents();
-
-  int64_t length = p.columns;
-  if (p.row_lengths) length = max(int64_t{0}, min(length, static_cast<int64_t>(p.row_lengths[row])));
-  const int64_t first = static_cast<int64_t>(rank) * span;
-  const int valid = static_cast<int>(max(int64_t{0}, min(static_cast<int64_t>(span), length - first)));
-  const float* scores = p.scores + row * p.row_stride + first;
-  const bool vector_loads = (reinterpret_cast<uintptr_t>(scores) & 15) == 0;
+  const CtaSpan here = begin_row_cta(p, sh, row, rank, span);
+  const int64_t first = here.first;
+  const int valid = here.valid;
+  const float* scores = here.scores;
+  const bool vector_loads = here.vector_loads;
   int passes_run = 0;
 
   // 1. The threshold. Spans that fit the buffer keep every valid key (T = 1). Otherwise the sample: line 16j of
