@@ -560,7 +560,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (!resolve_digit(cluster, ranks, first_histogram, digit_bits(0), sel, sh))
       radix_select(source, cluster, ranks, sel, sh, passes_run, 2);
   } else {
-    source.keys = nullptr;
+    source.keys = nullptr;  // the span's scores in global memory, entry = first + position
+    source.entries = nullptr;
     source.count = valid;
     radix_select(source, cluster, ranks, sel, sh, passes_run, 3);
   }
