@@ -595,14 +595,17 @@ LaunchShape launch_shape(int64_t columns) {
 // The sampled path's shape: as many CTAs per row as fit one wave beside the other rows (1 once rows ≥ SMs), at
 // most the cluster limit, no span under kMinSpan; spans are whole 512-key runs, so every CTA's sample lines sit at
 // the same offsets of the row.
-LaunchShape sampled_launch_shape(int64_t rows, int64_t columns, int multiprocessors) {
-  const int64_t by_wave = std::max<int64_t>(1, multiprocessors / rows);
-  const int64_t by_span = (columns + kMinSpan - 1) / kMinSpan;
-  const int cluster = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({max_cluster(), by_wave, by_span})));
+LaunchShape sampled_launch_shape_for(int64_t columns, int64_t cluster) {
   constexpr int64_t kQuantum = 32 * kSampleStride;
   int64_t span = (columns + cluster - 1) / cluster;
   span = std::max<int64_t>(kQuantum, (span + kQuantum - 1) / kQuantum * kQuantum);
-  return {cluster, static_cast<int>(span)};
+  return {static_cast<int>(cluster), static_cast<int>(span)};
+}
+
+LaunchShape sampled_launch_shape(int64_t rows, int64_t columns, int multiprocessors) {
+  const int64_t by_wave = std::max<int64_t>(1, multiprocessors / rows);
+  const int64_t by_span = (columns + kMinSpan - 1) / kMinSpan;
+  return sampled_launch_shape_for(columns, std::max<int64_t>(1, std::min<int64_t>({max_cluster(), by_wave, by_span})));
 }
 
 bool env_is(const char* name, const char* value) {
@@ -669,7 +672,8 @@ cudaError_t top_k(const TopKParams& p, void* workspace, size_t workspace_bytes, 
   //   against 46.3 (cluster) at 256K × 1, 49.6 against 221.5 (chunked) at 256K × 64, 28.5 against 73.0 at 32K × 128;
   // - else the cluster path while rows × CTAs fit one wave: 10.9 against 15.1 (sampled) at 2K × 1, 17.0 against
   //   21.6 at 32K × 1;
-  // - else the chunked path: 40.1 against 46.0 (sampled) at 32K × 32.
+  // - else the sampled path narrowed to fewer CTAs a row, so its spans sample (32K × 17–63);
+  // - else the chunked path.
   const int multiprocessors = current_device_multiprocessors();
   if (multiprocessors == 0) return cudaGetLastError();
   // DSV4_TOPK_PATH=cluster|chunked|sampled forces one path whatever the shape (to time them side by side at every
@@ -680,8 +684,16 @@ cudaError_t top_k(const TopKParams& p, void* workspace, size_t workspace_bytes, 
   if (path == "sampled" || (path != "cluster" && path != "chunked" && sampled.span > kCandidateCapacity))
     return launch_sampled(p, sampled, stream);
   const LaunchShape shape = launch_shape(p.columns);
-  if (path == "chunked" || (path != "cluster" && p.rows * shape.cluster > multiprocessors))
-    return chunked_top_k(p, workspace, stream);
+  const bool cluster_fits_a_wave = p.rows * shape.cluster <= multiprocessors;
+  if (path.empty() && !cluster_fits_a_wave) {
+    // Rows that neither sample at one wave's width nor fit the cluster path's wave (32K × 17–63): fewer CTAs per
+    // row, so each span is long enough to sample, beat the chunked path (29 µs at 32K × 64 with 2 CTAs a row
+    // against 40 µs at 32K × 32 chunked, H100).
+    const LaunchShape narrower = sampled_launch_shape_for(p.columns, std::min<int64_t>(
+        sampled.cluster, std::max<int64_t>(1, (p.columns - 1) / kCandidateCapacity)));
+    if (narrower.span > kCandidateCapacity) return launch_sampled(p, narrower, stream);
+  }
+  if (path == "chunked" || (path != "cluster" && !cluster_fits_a_wave)) return chunked_top_k(p, workspace, stream);
   return launch_row_clusters(top_k_cluster_kernel, shape, p.rows, static_cast<size_t>(shape.span) * sizeof(uint32_t),
                              kMaxSpan * static_cast<int>(sizeof(uint32_t)), stream, p, shape.span);
 }

@@ -220,12 +220,13 @@ TEST_F(CudaIndexerTest, TopKMatchesCpuTwinAt262144Candidates) {
   }
 }
 
-// The shapes where top_k's default choice changes (a 32K-column row: the cluster path at 1 row, the sampled path
-// at 40 on a 132-SM device, where 3 CTAs a row sample); check_top_k also forces every path on each.
+// The shapes where top_k's default choice changes (a 32K-column row: the cluster path at 1 row; on a 132-SM
+// device the sampled path narrowed to 3 CTAs a row at 32 rows, where 4 would not sample and the cluster path
+// no longer fits a wave, and at its own width of 3 at 40); check_top_k also forces every path on each.
 TEST_F(CudaIndexerTest, TopKSameAnswerOnBothPaths) {
   for (const int64_t k : {512, 1024}) {
     const int64_t columns = 32768;
-    for (const int64_t rows : {int64_t{1}, int64_t{40}}) {
+    for (const int64_t rows : {int64_t{1}, int64_t{32}, int64_t{40}}) {
       std::vector<float> scores = testing::random_scores(rows, columns, static_cast<uint32_t>(k + rows));
       for (int64_t i = 0; i < columns; ++i)
         if (i % 61 == 0) scores[i] = 2.0f;  // row 0: a tie crossing the threshold
