@@ -22,8 +22,9 @@ __global__ void write_kv_entries_kernel(KvWriteParams p, const uint16_t* __restr
   const int lane = threadIdx.x % 32;
   const int64_t token = int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / 32;
   if (token >= p.tokens) return;
-  const KvEntryAddress address =
-      kv_entry_address(p.pool, p.format, p.rows ? p.rows[token] : token, p.entry_indices[token]);
+  const int64_t row = p.rows ? p.rows[token] : token;
+  if (!kv_write_wanted(p, row, p.entry_indices[token])) return;
+  const KvEntryAddress address = kv_entry_address(p.pool, p.format, row, p.entry_indices[token]);
   if (address.data == nullptr) return;
   const uint16_t* in = kv + token * kKvHeadDim;
   // Rope channels 448..511: 2 per lane, stored bf16 unchanged in both formats.

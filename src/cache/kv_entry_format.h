@@ -160,11 +160,23 @@ struct KvWriteParams {
   PagedKvPool pool;
   const int32_t* entry_indices = nullptr;  // [tokens]
   const int32_t* rows = nullptr;           // [tokens] or nullptr
+  // The raw window's writer (entries indexed by position): with row_end set ([rows], the position after each
+  // row's chunk), a vector whose entry index is below row_end[row] − window_size is not written — no later query
+  // reads it, and the manager may not hold its block.
+  const int32_t* row_end = nullptr;
+  int64_t window_size = 0;
 };
+
+// Whether vector i of a KvWriteParams is written at all (the window rule above).
+DSV4_HOST_DEVICE inline bool kv_write_wanted(const KvWriteParams& p, int64_t row, int64_t entry) {
+  return p.row_end == nullptr || entry >= p.row_end[row] - p.window_size;
+}
 
 inline void write_kv_entries(const KvWriteParams& p, const uint16_t* kv) {
   for (int64_t i = 0; i < p.tokens; ++i) {
-    const KvEntryAddress address = kv_entry_address(p.pool, p.format, p.rows ? p.rows[i] : i, p.entry_indices[i]);
+    const int64_t row = p.rows ? p.rows[i] : i;
+    if (!kv_write_wanted(p, row, p.entry_indices[i])) continue;
+    const KvEntryAddress address = kv_entry_address(p.pool, p.format, row, p.entry_indices[i]);
     if (address.data) kv_quantize_entry(p.format, kv + i * kKvHeadDim, address, p.fake_quantize_nope);
   }
 }

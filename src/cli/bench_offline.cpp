@@ -34,6 +34,8 @@ void add_common(CLI::App* cmd, BenchOfflineOptions& o) {
       ->capture_default_str();
   cmd->add_option("--device", o.device, "auto, cpu, cuda or cuda:N")->capture_default_str();
   cmd->add_option("--dtype", o.dtype, "CUDA precision: auto/bf16 or f32")->capture_default_str();
+  cmd->add_option("--kv-cache-dtype", o.kv_cache_dtype, "main K=V cache entries: auto/bf16 or fp8")
+      ->capture_default_str();
   cmd->add_option("--gpu-memory-utilization", o.gpu_memory_utilization, "CUDA: share of device memory")
       ->capture_default_str();
   cmd->add_option("--kv-cache-gib", o.kv_cache_gib, "KV cache pool, GiB (0: the backend's default)");
@@ -58,6 +60,7 @@ Setup make_setup(const BenchOfflineOptions& o) {
   BackendOptions backend;
   backend.device = o.device;
   backend.dtype = o.dtype;
+  backend.kv_cache_dtype = o.kv_cache_dtype;
   backend.gpu_memory_utilization = o.gpu_memory_utilization;
   backend.load_format = o.load_format;
   backend.expert_bits = o.expert_bits;
@@ -153,6 +156,19 @@ int bench_latency(const BenchOfflineOptions& o) {
   std::mt19937_64 rng(o.seed);
   const int64_t vocab = setup.loaded.backend->config().vocab_size;
   nlohmann::json all = nlohmann::json::array();
+  // What the cache holds (--kv-cache-dtype fp8 stores 584-byte main entries instead of 1024): the longest single
+  // request the empty pool fits, found by bisection on fits_in_pool (monotone in the token count).
+  int64_t fits = 0;
+  for (int64_t step = int64_t{1} << 40; step > 0; step /= 2)
+    if (engine.cache().fits_in_pool(fits + step)) fits += step;
+  const KvStorage storage = setup.loaded.backend->kv_storage();
+  std::printf("KV cache: %.2f GiB, %s main entries; one request fits %lld tokens\n",
+              static_cast<double>(setup.engine.kv_cache_bytes) / double(int64_t{1} << 30),
+              storage == KvStorage::kFp8                               ? "fp8"
+              : storage == KvStorage::kBf16                            ? "bf16"
+              : setup.loaded.backend->config().fp8_kv_cache ? "fp32 (FP8-simulated)"
+                                                                       : "fp32",
+              static_cast<long long>(fits));
 #ifdef DSV4_HAVE_CUDA
   auto* cuda_model = setup.loaded.on_cuda ? static_cast<DeepseekV4CudaModel*>(setup.loaded.backend.get()) : nullptr;
 #endif

@@ -161,6 +161,7 @@ int generate(const GenerateOptions& options) {
   BackendOptions backend_options;
   backend_options.device = options.device;
   backend_options.dtype = options.dtype;
+  backend_options.kv_cache_dtype = options.kv_cache_dtype;
   backend_options.numerics = options.numerics;
   backend_options.gpu_memory_utilization = options.gpu_memory_utilization;
   backend_options.load_format = options.load_format;

@@ -23,6 +23,7 @@ struct GenerateOptions {
   std::string model_dir, ids;
   std::string numerics = "hf";  // "hf" or "deepseek" (docs/numerics.md)
   std::string device = "auto", dtype = "auto";  // cli/model_loading.h BackendOptions
+  std::string kv_cache_dtype = "auto";  // cli/model_loading.h BackendOptions::kv_cache_dtype
   double gpu_memory_utilization = 0.9;
   std::string load_format = "auto";  // auto or dummy (random weights of the config; --seed seeds them, else 0)
   std::string expert_bits = "auto";  // cli/model_loading.h BackendOptions::expert_bits

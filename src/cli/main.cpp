@@ -61,6 +61,8 @@ int main(int argc, char** argv) {
       ->each([&gen](const std::string&) { gen.kv_cache_gib_given = true; });
   generate_cmd->add_option("--device", gen.device, "auto (CUDA when a GPU is visible), cpu, cuda or cuda:N");
   generate_cmd->add_option("--dtype", gen.dtype, "CUDA precision: auto/bf16 (serving) or f32 (exact)");
+  generate_cmd->add_option("--kv-cache-dtype", gen.kv_cache_dtype,
+                           "main K=V cache entries: auto/bf16, or fp8 (DeepSeek's 584-byte FP8 entry; CUDA bf16 mode)");
   generate_cmd->add_option("--gpu-memory-utilization", gen.gpu_memory_utilization,
                            "CUDA: share of device memory for weights + KV cache (the cache takes the rest)");
   generate_cmd->add_flag("--no-prefix-caching", gen.no_prefix_caching, "disable prefix caching");

@@ -35,6 +35,10 @@ struct BackendOptions {
   // (model/weights.h RequantizedExpertsSource). The CPU backend holds them so; the GPU backend still decodes
   // every weight to its bf16 / fp32 dtype at upload (a low-bit expert GEMM is issue 7's next step).
   std::string expert_bits = "auto";
+  // vLLM's --kv-cache-dtype: "auto" (= "bf16": the backend's entries, bf16 on CUDA, fp32 on the CPU) or "fp8"
+  // ("fp8_e4m3"): DeepSeek's FP8 main K=V entries (ModelConfig::fp8_kv_cache; 584 bytes an entry on CUDA
+  // against bf16's 1024, simulated in fp32 on the CPU).
+  std::string kv_cache_dtype = "auto";
 };
 
 // A model ready for the engine. `cpu_model` is set (and `backend` wraps it) on the CPU.

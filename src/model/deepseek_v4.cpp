@@ -339,6 +339,12 @@ void DeepseekV4Model::compress(int64_t layer, EntryKind kind, const StepLayout& 
         rms_norm(entry.data(), 1, p.head_dim, p.head_dim, w.norm.ptr(), eps, entry.data());
         if (deepseek) round_to_bf16(entry.data(), p.head_dim);
         apply_rope(entry.data(), 1, p.head_dim, 1, p.head_dim, &entry_position, rope_compress_);
+        if (!deepseek && c.fp8_kv_cache && kind == EntryKind::kMain) {
+          // The GPU's FP8 entry of this fp32 entry (ops/cuda/compressor.h kFp8Main): bf16, then the no-rope
+          // channels quantized per 64 (§3.3).
+          round_to_bf16(entry.data(), p.head_dim);
+          quantize_e4m3_blocks(entry.data(), p.head_dim - rope_dim, 64);
+        }
         if (deepseek) {
           round_to_bf16(entry.data(), p.head_dim);
           if (kind == EntryKind::kMain) {
@@ -396,7 +402,10 @@ void DeepseekV4Model::attention(int64_t layer, const StepLayout& step, std::span
   to_bf16(kv);
   apply_rope(kv.data(), N, d, 1, d, step.positions.data(), rope);
   to_bf16(kv);
-  if (deepseek)  // FP8 simulation of the non-rope channels, one UE8M0 scale per 64 (§3.3, §6.2)
+  // FP8 simulation of the non-rope channels, one UE8M0 scale per 64 (§3.3, §6.2): DeepSeek's numerics, or the
+  // twin of the GPU's FP8 cache (its entries are the bf16 K=V rows quantized; the step's own rows too).
+  if (!deepseek && c.fp8_kv_cache) bf16(kv);
+  if (deepseek || c.fp8_kv_cache)
     for (int64_t t = 0; t < N; ++t) quantize_e4m3_blocks(&kv[t * d], d - rope.rope_dim(), 64);
 
   // Compressed entries first: a query sees the entries its own chunk completes.

@@ -95,6 +95,12 @@ struct ModelConfig {
   // FP8 weights (CudaModelOptions::fp8_weights), so the CPU is its twin: kFromBf16 quantizes their bf16
   // rounding (the GPU's bf16 operand), kFromFp32 the fp32 value (its fp32 mode). The rest stays exact fp32.
   Fp8Activations fp8_activations = Fp8Activations::kOff;
+  // kHf, a run option (--kv-cache-dtype fp8): the main K=V entries (the raw window and the compressed entries)
+  // hold DeepSeek's FP8 entry (cache/kv_entry_format.h: 448 e4m3 channels with a UE8M0 scale per 64, 64 bf16
+  // rope channels; 584 bytes instead of bf16's 1024). The GPU backend stores them so (bf16 mode, V4's 512-wide
+  // entries); the CPU keeps fp32 entries holding the same values (the entry rounded to bf16, its no-rope
+  // channels quantized and dequantized), so it is that mode's twin. kDeepSeek simulates the FP8 entries always.
+  bool fp8_kv_cache = false;
 
   // Parses an HF config.json object. Throws dsv4::Error naming the field and value on any problem.
   static ModelConfig from_json(const nlohmann::json& json);

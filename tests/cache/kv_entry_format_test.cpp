@@ -2,6 +2,7 @@
 // against brute force, the 584-byte FP8 layout and its page padding, and the paged addressing.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <set>
@@ -157,6 +158,48 @@ TEST(KvEntryFormat, PagedWritesLandInTheirOwnRegion) {
       kv_quantize_entry(format, &kv[i * kKvHeadDim], local, true);
       kv_dequantize_entry(format, local, expected.data());
       ASSERT_EQ(read, expected) << i;
+    }
+  }
+}
+
+// The window rule (KvWriteParams::row_end): an entry below row_end[row] − window_size is left alone, every other
+// one is written. Two rows of 128 entries, ends 100 and 128, window 32.
+TEST(KvEntryFormat, WindowWriterSkipsEntriesBeforeTheWindow) {
+  for (const KvEntryFormat format : {KvEntryFormat::kFp8, KvEntryFormat::kBf16}) {
+    const int32_t per_block = 64;
+    const int64_t region = kv_region_bytes(format, per_block), block_bytes = region;
+    std::vector<uint8_t> arena(static_cast<size_t>(4 * block_bytes), 0xa5);
+    const std::vector<int32_t> table = {3, 1, 0, 2};  // row 0: blocks 3, 1; row 1: blocks 0, 2
+    const PagedKvPool pool{arena.data(), block_bytes, 1, block_bytes, 0, per_block, table.data(), 2};
+    const int64_t n = 2 * 128;
+    std::mt19937 rng(9);
+    std::normal_distribution<float> normal(0.0f, 1.5f);
+    std::vector<uint16_t> kv(static_cast<size_t>(n * kKvHeadDim));
+    for (auto& v : kv) v = f32_to_bf16(normal(rng));
+    std::vector<int32_t> entries(static_cast<size_t>(n)), rows(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      rows[i] = static_cast<int32_t>(i / 128);
+      entries[i] = static_cast<int32_t>(i % 128);
+    }
+    const std::vector<int32_t> row_end = {100, 128};
+    KvWriteParams params{n, format, false, pool, entries.data(), rows.data()};
+    params.row_end = row_end.data();
+    params.window_size = 32;
+    write_kv_entries(params, kv.data());
+    for (int64_t i = 0; i < n; ++i) {
+      const KvEntryAddress address = kv_entry_address(pool, format, rows[i], entries[i]);
+      const bool wanted = entries[i] >= row_end[rows[i]] - 32;
+      const int64_t data_bytes = format == KvEntryFormat::kFp8 ? kKvFp8DataBytes : kKvBf16EntryBytes;
+      const bool untouched = std::all_of(address.data, address.data + data_bytes, [](uint8_t b) { return b == 0xa5; });
+      EXPECT_EQ(untouched, !wanted) << "row " << rows[i] << " entry " << entries[i];
+      if (wanted) {
+        std::vector<float> read(kKvHeadDim), expected(kKvHeadDim);
+        kv_dequantize_entry(format, address, read.data());
+        uint8_t scratch[kKvBf16EntryBytes + 8];
+        kv_quantize_entry(format, &kv[i * kKvHeadDim], {scratch, scratch + kKvBf16EntryBytes}, false);
+        kv_dequantize_entry(format, {scratch, scratch + kKvBf16EntryBytes}, expected.data());
+        ASSERT_EQ(read, expected) << i;
+      }
     }
   }
 }

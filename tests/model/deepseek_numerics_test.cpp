@@ -10,10 +10,13 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <random>
 
+#include "cache/kv_entry_format.h"
 #include "cache/weight_plan.h"
 #include "core/error.h"
 #include "core/npy.h"
+#include "ops/cpu/quantize.h"
 #include "test_models.h"
 
 namespace dsv4 {
@@ -205,6 +208,46 @@ TEST(DeepSeekNumerics, Fp8ActivationsQuantizeOnlyFp8Linears) {
   EXPECT_LT(error, 0.6);
   DeepseekV4Model dense(config, dequantized_copy(weights));  // no FP8 weight left: nothing is quantized
   EXPECT_EQ(last_logits(dense, ids, {40}), a);
+}
+
+// ModelConfig::fp8_kv_cache (--kv-cache-dtype fp8, the CPU twin of the GPU's FP8 cache): its entries are exactly
+// the FP8 cache format's values (the CPU's quantize_e4m3_blocks on a bf16 row = kv_quantize_entry's kFp8 entry,
+// dequantized); in kHf it perturbs the logits a little; in kDeepSeek, which simulates FP8 entries already, it
+// changes nothing.
+TEST(DeepSeekNumerics, Fp8KvCacheSimulatesTheFp8CacheEntries) {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 64; ++trial) {
+    const float magnitude = std::exp2(std::uniform_real_distribution<float>(-14.0f, 10.0f)(rng));
+    std::normal_distribution<float> normal(0.0f, magnitude);
+    std::vector<uint16_t> row(kKvHeadDim);
+    std::vector<float> simulated(kKvHeadDim), stored(kKvHeadDim);
+    for (int c = 0; c < kKvHeadDim; ++c) {
+      row[c] = f32_to_bf16(normal(rng));
+      simulated[c] = bf16_to_f32(row[c]);
+    }
+    ops::cpu::quantize_e4m3_blocks(simulated.data(), kKvNopeDim, kKvScaleBlock);
+    uint8_t entry[kKvFp8EntryBytes];
+    const KvEntryAddress address{entry, entry + kKvFp8DataBytes};
+    kv_quantize_entry(KvEntryFormat::kFp8, row.data(), address, false);
+    kv_dequantize_entry(KvEntryFormat::kFp8, address, stored.data());
+    ASSERT_EQ(simulated, stored) << "trial " << trial;
+  }
+  ModelConfig config = ModelConfig::preset("tiny");
+  const ModelWeights weights = random_weights(config, 0);
+  const std::vector<int32_t> ids = testing::random_ids(150, config.vocab_size, 4);  // past the window (128)
+  DeepseekV4Model hf(config, weights);
+  config.fp8_kv_cache = true;
+  DeepseekV4Model hf_fp8(config, weights);
+  const std::vector<float> a = last_logits(hf, ids, {100, 50}), b = last_logits(hf_fp8, ids, {100, 50});
+  const double error = testing::relative_l2(b.data(), a.data(), a.size());
+  std::printf("tiny preset, 150 tokens: fp8_kv_cache vs kHf last-token logits relative L2 %.4g\n", error);
+  EXPECT_GT(error, 1e-5);
+  EXPECT_LT(error, 0.3);
+  config.numerics = Numerics::kDeepSeek;
+  DeepseekV4Model deepseek_fp8(config, weights);
+  config.fp8_kv_cache = false;
+  DeepseekV4Model deepseek(config, weights);
+  EXPECT_EQ(last_logits(deepseek_fp8, ids, {100, 50}), last_logits(deepseek, ids, {100, 50}));
 }
 
 TEST(DeepSeekNumerics, DiffersFromHfByQuantizationNoiseOnly) {

@@ -15,6 +15,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
+#include "cache/kv_entry_format_cuda.h"
 #include "ops/cuda/compressor.h"
 #include "ops/cuda/elementwise.h"
 #include "ops/cuda/embedding.h"
@@ -151,6 +152,9 @@ struct DeepseekV4CudaModel::Impl {
   CudaModelOptions options;
   std::string device_label;
   bool bf16 = true;
+  // The main K=V entries' format (window and compressed): kFp8 with ModelConfig::fp8_kv_cache, else kBf16 (bf16
+  // mode; the fp32 mode's entries are fp32 and never read through this).
+  KvEntryFormat kv_format = KvEntryFormat::kBf16;
   cudaStream_t stream = nullptr, index_stream = nullptr, kv_stream = nullptr, shared_expert_stream = nullptr;
   cudaEvent_t index_fork = nullptr, index_join = nullptr, kv_fork = nullptr, kv_join = nullptr;
   cudaEvent_t shared_expert_fork = nullptr, shared_expert_join = nullptr;
@@ -352,13 +356,16 @@ struct DeepseekV4CudaModel::Impl {
     std::vector<int64_t> offset, start, length;
     // device pointers into device_meta
     const int32_t *token_ids, *positions, *token_row, *chunk_start, *row_end, *last_rows, *csa_visible,
-        *chunk_table, *token_chunk_start, *csa_row_entries;
+        *chunk_table, *token_chunk_start, *token_chunk_index, *csa_row_entries;
     const int32_t* row_offsets;  // [rows + 1]: row r's tokens are [row_offsets[r], row_offsets[r + 1])
     std::map<CacheGroupKind, std::pair<const int32_t*, int64_t>> tables;  // device table, stride
   };
   Step prepare(std::span<const SequenceChunk> batch, bool for_graph);
   PagedGroupView view(const Step& step, CacheGroupKind kind, int64_t layer) const;
   PagedKvPool kv_pool(const Step& step, CacheGroupKind kind, int64_t layer) const;
+  // This step's own K=V rows in `entries` (kv_format's entries, or bf16 rows) as a pool of one-entry blocks: row
+  // r's entry j is block offset[r] + j, the token's index (the tuned attention's chunk pool).
+  PagedKvPool chunk_pool(const Step& step, uint8_t* entries) const;
 
   // ---- the forward ----
   Tensor forward(std::span<const SequenceChunk> batch, LogitsMode mode);
@@ -456,6 +463,17 @@ void DeepseekV4CudaModel::open_device(ModelConfig config, const CudaModelOptions
                  std::to_string(m.config.moe_intermediate_size));
   DSV4_CHECK(m.config.numerics == Numerics::kHf,
              "the CUDA backend runs the hf numerics (--numerics deepseek is CPU-only for now)");
+  if (m.config.fp8_kv_cache) {
+    // The FP8 entry is V4's 512-wide one and only the tuned attention kernel reads it (attention() `tuned`).
+    const int64_t rope_main = m.config.rope_dim(RopeKind::kMain), rope_compress = m.config.rope_dim(RopeKind::kCompress);
+    DSV4_CHECK(m.bf16 && m.config.num_attention_heads % 64 == 0 && m.config.head_dim == kKvHeadDim &&
+                   rope_main == kKvRopeDim && rope_compress == kKvRopeDim,
+               "--kv-cache-dtype fp8 needs --dtype bf16 and V4's attention shapes (heads a multiple of 64, head_dim "
+               "512, 64 rope channels); got " + std::to_string(m.config.num_attention_heads) + " heads, head_dim " +
+                   std::to_string(m.config.head_dim) + ", rope " + std::to_string(rope_main) + " / " +
+                   std::to_string(rope_compress));
+    m.kv_format = KvEntryFormat::kFp8;
+  }
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) throw Error("no CUDA device is available");
   DSV4_CHECK(options.device >= 0 && options.device < count,
@@ -642,7 +660,10 @@ DeepseekV4CudaModel::~DeepseekV4CudaModel() = default;
 
 const ModelConfig& DeepseekV4CudaModel::config() const { return impl_->config; }
 const char* DeepseekV4CudaModel::device_name() const { return impl_->device_label.c_str(); }
-KvStorage DeepseekV4CudaModel::kv_storage() const { return impl_->bf16 ? KvStorage::kBf16 : KvStorage::kF32; }
+KvStorage DeepseekV4CudaModel::kv_storage() const {
+  if (impl_->kv_format == KvEntryFormat::kFp8) return KvStorage::kFp8;
+  return impl_->bf16 ? KvStorage::kBf16 : KvStorage::kF32;
+}
 IndexStorage DeepseekV4CudaModel::index_storage() const {
   return impl_->bf16 ? IndexStorage::kBf16 : IndexStorage::kF32;
 }
@@ -766,7 +787,8 @@ DeepseekV4CudaModel::Impl::Step DeepseekV4CudaModel::Impl::prepare(std::span<con
     step.max_position = round_up_pow2(step.max_position + 1) - 1;
     step.graph_key = {step.rows, step.max_position};
   }
-  // Layout of the metadata block (int32): token ids, positions, token rows, csa visible, chunk start [N]; chunk
+  // Layout of the metadata block (int32): token ids, positions, token rows, csa visible, chunk start, index in
+  // the chunk [N]; chunk
   // starts, ends, last rows, CSA entries in the cache (end div ratio, the indexer's per-request bound) [B]; the
   // chunk table [B, max_chunk]; row offsets [B + 1]; then every group's block table [B, stride].
   const int64_t N = step.tokens, B = step.rows;
@@ -777,7 +799,7 @@ DeepseekV4CudaModel::Impl::Step DeepseekV4CudaModel::Impl::prepare(std::span<con
     return at;
   };
   const size_t ids_at = reserve(N), pos_at = reserve(N), row_at = reserve(N), vis_at = reserve(N),
-               tcs_at = reserve(N);
+               tcs_at = reserve(N), tci_at = reserve(N);
   const size_t cs_at = reserve(B), end_at = reserve(B), last_at = reserve(B), csa_entries_at = reserve(B);
   const size_t chunk_table_at = reserve(B * step.max_chunk), row_offsets_at = reserve(B + 1);
   for (int64_t r = 0; r < B; ++r) {
@@ -788,6 +810,7 @@ DeepseekV4CudaModel::Impl::Step DeepseekV4CudaModel::Impl::prepare(std::span<con
       host_meta[row_at + t] = static_cast<int32_t>(r);
       host_meta[vis_at + t] = static_cast<int32_t>(c.compress_rate_csa > 0 ? (position + 1) / c.compress_rate_csa : 0);
       host_meta[tcs_at + t] = static_cast<int32_t>(step.start[r]);
+      host_meta[tci_at + t] = static_cast<int32_t>(i);
       host_meta[chunk_table_at + r * step.max_chunk + i] = static_cast<int32_t>(t);
     }
     host_meta[cs_at + r] = static_cast<int32_t>(step.start[r]);
@@ -829,6 +852,7 @@ DeepseekV4CudaModel::Impl::Step DeepseekV4CudaModel::Impl::prepare(std::span<con
   step.token_row = device_meta + row_at;
   step.csa_visible = device_meta + vis_at;
   step.token_chunk_start = device_meta + tcs_at;
+  step.token_chunk_index = device_meta + tci_at;
   step.chunk_start = device_meta + cs_at;
   step.csa_row_entries = device_meta + csa_entries_at;
   step.row_end = device_meta + end_at;
@@ -859,7 +883,7 @@ PagedGroupView DeepseekV4CudaModel::Impl::view(const Step& step, CacheGroupKind 
   return v;
 }
 
-// The tuned attention kernel's view of a BF16 main-entry group (cache/kv_entry_format.h).
+// The tuned attention kernel's view of a main-entry group in the cache's format (cache/kv_entry_format.h).
 PagedKvPool DeepseekV4CudaModel::Impl::kv_pool(const Step& step, CacheGroupKind kind, int64_t layer) const {
   const PagedGroupView v = view(step, kind, layer);
   PagedKvPool pool;
@@ -867,10 +891,25 @@ PagedKvPool DeepseekV4CudaModel::Impl::kv_pool(const Step& step, CacheGroupKind 
   pool.page_bytes = v.page_bytes;
   pool.blocks_per_page = v.max_blocks_per_page;
   pool.block_bytes = v.block_bytes;
-  pool.region_offset = v.layer_index * kv_region_bytes(KvEntryFormat::kBf16, v.entries_per_block);
+  pool.region_offset = v.layer_index * kv_region_bytes(kv_format, v.entries_per_block);
   pool.entries_per_block = static_cast<int32_t>(v.entries_per_block);
   pool.block_table = v.block_table;
   pool.block_table_stride = v.block_table_stride;
+  return pool;
+}
+
+PagedKvPool DeepseekV4CudaModel::Impl::chunk_pool(const Step& step, uint8_t* entries) const {
+  const int64_t block_bytes =
+      kv_format == KvEntryFormat::kFp8 ? kv_region_bytes(KvEntryFormat::kFp8, 1) : int64_t{kKvBf16EntryBytes};
+  PagedKvPool pool;
+  pool.arena = entries;
+  pool.page_bytes = block_bytes;
+  pool.blocks_per_page = 1;
+  pool.block_bytes = block_bytes;
+  pool.region_offset = 0;
+  pool.entries_per_block = 1;
+  pool.block_table = step.chunk_table;
+  pool.block_table_stride = step.max_chunk;
   return pool;
 }
 
@@ -1089,7 +1128,9 @@ void DeepseekV4CudaModel::Impl::compress(int64_t layer, EntryKind kind, const St
   p.rope_dim = static_cast<int32_t>(c.inv_freq(RopeKind::kCompress).size() * 2);
   p.attention_scaling = scaling_compress;
   p.eps = static_cast<float>(c.rms_norm_eps);
-  p.format = bf16 ? cu::CompressorEntryFormat::kBf16 : cu::CompressorEntryFormat::kF32;
+  p.format = !bf16                                                          ? cu::CompressorEntryFormat::kF32
+             : kind == EntryKind::kMain && kv_format == KvEntryFormat::kFp8 ? cu::CompressorEntryFormat::kFp8Main
+                                                                            : cu::CompressorEntryFormat::kBf16;
   p.num_requests = static_cast<int32_t>(step.rows);
   p.num_tokens = static_cast<int32_t>(N);
   p.kv = kv;
@@ -1131,6 +1172,21 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
   uint16_t* kv_bf16 = tuned ? buffer<uint16_t>("kv_bf16", N * d) : nullptr;
   DSV4_CU(cu::head_norm_rope({N, 1, d, rope_dim, true, eps, rope_scaling}, kv, l.kv_norm, step.positions, inv_freq,
                              kv_bf16, kvs));
+  // With the FP8 cache the attention reads this step's own K=V rows as FP8 entries too (one format for every
+  // pool, and what a later step will read back from the window): entry j of request r's chunk, in one-entry
+  // blocks numbered by token (the chunk pool below).
+  const bool fp8_entries = tuned && kv_format == KvEntryFormat::kFp8;
+  uint8_t* chunk_entries = nullptr;
+  if (fp8_entries) {
+    chunk_entries = buffer<uint8_t>("kv_fp8_chunk", N * kv_region_bytes(KvEntryFormat::kFp8, 1));
+    KvWriteParams wp;
+    wp.tokens = N;
+    wp.format = KvEntryFormat::kFp8;
+    wp.pool = chunk_pool(step, chunk_entries);
+    wp.entry_indices = step.token_chunk_index;
+    wp.rows = step.token_row;
+    DSV4_CU(dsv4::cuda::write_kv_entries(wp, kv_bf16, kvs));
+  }
   // Compressed entries first: a query sees the entries its own chunk completes.
   if (type != AttentionType::kSlidingWindow)
     compress(layer, EntryKind::kMain, step, x_operand, kvs, kv_overlap ? *kv_gemm : *gemm);
@@ -1245,7 +1301,7 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
     ap.tokens = N;
     ap.heads = H;
     ap.scale = 1.0f / std::sqrt(static_cast<float>(d));
-    ap.format = KvEntryFormat::kBf16;
+    ap.format = kv_format;
     ap.window = kv_pool(step, CacheGroupKind::kSwaKv, layer);
     ap.window_size = c.sliding_window;
     if (type != AttentionType::kSlidingWindow) {
@@ -1270,15 +1326,7 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
     ap.sinks = l.attn_sink;
     ap.rope_inv_freq = inv_freq;
     ap.rope_attention_scaling = rope_scaling;
-    // This step's own K=V rows as a pool of one-entry blocks: row r's entry j is token offset[r] + j.
-    ap.chunk.arena = reinterpret_cast<uint8_t*>(kv_bf16);
-    ap.chunk.page_bytes = kKvBf16EntryBytes;
-    ap.chunk.blocks_per_page = 1;
-    ap.chunk.block_bytes = kKvBf16EntryBytes;
-    ap.chunk.region_offset = 0;
-    ap.chunk.entries_per_block = 1;
-    ap.chunk.block_table = step.chunk_table;
-    ap.chunk.block_table_stride = step.max_chunk;
+    ap.chunk = fp8_entries ? chunk_pool(step, chunk_entries) : chunk_pool(step, reinterpret_cast<uint8_t*>(kv_bf16));
     ap.chunk_starts = step.token_chunk_start;
     uint16_t* attended = buffer<uint16_t>("attended_bf16", N * H * d);
     const size_t workspace_bytes = cu::sparse_attention_workspace_bytes(ap, multiprocessors);
@@ -1318,17 +1366,29 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
     attended_operand = operand(attended, N * H * d, "attended_in", stream);
   }
   // The window keeps the last W raw K=V vectors of every request (after every read of this step).
-  cu::WindowWriteParams wp;
-  wp.tokens = N;
-  wp.head_dim = d;
-  wp.window_size = c.sliding_window;
-  wp.bf16_entries = bf16;
-  wp.window = view(step, CacheGroupKind::kSwaKv, layer);
-  wp.kv = kv;
-  wp.token_row = step.token_row;
-  wp.positions = step.positions;
-  wp.row_end = step.row_end;
-  DSV4_CU(cu::write_window(wp, stream));
+  if (fp8_entries) {
+    KvWriteParams wp;
+    wp.tokens = N;
+    wp.format = KvEntryFormat::kFp8;
+    wp.pool = kv_pool(step, CacheGroupKind::kSwaKv, layer);
+    wp.entry_indices = step.positions;
+    wp.rows = step.token_row;
+    wp.row_end = step.row_end;
+    wp.window_size = c.sliding_window;
+    DSV4_CU(dsv4::cuda::write_kv_entries(wp, kv_bf16, stream));
+  } else {
+    cu::WindowWriteParams wp;
+    wp.tokens = N;
+    wp.head_dim = d;
+    wp.window_size = c.sliding_window;
+    wp.bf16_entries = bf16;
+    wp.window = view(step, CacheGroupKind::kSwaKv, layer);
+    wp.kv = kv;
+    wp.token_row = step.token_row;
+    wp.positions = step.positions;
+    wp.row_end = step.row_end;
+    DSV4_CU(cu::write_window(wp, stream));
+  }
 
   // Grouped output projection: group g's heads → o_lora_rank through rows [g·o_lora, (g+1)·o_lora) of wo_a.
   // One strided-batched GEMM: group g reads columns [g·gw, (g+1)·gw) of the attended rows and rows

@@ -5,7 +5,8 @@
 // Precision:
 //   kF32   fp32 weights, fp32 GEMMs (no TF32), fp32 cache: matches the CPU backend to accumulation order.
 //   kBf16  bf16 weights and bf16 GEMM operands with fp32 accumulation, bf16 K=V window / compressed entries and
-//          index keys; activations between ops stay fp32. The serving mode.
+//          index keys (with ModelConfig::fp8_kv_cache the K=V entries are DeepSeek's 584-byte FP8 entries,
+//          docs/gpu.md "The FP8 K=V cache"); activations between ops stay fp32. The serving mode.
 // Where the shapes are V4's (64·k heads × 512, indexer 64 × 128) the bf16 mode runs the tuned attention and
 // indexer kernels (ops/cuda/sparse_attention.h, indexer_scores.h); other shapes and kF32 use the general ones
 // (ops/cuda/paged_attention.h).

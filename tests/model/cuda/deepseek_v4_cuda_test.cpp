@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <numeric>
 
 #include "../test_models.h"
 #include "core/dtype.h"
@@ -102,12 +103,14 @@ ModelWeights rounded_to_bf16(ModelWeights weights) {
 Comparison compare(const ModelConfig& config, const ModelWeights& weights, CudaPrecision precision,
                    const std::vector<Script>& scripts, bool fp8_weights = true, bool cpu_twin = true,
                    bool low_bit_experts = true) {
-  // The CPU twin of the GPU's FP8 linears (bf16 mode) quantizes their inputs the same way (cpu_twin false:
-  // the plain CPU model, to measure what the twin accounts for).
+  // The CPU twin of the GPU's FP8 linears (bf16 mode) quantizes their inputs the same way, and with
+  // config.fp8_kv_cache simulates its FP8 K=V entries (cpu_twin false: the plain CPU model, to measure what the
+  // twin accounts for).
   ModelConfig cpu_config = config;
   if (cpu_twin && fp8_weights)
     cpu_config.fp8_activations =
         precision == CudaPrecision::kBf16 ? Fp8Activations::kFromBf16 : Fp8Activations::kFromFp32;
+  if (!cpu_twin) cpu_config.fp8_kv_cache = false;
   DeepseekV4Model cpu(cpu_config, precision == CudaPrecision::kBf16 ? rounded_to_bf16(weights) : weights);
   CudaModelOptions options;
   options.precision = precision;
@@ -441,6 +444,42 @@ TEST(CudaModel, Bf16TunedKernelsTrackCpuOnAV4ShapedModel) {
   const std::vector<Script> scripts = {{random_ids(700, config.vocab_size, 8), 256, 6},
                                        {random_ids(40, config.vocab_size, 9), 40, 12}};
   expect_bf16_tolerance(compare(config, weights, CudaPrecision::kBf16, scripts));
+}
+
+// --kv-cache-dtype fp8: every main K=V entry (window, compressed, the step's own rows) stored as DeepSeek's
+// 584-byte FP8 entry and read so by the tuned attention, prefill and graph-replayed decode. Against the CPU twin
+// (the same entries simulated in fp32) it stays within the bf16 mode's tolerance; against the plain CPU model the
+// FP8 rounding of the keys shows (e4m3 keeps 3 mantissa bits), so the twin must be the much closer reference.
+TEST(CudaModel, Fp8KvCacheTracksItsCpuTwinOnAV4ShapedModel) {
+  SKIP_WITHOUT_GPU();
+  ModelConfig config = v4_shaped_config();
+  config.fp8_kv_cache = true;
+  const ModelWeights weights = random_weights(config, 3);
+  const std::vector<Script> scripts = {{random_ids(700, config.vocab_size, 8), 256, 6},
+                                       {random_ids(40, config.vocab_size, 9), 40, 12}};
+  const Comparison twin = compare(config, weights, CudaPrecision::kBf16, scripts);
+  const Comparison plain = compare(config, weights, CudaPrecision::kBf16, scripts, true, /*cpu_twin=*/false);
+  auto mean = [](const std::vector<double>& v) { return std::accumulate(v.begin(), v.end(), 0.0) / v.size(); };
+  std::printf("  fp8 K=V cache: mean rel L2 %.3g against its CPU twin, %.3g against the plain CPU model\n",
+              mean(twin.errors), mean(plain.errors));
+  expect_bf16_tolerance(twin);
+  EXPECT_LT(mean(twin.errors), 0.5 * mean(plain.errors));
+}
+
+// The FP8 entry is V4's 512-wide one, read by the tuned kernels of the bf16 mode only: anything else is refused
+// at construction with the reason.
+TEST(CudaModel, Fp8KvCacheRefusesShapesItCannotStore) {
+  SKIP_WITHOUT_GPU();
+  ModelConfig tiny = tiny_config();
+  tiny.fp8_kv_cache = true;
+  EXPECT_THROW(DeepseekV4CudaModel(tiny, random_weights(tiny, 7)), Error);
+  ModelConfig shaped = v4_shaped_config();
+  shaped.fp8_kv_cache = true;
+  CudaModelOptions f32;
+  f32.precision = CudaPrecision::kF32;
+  EXPECT_THROW(DeepseekV4CudaModel(shaped, random_weights(shaped, 3), f32), Error);
+  const DeepseekV4CudaModel bf16(shaped, random_weights(shaped, 3));
+  EXPECT_EQ(bf16.kv_storage(), KvStorage::kFp8);
 }
 
 TEST(CudaModel, RepeatsBitwise) {
