@@ -339,11 +339,13 @@ void DeepseekV4Model::compress(int64_t layer, EntryKind kind, const StepLayout& 
         rms_norm(entry.data(), 1, p.head_dim, p.head_dim, w.norm.ptr(), eps, entry.data());
         if (deepseek) round_to_bf16(entry.data(), p.head_dim);
         apply_rope(entry.data(), 1, p.head_dim, 1, p.head_dim, &entry_position, rope_compress_);
-        if (!deepseek && c.fp8_kv_cache && kind == EntryKind::kMain) {
-          // The GPU's FP8 entry of this fp32 entry (ops/cuda/compressor.h kFp8Main): bf16, then the no-rope
-          // channels quantized per 64 (§3.3).
+        if (!deepseek && c.fp8_kv_cache) {
+          // The GPU's FP8 entry of this fp32 entry (ops/cuda/compressor.h kFp8Main / kFp8Index): bf16, then the
+          // main entry's no-rope channels quantized per 64, an index key as one block with its own scale (§3.3,
+          // cache/index_key_format.h).
           round_to_bf16(entry.data(), p.head_dim);
-          quantize_e4m3_blocks(entry.data(), p.head_dim - rope_dim, 64);
+          if (kind == EntryKind::kMain) quantize_e4m3_blocks(entry.data(), p.head_dim - rope_dim, 64);
+          else quantize_e4m3_blocks(entry.data(), p.head_dim, p.head_dim);
         }
         if (deepseek) {
           round_to_bf16(entry.data(), p.head_dim);

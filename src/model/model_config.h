@@ -97,9 +97,11 @@ struct ModelConfig {
   Fp8Activations fp8_activations = Fp8Activations::kOff;
   // kHf, a run option (--kv-cache-dtype fp8): the main K=V entries (the raw window and the compressed entries)
   // hold DeepSeek's FP8 entry (cache/kv_entry_format.h: 448 e4m3 channels with a UE8M0 scale per 64, 64 bf16
-  // rope channels; 584 bytes instead of bf16's 1024). The GPU backend stores them so (bf16 mode, V4's 512-wide
-  // entries); the CPU keeps fp32 entries holding the same values (the entry rounded to bf16, its no-rope
-  // channels quantized and dequantized), so it is that mode's twin. kDeepSeek simulates the FP8 entries always.
+  // rope channels; 584 bytes instead of bf16's 1024) and the lightning-indexer keys the 132-byte FP8 key
+  // (cache/index_key_format.h: 128 e4m3 and one power-of-two fp32 scale, instead of 256 bytes). The GPU backend
+  // stores them so (bf16 mode, V4's shapes); the CPU keeps fp32 entries holding the same values (each entry
+  // rounded to bf16, then quantized and dequantized), so it is that mode's twin. kDeepSeek simulates FP8 main
+  // entries and FP4 index keys always (its own recipe), whatever this says.
   bool fp8_kv_cache = false;
 
   // Parses an HF config.json object. Throws dsv4::Error naming the field and value on any problem.

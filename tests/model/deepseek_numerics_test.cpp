@@ -12,6 +12,7 @@
 #include <optional>
 #include <random>
 
+#include "cache/index_key_format.h"
 #include "cache/kv_entry_format.h"
 #include "cache/weight_plan.h"
 #include "core/error.h"
@@ -211,8 +212,8 @@ TEST(DeepSeekNumerics, Fp8ActivationsQuantizeOnlyFp8Linears) {
 }
 
 // ModelConfig::fp8_kv_cache (--kv-cache-dtype fp8, the CPU twin of the GPU's FP8 cache): its entries are exactly
-// the FP8 cache format's values (the CPU's quantize_e4m3_blocks on a bf16 row = kv_quantize_entry's kFp8 entry,
-// dequantized); in kHf it perturbs the logits a little; in kDeepSeek, which simulates FP8 entries already, it
+// the FP8 cache formats' values (the CPU's quantize_e4m3_blocks on a bf16 row = kv_quantize_entry's kFp8 entry,
+// dequantized; on a bf16 key with one block = the FP8 index key written and read back); in kHf it perturbs the logits a little; in kDeepSeek, which simulates FP8 entries already, it
 // changes nothing.
 TEST(DeepSeekNumerics, Fp8KvCacheSimulatesTheFp8CacheEntries) {
   std::mt19937 rng(11);
@@ -231,6 +232,16 @@ TEST(DeepSeekNumerics, Fp8KvCacheSimulatesTheFp8CacheEntries) {
     kv_quantize_entry(KvEntryFormat::kFp8, row.data(), address, false);
     kv_dequantize_entry(KvEntryFormat::kFp8, address, stored.data());
     ASSERT_EQ(simulated, stored) << "trial " << trial;
+    // The first 128 channels as an index key: one scale over the key (cache/index_key_format.h).
+    const IndexKeyPagedLayout layout{IndexKeyDtype::kFp8, 128, 1, 0, 132, 132, 1};
+    std::vector<std::byte> pool(132);
+    const int64_t slot = 0;
+    write_index_keys_cpu(layout, row.data(), &slot, 1, pool.data());
+    std::vector<float> key(128), key_stored(128);
+    for (int c = 0; c < 128; ++c) key[c] = bf16_to_f32(row[c]);
+    ops::cpu::quantize_e4m3_blocks(key.data(), 128, 128);
+    read_index_key_cpu(layout, pool.data(), 0, 0, key_stored.data());
+    ASSERT_EQ(key, key_stored) << "trial " << trial;
   }
   ModelConfig config = ModelConfig::preset("tiny");
   const ModelWeights weights = random_weights(config, 0);

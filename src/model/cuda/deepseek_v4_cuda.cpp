@@ -464,14 +464,20 @@ void DeepseekV4CudaModel::open_device(ModelConfig config, const CudaModelOptions
   DSV4_CHECK(m.config.numerics == Numerics::kHf,
              "the CUDA backend runs the hf numerics (--numerics deepseek is CPU-only for now)");
   if (m.config.fp8_kv_cache) {
-    // The FP8 entry is V4's 512-wide one and only the tuned attention kernel reads it (attention() `tuned`).
+    // The FP8 entry is V4's 512-wide one and only the tuned attention kernel reads it (attention() `tuned`); the
+    // FP8 index keys only the tuned scores kernel (64 heads × 128).
     const int64_t rope_main = m.config.rope_dim(RopeKind::kMain), rope_compress = m.config.rope_dim(RopeKind::kCompress);
+    const bool csa = std::count(m.config.layer_types.begin(), m.config.layer_types.end(),
+                                AttentionType::kCompressedSparse) > 0;
     DSV4_CHECK(m.bf16 && m.config.num_attention_heads % 64 == 0 && m.config.head_dim == kKvHeadDim &&
-                   rope_main == kKvRopeDim && rope_compress == kKvRopeDim,
+                   rope_main == kKvRopeDim && rope_compress == kKvRopeDim &&
+                   (!csa || (m.config.index_n_heads == 64 && m.config.index_head_dim == 128)),
                "--kv-cache-dtype fp8 needs --dtype bf16 and V4's attention shapes (heads a multiple of 64, head_dim "
-               "512, 64 rope channels); got " + std::to_string(m.config.num_attention_heads) + " heads, head_dim " +
+               "512, 64 rope channels, an indexer of 64 heads x 128); got " +
+                   std::to_string(m.config.num_attention_heads) + " heads, head_dim " +
                    std::to_string(m.config.head_dim) + ", rope " + std::to_string(rope_main) + " / " +
-                   std::to_string(rope_compress));
+                   std::to_string(rope_compress) + ", indexer " + std::to_string(m.config.index_n_heads) + " x " +
+                   std::to_string(m.config.index_head_dim));
     m.kv_format = KvEntryFormat::kFp8;
   }
   int count = 0;
@@ -665,6 +671,7 @@ KvStorage DeepseekV4CudaModel::kv_storage() const {
   return impl_->bf16 ? KvStorage::kBf16 : KvStorage::kF32;
 }
 IndexStorage DeepseekV4CudaModel::index_storage() const {
+  if (impl_->kv_format == KvEntryFormat::kFp8) return IndexStorage::kFp8;
   return impl_->bf16 ? IndexStorage::kBf16 : IndexStorage::kF32;
 }
 int64_t DeepseekV4CudaModel::weight_bytes() const { return impl_->weights_memory.total(); }
@@ -1128,9 +1135,10 @@ void DeepseekV4CudaModel::Impl::compress(int64_t layer, EntryKind kind, const St
   p.rope_dim = static_cast<int32_t>(c.inv_freq(RopeKind::kCompress).size() * 2);
   p.attention_scaling = scaling_compress;
   p.eps = static_cast<float>(c.rms_norm_eps);
-  p.format = !bf16                                                          ? cu::CompressorEntryFormat::kF32
-             : kind == EntryKind::kMain && kv_format == KvEntryFormat::kFp8 ? cu::CompressorEntryFormat::kFp8Main
-                                                                            : cu::CompressorEntryFormat::kBf16;
+  const bool fp8 = kv_format == KvEntryFormat::kFp8;
+  p.format = !bf16 ? cu::CompressorEntryFormat::kF32
+             : fp8 ? (kind == EntryKind::kMain ? cu::CompressorEntryFormat::kFp8Main : cu::CompressorEntryFormat::kFp8Index)
+                   : cu::CompressorEntryFormat::kBf16;
   p.num_requests = static_cast<int32_t>(step.rows);
   p.num_tokens = static_cast<int32_t>(N);
   p.kv = kv;
@@ -1222,6 +1230,8 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
     project(ig, l.indexer_wq_b, q_residual_operand, N, index_q, is, "fp8_index_activation");
     const PagedGroupView keys = view(step, CacheGroupKind::kC4Index, layer);
     const bool tuned_scores = bf16 && IH == 64 && ID == 128 && keys.entries_per_block % 32 == 0;
+    const bool fp8_keys = kv_format == KvEntryFormat::kFp8;
+    DSV4_CHECK(tuned_scores || !fp8_keys, "FP8 index keys need the tuned scores kernel (64 x 128, 32-entry blocks)");
     uint16_t* index_q_bf16 = tuned_scores ? buffer<uint16_t>("index_q_bf16", N * IH * ID) : nullptr;
     const int64_t index_rope = static_cast<int64_t>(c.inv_freq(RopeKind::kCompress).size()) * 2;
     DSV4_CU(cu::head_norm_rope({N, IH, ID, index_rope, false, eps, scaling_compress}, index_q, nullptr,
@@ -1243,7 +1253,7 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
         ip.max_entries = max_entries;
         ip.compress_ratio = c.compress_rate_csa;
         ip.softmax_scale = softmax_scale;
-        ip.keys = IndexKeyPagedLayout{IndexKeyDtype::kBf16, static_cast<int32_t>(ID),
+        ip.keys = IndexKeyPagedLayout{fp8_keys ? IndexKeyDtype::kFp8 : IndexKeyDtype::kBf16, static_cast<int32_t>(ID),
                                       static_cast<int32_t>(keys.entries_per_block), static_cast<int32_t>(keys.layer_index),
                                       keys.block_bytes, keys.page_bytes, keys.max_blocks_per_page};
         ip.pool = keys.arena;

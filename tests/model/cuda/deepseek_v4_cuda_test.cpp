@@ -447,7 +447,8 @@ TEST(CudaModel, Bf16TunedKernelsTrackCpuOnAV4ShapedModel) {
 }
 
 // --kv-cache-dtype fp8: every main K=V entry (window, compressed, the step's own rows) stored as DeepSeek's
-// 584-byte FP8 entry and read so by the tuned attention, prefill and graph-replayed decode. Against the CPU twin
+// 584-byte FP8 entry and read so by the tuned attention, and the index keys as 132-byte FP8 keys read by the tuned
+// scores kernel; prefill and graph-replayed decode. Against the CPU twin
 // (the same entries simulated in fp32) it stays within the bf16 mode's tolerance; against the plain CPU model the
 // FP8 rounding of the keys shows (e4m3 keeps 3 mantissa bits), so the twin must be the much closer reference.
 TEST(CudaModel, Fp8KvCacheTracksItsCpuTwinOnAV4ShapedModel) {
@@ -480,6 +481,7 @@ TEST(CudaModel, Fp8KvCacheRefusesShapesItCannotStore) {
   EXPECT_THROW(DeepseekV4CudaModel(shaped, random_weights(shaped, 3), f32), Error);
   const DeepseekV4CudaModel bf16(shaped, random_weights(shaped, 3));
   EXPECT_EQ(bf16.kv_storage(), KvStorage::kFp8);
+  EXPECT_EQ(bf16.index_storage(), IndexStorage::kFp8);
 }
 
 TEST(CudaModel, RepeatsBitwise) {
