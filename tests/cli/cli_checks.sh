@@ -53,6 +53,9 @@ expect_success "bench latency --load-format dummy" "$dsv4" bench latency --model
 expect_failure "unknown load format" "--load-format 'pt'" "$dsv4" generate --model "$work/model" --load-format pt --ids 1
 expect_failure "unknown expert bits" "--expert-bits '3'" "$dsv4" generate --ids 1 --expert-bits 3 --device cpu
 # Routed experts requantized at load: the embedded model still generates.
+expect_failure "unknown kv cache dtype" "--kv-cache-dtype 'fp16'" "$dsv4" generate --ids 1 --kv-cache-dtype fp16 --device cpu
+expect_success "generate --kv-cache-dtype fp8 (CPU: simulated)" "$dsv4" generate --ids 1,2,3 --max-tokens 4 \
+  --kv-cache-dtype fp8 --device cpu
 expect_success "generate --expert-bits 2.5" "$dsv4" generate --ids 1,2,3 --max-tokens 4 --expert-bits 2.5 --device cpu
 
 model=$work/model/model.safetensors
