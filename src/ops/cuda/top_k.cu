@@ -505,35 +505,31 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t inclusive = block_inclusive_scan(lane0, sh, kept);
   const bool region_overflow = __syncthreads_or(lane == 0 && warp_kept > region);
   if (!region_overflow) {
-    // Pack: candidate j of warp region j / region moves to that warp's first slot + its place in the region.
-    // Destinations never pass their sources but may land on another warp's unread ones: read all, then write.
-    constexpr int kMovesPerThread = kCandidateCapacity / kThreads;
-    if (lane == 0) sh.warp_sums[warp] = uint64_t{inclusive - lane0} << 32 | warp_kept;  // first slot, count
-    __syncthreads();
-    uint32_t move_keys[kMovesPerThread];
-    int32_t move_entries[kMovesPerThread];
-    int move_to[kMovesPerThread];
+    // Pack: each warp moves its own kept keys (region positions [0, warp_kept)) to its first slot, the scan's
+    // count of the warps before it (lanes other than 0 added nothing, so every lane's inclusive value is that slot
+    // + warp_kept). Destinations never pass their sources but may land on another warp's unread ones: read all,
+    // a barrier, then write. A region holds at most capacity / kWarps ≤ 256 keys: 8 per lane.
+    constexpr int kMovesPerLane = kCandidateCapacity / kWarps / 32;
+    const uint32_t first_slot = inclusive - warp_kept;
+    uint32_t move_keys[kMovesPerLane];
+    int32_t move_entries[kMovesPerLane];
 #pragma unroll
-    for (int t = 0; t < kMovesPerThread; ++t) {
-      const int j = static_cast<int>(threadIdx.x) + t * kThreads;
-      move_to[t] = -1;
-      if (j < capacity) {
-        const uint64_t placed = sh.warp_sums[j / static_cast<int>(region)];
-        const uint32_t offset = static_cast<uint32_t>(j) % region;
-        if (offset < static_cast<uint32_t>(placed)) {
-          move_to[t] = static_cast<int>((placed >> 32) + offset);
-          move_keys[t] = candidate_keys[j];
-          move_entries[t] = candidate_entries[j];
-        }
+    for (int t = 0; t < kMovesPerLane; ++t) {
+      const uint32_t j = static_cast<uint32_t>(lane + 32 * t);
+      if (j < warp_kept) {
+        move_keys[t] = region_keys[j];
+        move_entries[t] = region_entries[j];
       }
     }
     __syncthreads();
 #pragma unroll
-    for (int t = 0; t < kMovesPerThread; ++t)
-      if (move_to[t] >= 0) {
-        candidate_keys[move_to[t]] = move_keys[t];
-        candidate_entries[move_to[t]] = move_entries[t];
+    for (int t = 0; t < kMovesPerLane; ++t) {
+      const uint32_t j = static_cast<uint32_t>(lane + 32 * t);
+      if (j < warp_kept) {
+        candidate_keys[first_slot + j] = move_keys[t];
+        candidate_entries[first_slot + j] = move_entries[t];
       }
+    }
   }
   if (threadIdx.x == 0) sh.candidates = region_overflow ? static_cast<uint32_t>(capacity) + 1 : kept;
   cluster.sync();  // every CTA's count is final

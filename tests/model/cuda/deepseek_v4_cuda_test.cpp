@@ -450,7 +450,10 @@ TEST(CudaModel, Bf16TunedKernelsTrackCpuOnAV4ShapedModel) {
 // 584-byte FP8 entry and read so by the tuned attention, and the index keys as 132-byte FP8 keys read by the tuned
 // scores kernel; prefill and graph-replayed decode. Against the CPU twin
 // (the same entries simulated in fp32) it stays within the bf16 mode's tolerance; against the plain CPU model the
-// FP8 rounding of the keys shows (e4m3 keeps 3 mantissa bits), so the twin must be the much closer reference.
+// FP8 rounding of the keys shows (e4m3 keeps 3 mantissa bits), so the twin must be the closer reference by a
+// margin. Measured (H100): 0.012 against the twin, 0.038 against the plain model with FP8 main entries only; with
+// the FP8 index keys too, 0.025 against 0.051 (an FP8 index key moves scores near the top-k cut, and the bf16
+// GPU and the fp32 twin then pick a different entry more often).
 TEST(CudaModel, Fp8KvCacheTracksItsCpuTwinOnAV4ShapedModel) {
   SKIP_WITHOUT_GPU();
   ModelConfig config = v4_shaped_config();
@@ -464,7 +467,7 @@ TEST(CudaModel, Fp8KvCacheTracksItsCpuTwinOnAV4ShapedModel) {
   std::printf("  fp8 K=V cache: mean rel L2 %.3g against its CPU twin, %.3g against the plain CPU model\n",
               mean(twin.errors), mean(plain.errors));
   expect_bf16_tolerance(twin);
-  EXPECT_LT(mean(twin.errors), 0.5 * mean(plain.errors));
+  EXPECT_LT(mean(twin.errors), 0.7 * mean(plain.errors));
 }
 
 // The FP8 entry is V4's 512-wide one, read by the tuned kernels of the bf16 mode only: anything else is refused
