@@ -101,6 +101,8 @@ int serve(const ServeOptions& options) {
       static_cast<double>(engine.kv_cache_bytes) / double(int64_t{1} << 30));
   std::fflush(stdout);
   server.run();
+  // The jobs' listeners hold connections of the server's I/O context: drop them while it still exists.
+  service.stop();
   std::printf("dsv4 serve: stopped\n");
   return 0;
 }

@@ -63,13 +63,21 @@ void EngineService::start() {
   thread_ = std::thread([this] { run(); });
 }
 
-EngineService::~EngineService() {
+EngineService::~EngineService() { stop(); }
+
+void EngineService::stop() {
   {
     std::lock_guard lock(mutex_);
     stopping_ = true;
   }
   wake_.notify_all();
   if (thread_.joinable()) thread_.join();
+  // The engine thread is gone: its state is ours to drop. The listeners go with their jobs, here and now.
+  by_request_.clear();
+  jobs_.clear();
+  std::lock_guard lock(mutex_);
+  inbox_.clear();
+  cancels_.clear();
 }
 
 JobId EngineService::submit(JobSpec spec, JobListener listener) {

@@ -77,7 +77,13 @@ class EngineService {
   // Any serving engine, owned here (a DataParallelEngine for --data-parallel-size > 1).
   EngineService(std::unique_ptr<ServingEngine> engine, const Tokenizer& tokenizer, ServiceOptions options,
                 ServerMetrics& metrics);
-  ~EngineService();  // stops the engine thread; unfinished jobs are dropped without a final update
+  ~EngineService();  // stop()
+  // Stops the engine thread and destroys every job, with its listener, before returning; idempotent. Unfinished
+  // jobs are dropped without a final update. A listener may own what the HTTP layer's I/O context serves (a
+  // connection and its socket), so the server calls this while that context still exists: a job the engine
+  // thread was still erasing after the last update once outlived the context (ASan: heap-use-after-free in
+  // the socket's close at shutdown).
+  void stop();
   EngineService(const EngineService&) = delete;
   EngineService& operator=(const EngineService&) = delete;
 

@@ -350,6 +350,39 @@ TEST(EngineService, CancelFreesBlocksAndQueueBoundAnswers503) {
   EXPECT_TRUE(after.wait());
 }
 
+// stop() returns only after every job's listener is destroyed: a running job's and one still queued. The HTTP
+// layer's listeners own connections of its I/O context, so the server must be able to drop them before that
+// context goes (the shutdown use-after-free this guards against).
+TEST(EngineService, StopDestroysEveryListenerBeforeReturning) {
+  REQUIRE_DEEPSEEK();
+  const ModelConfig config = small_config();
+  DeepseekV4Model model = random_model(config, 7);
+  ServerMetrics metrics;
+  EngineService service(model, *tok, small_engine(), ServiceOptions{}, metrics);
+  auto owned = std::make_shared<int>(0);  // stands for a connection a listener keeps alive
+  Collector running;
+  JobSpec spec;
+  spec.choices.push_back({random_ids(20, config.vocab_size, 61), SamplingParams{}, 0});
+  spec.choices[0].params.max_tokens = 5000;
+  spec.choices[0].params.ignore_eos = true;
+  auto forward = running.listener();
+  service.submit(spec, [owned, forward](JobUpdate update) { forward(std::move(update)); });
+  for (int spin = 0; spin < 2000 && running.token_count() < 2; ++spin)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  ASSERT_GE(running.token_count(), 2u);
+  service.submit(spec, [owned](JobUpdate) {});
+  EXPECT_EQ(owned.use_count(), 3);
+  service.stop();
+  EXPECT_EQ(owned.use_count(), 1) << "a listener outlived stop()";
+  try {
+    service.submit(spec, [](JobUpdate) {});
+    ADD_FAILURE() << "a stopped service accepted a job";
+  } catch (const ApiError& error) {
+    EXPECT_EQ(error.status(), 503);
+  }
+  service.stop();  // idempotent
+}
+
 TEST(EngineService, ImpossibleRequestIsA400AndOthersGoOn) {
   REQUIRE_DEEPSEEK();
   const ModelConfig config = small_config();
