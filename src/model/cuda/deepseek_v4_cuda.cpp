@@ -1208,8 +1208,9 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
   project(*gemm, l.wq_b, q_residual_operand, N, q, stream);
   // The tuned attention kernel reads bf16 q and this step's K=V rows; the norm + RoPE passes write them.
   uint16_t* q_bf16 = tuned ? buffer<uint16_t>("q_bf16", N * H * d) : nullptr;
-  DSV4_CU(cu::head_norm_rope({N, H, d, rope_dim, true, eps, rope_scaling}, q, nullptr, step.positions, inv_freq,
-                             q_bf16, stream));
+  // The tuned attention reads only q_bf16: the fp32 q is not written back.
+  DSV4_CU(cu::head_norm_rope({N, H, d, rope_dim, true, eps, rope_scaling, /*keep_fp32=*/!tuned}, q, nullptr,
+                             step.positions, inv_freq, q_bf16, stream));
 
   // Indexer (CSA): its compressor, q_I, weights, scores and top-k on the index stream.
   const bool csa = type == AttentionType::kCompressedSparse;
@@ -1234,8 +1235,8 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
     DSV4_CHECK(tuned_scores || !fp8_keys, "FP8 index keys need the tuned scores kernel (64 x 128, 32-entry blocks)");
     uint16_t* index_q_bf16 = tuned_scores ? buffer<uint16_t>("index_q_bf16", N * IH * ID) : nullptr;
     const int64_t index_rope = static_cast<int64_t>(c.inv_freq(RopeKind::kCompress).size()) * 2;
-    DSV4_CU(cu::head_norm_rope({N, IH, ID, index_rope, false, eps, scaling_compress}, index_q, nullptr,
-                               step.positions, inv_freq_compress, index_q_bf16, is));
+    DSV4_CU(cu::head_norm_rope({N, IH, ID, index_rope, false, eps, scaling_compress, /*keep_fp32=*/!tuned_scores},
+                               index_q, nullptr, step.positions, inv_freq_compress, index_q_bf16, is));
     float* index_weights = buffer<float>("index_weights", N * IH);
     ig.linear(l.indexer_weights_proj, x_operand, N, index_weights, is);  // H_I^-1/2 is in the weights
     const int64_t max_entries = (step.max_position + 1) / c.compress_rate_csa;

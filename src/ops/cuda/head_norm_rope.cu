@@ -15,7 +15,7 @@ constexpr int kThreads = 128;
 __global__ void head_norm_rope_kernel(float* x, const float* __restrict__ norm_weight,
                                       const int32_t* __restrict__ positions, const float* __restrict__ inv_freq,
                                       uint16_t* x_bf16, int heads, int head_dim, int rope_pairs, bool normalize,
-                                      float eps, float attention_scaling) {
+                                      float eps, float attention_scaling, bool keep_fp32) {
   wait_for_prior_grid();
   allow_dependents();
   extern __shared__ float table[];  // cos [rope_pairs], then sin [rope_pairs]
@@ -58,7 +58,7 @@ __global__ void head_norm_rope_kernel(float* x, const float* __restrict__ norm_w
       v.x = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
       v.y = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
     }
-    values[j] = v;
+    if (keep_fp32) values[j] = v;
     if (out_bf16)
       out_bf16[j] = static_cast<uint32_t>(f32_to_bf16_bits(v.x)) | (static_cast<uint32_t>(f32_to_bf16_bits(v.y)) << 16);
   }
@@ -69,7 +69,8 @@ __global__ void head_norm_rope_kernel(float* x, const float* __restrict__ norm_w
 cudaError_t head_norm_rope(const HeadNormRopeParams& p, float* x, const float* norm_weight, const int32_t* positions,
                            const float* inv_freq, uint16_t* x_bf16, cudaStream_t stream) {
   if (p.rows < 0 || p.heads < 1 || p.head_dim < 2 || p.head_dim % 2 != 0 || p.rope_dim < 0 || p.rope_dim % 2 != 0 ||
-      p.rope_dim > p.head_dim || p.head_dim > 0x7fffffff || p.rows * p.heads > 0x7fffffff)
+      p.rope_dim > p.head_dim || p.head_dim > 0x7fffffff || p.rows * p.heads > 0x7fffffff ||
+      (!p.keep_fp32 && x_bf16 == nullptr))
     return cudaErrorInvalidValue;
   if (p.rows == 0) return cudaSuccess;
   // float2 / packed-bf16 accesses: every head starts on an 8-byte (fp32) and 4-byte (bf16) boundary.
@@ -79,7 +80,7 @@ cudaError_t head_norm_rope(const HeadNormRopeParams& p, float* x, const float* n
   const size_t shared = 2 * static_cast<size_t>(rope_pairs) * sizeof(float);
   launch_dependent(head_norm_rope_kernel, static_cast<unsigned>(p.rows * p.heads), kThreads, shared, stream,
                    x, norm_weight, positions, inv_freq, x_bf16, static_cast<int>(p.heads),
-                   static_cast<int>(p.head_dim), rope_pairs, p.normalize, p.eps, p.attention_scaling);
+                   static_cast<int>(p.head_dim), rope_pairs, p.normalize, p.eps, p.attention_scaling, p.keep_fp32);
   return cudaGetLastError();
 }
 

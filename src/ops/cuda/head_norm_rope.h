@@ -19,6 +19,10 @@ struct HeadNormRopeParams {
   bool normalize = true;      // RMSNorm each head first (false: RoPE only)
   float eps = 1e-6f;
   float attention_scaling = 1.0f;
+  // false (needs x_bf16): x is left as it was and only the bf16 result is stored: a caller whose next kernel reads
+  // only the bf16 operand (the tuned attention's q, the tuned indexer's q) skips the fp32 write-back, a third of
+  // the bytes (at a 4,096-token prefill 537 MB per q call).
+  bool keep_fp32 = true;
 };
 
 // x [rows, heads, head_dim] fp32, updated in place; norm_weight: fp32 device [head_dim] or nullptr (unweighted);

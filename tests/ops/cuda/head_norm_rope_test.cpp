@@ -85,6 +85,19 @@ void check(const Case& c) {
                            nullptr),
             cudaSuccess);
   EXPECT_TRUE(bitwise_equal(d_x.download(), actual)) << "not bitwise repeatable";
+
+  // keep_fp32 = false: the same bf16 result, the fp32 input left as it was; refused without a bf16 output.
+  d_x.upload(x);
+  DeviceArray<uint16_t> d_bf16_only(static_cast<size_t>(count));  // poisoned
+  HeadNormRopeParams bf16_only = p;
+  bf16_only.keep_fp32 = false;
+  ASSERT_EQ(head_norm_rope(bf16_only, d_x.get(), c.weighted ? d_weight.get() : nullptr, d_pos.get(), d_freq.get(),
+                           d_bf16_only.get(), nullptr),
+            cudaSuccess);
+  EXPECT_TRUE(bitwise_equal(d_x.download(), x)) << "keep_fp32 = false wrote the fp32 values";
+  EXPECT_EQ(d_bf16_only.download(), actual_bf16);
+  EXPECT_EQ(head_norm_rope(bf16_only, d_x.get(), nullptr, d_pos.get(), d_freq.get(), nullptr, nullptr),
+            cudaErrorInvalidValue);
 }
 
 TEST_F(CudaHeadNormRope, V4FlashShapesMatchCpuTwin) {
