@@ -1,8 +1,9 @@
 // The expert-parallel plans (parallel/expert_dispatch.h) against brute force, and a whole MoE sublayer run
 // expert-parallel over 1-4 simulated ranks against the naive per-token formula
 //   out[t] = Σ_k weight[t,k] · W2[e] · swiglu_clamped(W13[e] · x[t]),  e = chosen[t,k].
-// The all-to-alls are the test's: it concatenates every source's block for a destination in source-rank
-// order, which is what the NCCL grouped send/recv delivers.
+// The sublayer is parallel/expert_parallel_moe.h on one thread per rank, its all-to-alls through an
+// InProcessGroup (parallel/communicator.h), which delivers what the NCCL grouped send/recv does: every source's
+// block for a destination, in source-rank order.
 #include "parallel/expert_dispatch.h"
 
 #include <algorithm>
@@ -10,6 +11,8 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -17,6 +20,8 @@
 #include "core/error.h"
 #include "ops/cpu/linear.h"
 #include "ops/cpu/moe.h"
+#include "parallel/communicator.h"
+#include "parallel/expert_parallel_moe.h"
 
 namespace dsv4::parallel {
 namespace {
@@ -157,62 +162,34 @@ struct RankTokens {
   std::vector<float> weights;
 };
 
-// One routed-MoE sublayer, expert-parallel over ranks.size() ranks: dispatch, local experts, return, combine.
-std::vector<std::vector<float>> expert_parallel_moe(const std::vector<RankTokens>& ranks, const Experts& experts,
+// One routed-MoE sublayer, expert-parallel over ranks.size() ranks: parallel/expert_parallel_moe.h on one thread
+// per rank, the all-to-alls through an InProcessGroup.
+std::vector<std::vector<float>> run_expert_parallel(const std::vector<RankTokens>& ranks, const Experts& experts,
                                                     int64_t num_experts, int64_t top_k) {
   const int R = static_cast<int>(ranks.size());
   const int64_t D = experts.hidden;
   const ExpertPartition partition(num_experts, R);
-  std::vector<DispatchPlan> plans;
-  std::vector<std::vector<float>> send(static_cast<size_t>(R));
-  for (int s = 0; s < R; ++s) {
-    plans.push_back(plan_dispatch(ranks[s].chosen, ranks[s].weights, ranks[s].tokens, top_k, partition));
-    send[s].resize(static_cast<size_t>(plans[s].num_rows() * D));
-    pack_dispatch_rows(plans[s], ranks[s].x.data(), D, send[s].data());
-  }
-  // Dispatch all-to-all, then each destination's local experts over what it received.
-  std::vector<std::vector<float>> combined(static_cast<size_t>(R));
-  for (int d = 0; d < R; ++d) {
-    std::vector<float> rows, route_weights;
-    std::vector<int32_t> routes;
-    for (int s = 0; s < R; ++s) {
-      const int64_t begin = plans[s].send_offsets[d], end = plans[s].send_offsets[d + 1];
-      rows.insert(rows.end(), send[s].begin() + begin * D, send[s].begin() + end * D);
-      routes.insert(routes.end(), plans[s].row_local_expert.begin() + begin * top_k,
-                    plans[s].row_local_expert.begin() + end * top_k);
-      route_weights.insert(route_weights.end(), plans[s].row_weight.begin() + begin * top_k,
-                           plans[s].row_weight.begin() + end * top_k);
-    }
-    const auto received = static_cast<int64_t>(rows.size()) / D;
-    const ExpertWork work =
-        plan_expert_work(routes, route_weights, received, top_k, partition.num_local(d));
-    combined[d].assign(static_cast<size_t>(received * D), 0.0f);
-    std::vector<float> gathered, partial;
-    for (int64_t e = 0; e < partition.num_local(d); ++e) {
-      const int64_t begin = work.expert_offsets[e], n = work.expert_offsets[e + 1] - begin;
-      if (n == 0) continue;
-      gathered.resize(static_cast<size_t>(n * D));
-      partial.assign(static_cast<size_t>(n * D), 0.0f);
-      for (int64_t i = 0; i < n; ++i)
-        std::memcpy(&gathered[i * D], &rows[work.row[begin + i] * D], D * sizeof(float));
-      experts.run(partition.first_expert(d) + e, gathered.data(), n, &work.weight[begin], partial.data());
-      for (int64_t i = 0; i < n; ++i)
-        for (int64_t j = 0; j < D; ++j) combined[d][work.row[begin + i] * D + j] += partial[i * D + j];
-    }
-  }
-  // Reverse all-to-all: destination d's rows go back to their sources in the order they came.
+  InProcessGroup group(R);
   std::vector<std::vector<float>> out(static_cast<size_t>(R));
-  for (int s = 0; s < R; ++s) {
-    std::vector<float> returned;
-    for (int d = 0; d < R; ++d) {
-      int64_t offset = 0;  // rows that sources before s sent to d
-      for (int before = 0; before < s; ++before) offset += plans[before].send_counts[d];
-      returned.insert(returned.end(), combined[d].begin() + offset * D,
-                      combined[d].begin() + (offset + plans[s].send_counts[d]) * D);
-    }
-    out[s].assign(static_cast<size_t>(ranks[s].tokens * D), 0.0f);
-    combine_returned(plans[s], returned.data(), D, out[s].data());
+  std::vector<std::string> errors(static_cast<size_t>(R));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < R; ++r) {
+    out[r].assign(static_cast<size_t>(ranks[r].tokens * D), 0.0f);
+    threads.emplace_back([&, r] {
+      const std::unique_ptr<Communicator> comm = group.communicator(r);
+      const auto run = [&](int64_t local, const float* rows, int64_t n, const float* weights, float* partial) {
+        experts.run(partition.first_expert(r) + local, rows, n, weights, partial);
+      };
+      try {
+        expert_parallel_moe(*comm, partition, D, top_k, ranks[r].x.data(), ranks[r].tokens,
+                                      ranks[r].chosen, ranks[r].weights, run, out[r].data());
+      } catch (const std::exception& error) {
+        errors[r] = error.what();
+      }
+    });
   }
+  for (std::thread& thread : threads) thread.join();
+  for (int r = 0; r < R; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
   return out;
 }
 
@@ -229,8 +206,8 @@ TEST(ExpertDispatch, ExpertParallelMoeEqualsTheNaiveFormula) {
       for (float& v : ranks[r].x) v = normal(rng);
       draw_routing(rng, ranks[r].tokens, num_experts, top_k, ranks[r].chosen, ranks[r].weights);
     }
-    const auto out = expert_parallel_moe(ranks, experts, num_experts, top_k);
-    const auto repeat = expert_parallel_moe(ranks, experts, num_experts, top_k);
+    const auto out = run_expert_parallel(ranks, experts, num_experts, top_k);
+    const auto repeat = run_expert_parallel(ranks, experts, num_experts, top_k);
     for (int r = 0; r < R; ++r) {
       // An idle rank's output is empty and its data() may be null, which memcmp may not be given.
       ASSERT_EQ(out[r].size(), repeat[r].size());

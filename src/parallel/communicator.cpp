@@ -1,0 +1,73 @@
+#include "parallel/communicator.h"
+
+#include <cstring>
+#include <string>
+
+#include "core/error.h"
+
+namespace dsv4::parallel {
+
+std::vector<int64_t> Communicator::exchange_counts(std::span<const int64_t> send_counts) {
+  const int n = size();
+  DSV4_CHECK(static_cast<int>(send_counts.size()) == n,
+             "exchange_counts: " + std::to_string(send_counts.size()) + " counts for " + std::to_string(n) + " ranks");
+  std::vector<int64_t> received(static_cast<size_t>(n));
+  const std::vector<int64_t> bytes(static_cast<size_t>(n), static_cast<int64_t>(sizeof(int64_t)));
+  all_to_all_v(send_counts.data(), bytes, received.data(), bytes);
+  return received;
+}
+
+class InProcessGroup::Member final : public Communicator {
+ public:
+  Member(InProcessGroup& group, int rank) : group_(group), rank_(rank) {}
+  int rank() const override { return rank_; }
+  int size() const override { return group_.size_; }
+
+  void all_to_all_v(const void* send, std::span<const int64_t> send_bytes, void* recv,
+                    std::span<const int64_t> recv_bytes) override {
+    const int n = group_.size_;
+    DSV4_CHECK(static_cast<int>(send_bytes.size()) == n && static_cast<int>(recv_bytes.size()) == n,
+               "all_to_all_v: sizes for " + std::to_string(send_bytes.size()) + " / " +
+                   std::to_string(recv_bytes.size()) + " ranks in a group of " + std::to_string(n));
+    Posted& mine = group_.posted_[static_cast<size_t>(rank_)];
+    mine.send = static_cast<const uint8_t*>(send);
+    mine.offsets.assign(static_cast<size_t>(n) + 1, 0);
+    for (int d = 0; d < n; ++d) {
+      DSV4_CHECK(send_bytes[d] >= 0 && recv_bytes[d] >= 0, "all_to_all_v: a negative size");
+      mine.offsets[d + 1] = mine.offsets[d] + send_bytes[d];
+    }
+    group_.barrier_.arrive_and_wait();  // every sender's buffer and sizes are posted
+    auto* out = static_cast<uint8_t*>(recv);
+    int64_t at = 0;
+    for (int s = 0; s < n; ++s) {
+      const Posted& source = group_.posted_[static_cast<size_t>(s)];
+      const int64_t bytes = source.offsets[rank_ + 1] - source.offsets[rank_];
+      // A mismatch is the caller's bug on one side; every rank still reaches the second barrier before throwing,
+      // so the others are not left waiting on it.
+      if (bytes != recv_bytes[s]) {
+        group_.barrier_.arrive_and_wait();
+        throw Error("all_to_all_v: rank " + std::to_string(s) + " sends " + std::to_string(bytes) + " bytes to rank " +
+                    std::to_string(rank_) + ", which expects " + std::to_string(recv_bytes[s]));
+      }
+      if (bytes > 0) std::memcpy(out + at, source.send + source.offsets[rank_], static_cast<size_t>(bytes));
+      at += bytes;
+    }
+    group_.barrier_.arrive_and_wait();  // every reader is done with every sender's buffer
+  }
+
+ private:
+  InProcessGroup& group_;
+  int rank_;
+};
+
+InProcessGroup::InProcessGroup(int size)
+    : size_(size), posted_(static_cast<size_t>(size > 0 ? size : 1)), barrier_(size > 0 ? size : 1) {
+  DSV4_CHECK(size >= 1, "a group needs at least one rank, got " + std::to_string(size));
+}
+
+std::unique_ptr<Communicator> InProcessGroup::communicator(int rank) {
+  DSV4_CHECK(rank >= 0 && rank < size_, "rank " + std::to_string(rank) + " is outside a group of " + std::to_string(size_));
+  return std::make_unique<Member>(*this, rank);
+}
+
+}  // namespace dsv4::parallel

@@ -1,0 +1,53 @@
+// The collective the expert-parallel MoE needs (docs/parallel.md): an all-to-all with per-pair sizes, between the
+// ranks of one group. Two transports: in-process ranks (threads sharing host memory — the CPU backend's ranks and
+// the tests) here, and NCCL between GPUs (parallel/nccl_communicator.h), one process per GPU.
+//
+// A collective is called by every rank of the group, in the same order; a rank with nothing to send still calls
+// it (zero sizes), as the data-parallel-attention ranks of one MoE step all take part in its all-to-alls.
+#pragma once
+#include <barrier>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+namespace dsv4::parallel {
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  // `send` holds size() runs back to back, run d (send_bytes[d] bytes) for rank d; `recv` gets size() runs back
+  // to back, run s (recv_bytes[s] bytes) from rank s. recv_bytes[s] must equal what rank s sends here (exchange
+  // the sizes first, exchange_counts). A rank's run for itself is copied locally.
+  virtual void all_to_all_v(const void* send, std::span<const int64_t> send_bytes, void* recv,
+                            std::span<const int64_t> recv_bytes) = 0;
+
+  // Every rank gives size() counts (what it will send to each rank); returns what each rank sends to this one.
+  std::vector<int64_t> exchange_counts(std::span<const int64_t> send_counts);
+};
+
+// size() ranks in one process, one thread each: rank r's communicator is communicator(r). A collective copies
+// straight from the senders' buffers: every rank publishes its buffer, a barrier, every rank copies the runs
+// addressed to it, a barrier (so no sender reuses its buffer before every reader is done). The group must outlive
+// its communicators; every rank must call each collective (a rank that stops calling blocks the others).
+class InProcessGroup {
+ public:
+  explicit InProcessGroup(int size);  // throws dsv4::Error unless size >= 1
+  int size() const { return size_; }
+  std::unique_ptr<Communicator> communicator(int rank);  // throws dsv4::Error for a rank outside [0, size)
+
+ private:
+  class Member;
+  struct Posted {
+    const uint8_t* send = nullptr;
+    std::vector<int64_t> offsets;  // [size + 1]: where each destination's run starts
+  };
+  int size_;
+  std::vector<Posted> posted_;
+  std::barrier<> barrier_;
+};
+
+}  // namespace dsv4::parallel

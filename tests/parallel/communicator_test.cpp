@@ -1,0 +1,113 @@
+// The in-process transport of the expert-parallel all-to-alls (parallel/communicator.h) against the definition:
+// rank d receives, from every rank s in order, exactly the run s addressed to d. Random sizes (zeros included) on
+// 1-5 ranks, repeated collectives on one group, the counts exchange, and a size mismatch that fails the rank that
+// sees it with a message naming both ranks, without leaving the others blocked.
+#include "parallel/communicator.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/error.h"
+
+namespace dsv4::parallel {
+namespace {
+
+// Runs body(rank, communicator) on one thread per rank; returns each rank's exception text ("" if none).
+template <typename Body>
+std::vector<std::string> on_ranks(InProcessGroup& group, Body body) {
+  std::vector<std::string> errors(static_cast<size_t>(group.size()));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < group.size(); ++r)
+    threads.emplace_back([&, r] {
+      const std::unique_ptr<Communicator> comm = group.communicator(r);
+      try {
+        body(r, *comm);
+      } catch (const std::exception& error) {
+        errors[r] = error.what();
+      }
+    });
+  for (std::thread& thread : threads) thread.join();
+  return errors;
+}
+
+// The byte rank s sends to rank d at position i of that run, for round `round`.
+uint8_t payload(int round, int s, int d, int64_t i) { return static_cast<uint8_t>(round * 31 + s * 7 + d * 13 + i); }
+
+TEST(InProcessGroup, AllToAllDeliversEveryRunInSourceOrder) {
+  for (const int n : {1, 2, 3, 5}) {
+    std::mt19937 rng(static_cast<uint32_t>(n));
+    // sizes[round][s][d]: bytes s sends d; a third of them zero.
+    const int rounds = 4;
+    std::vector<std::vector<std::vector<int64_t>>> sizes(rounds);
+    for (auto& round : sizes) {
+      round.assign(n, std::vector<int64_t>(n));
+      for (auto& row : round)
+        for (int64_t& b : row) b = rng() % 3 == 0 ? 0 : static_cast<int64_t>(rng() % 300);
+    }
+    InProcessGroup group(n);
+    const auto errors = on_ranks(group, [&](int rank, Communicator& comm) {
+      ASSERT_EQ(comm.rank(), rank);
+      ASSERT_EQ(comm.size(), n);
+      for (int round = 0; round < rounds; ++round) {
+        std::vector<int64_t> send_bytes(n), recv_bytes(n);
+        std::vector<uint8_t> send;
+        for (int d = 0; d < n; ++d) {
+          send_bytes[d] = sizes[round][rank][d];
+          for (int64_t i = 0; i < send_bytes[d]; ++i) send.push_back(payload(round, rank, d, i));
+        }
+        // The sizes travel first, as the MoE's counts do.
+        recv_bytes = comm.exchange_counts(send_bytes);
+        std::vector<uint8_t> expected;
+        for (int s = 0; s < n; ++s) {
+          ASSERT_EQ(recv_bytes[s], sizes[round][s][rank]);
+          for (int64_t i = 0; i < recv_bytes[s]; ++i) expected.push_back(payload(round, s, rank, i));
+        }
+        std::vector<uint8_t> recv(expected.size(), 0xee);
+        comm.all_to_all_v(send.data(), send_bytes, recv.data(), recv_bytes);
+        ASSERT_EQ(recv, expected) << "round " << round << ", rank " << rank;
+      }
+    });
+    for (int r = 0; r < n; ++r) EXPECT_EQ(errors[r], "") << n << " ranks, rank " << r;
+  }
+}
+
+TEST(InProcessGroup, ASizeMismatchFailsTheReceiverAndReleasesTheOthers) {
+  InProcessGroup group(3);
+  std::vector<std::string> failures(3);
+  const auto errors = on_ranks(group, [&](int rank, Communicator& comm) {
+    // Rank 0 sends 8 bytes to rank 2, which expects 4; every other pair agrees on 4.
+    std::vector<int64_t> send_bytes(3, 4), recv_bytes(3, 4);
+    if (rank == 0) send_bytes[2] = 8;
+    std::vector<uint8_t> send(16, static_cast<uint8_t>(rank)), recv(12, 0);
+    try {
+      comm.all_to_all_v(send.data(), send_bytes, recv.data(), recv_bytes);
+    } catch (const Error& error) {
+      failures[rank] = error.what();
+    }
+    // Every rank left the failed collective, so the group goes on.
+    const std::vector<int64_t> counts = comm.exchange_counts(std::vector<int64_t>{rank, rank, rank});
+    EXPECT_EQ(counts, (std::vector<int64_t>{0, 1, 2}));
+  });
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+  EXPECT_EQ(failures[0], "");
+  EXPECT_EQ(failures[1], "");
+  EXPECT_NE(failures[2].find("rank 0 sends 8 bytes to rank 2, which expects 4"), std::string::npos) << failures[2];
+}
+
+TEST(InProcessGroup, RejectsBadSizesAndRanks) {
+  EXPECT_THROW(InProcessGroup(0), Error);
+  InProcessGroup group(2);
+  EXPECT_THROW(group.communicator(2), Error);
+  EXPECT_THROW(group.communicator(-1), Error);
+  InProcessGroup single(1);
+  auto comm = single.communicator(0);
+  EXPECT_THROW(comm->exchange_counts(std::vector<int64_t>{1, 2}), Error);
+}
+
+}  // namespace
+}  // namespace dsv4::parallel
