@@ -21,12 +21,15 @@ class Communicator {
 
   // `send` holds size() runs back to back, run d (send_bytes[d] bytes) for rank d; `recv` gets size() runs back
   // to back, run s (recv_bytes[s] bytes) from rank s. recv_bytes[s] must equal what rank s sends here (exchange
-  // the sizes first, exchange_counts). A rank's run for itself is copied locally.
+  // the sizes first, exchange_counts). A rank's run for itself is copied locally. The buffers live where the
+  // transport moves bytes: host memory in-process, this rank's device memory for NCCL. A rank that fails a
+  // collective must still call the group's later ones, or the others wait for it.
   virtual void all_to_all_v(const void* send, std::span<const int64_t> send_bytes, void* recv,
                             std::span<const int64_t> recv_bytes) = 0;
 
   // Every rank gives size() counts (what it will send to each rank); returns what each rank sends to this one.
-  std::vector<int64_t> exchange_counts(std::span<const int64_t> send_counts);
+  // Host memory on every transport.
+  virtual std::vector<int64_t> exchange_counts(std::span<const int64_t> send_counts);
 };
 
 // size() ranks in one process, one thread each: rank r's communicator is communicator(r). A collective copies

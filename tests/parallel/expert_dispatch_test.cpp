@@ -211,8 +211,9 @@ TEST(ExpertDispatch, ExpertParallelMoeEqualsTheNaiveFormula) {
     for (int r = 0; r < R; ++r) {
       // An idle rank's output is empty and its data() may be null, which memcmp may not be given.
       ASSERT_EQ(out[r].size(), repeat[r].size());
-      if (!out[r].empty())
+      if (!out[r].empty()) {
         EXPECT_EQ(std::memcmp(out[r].data(), repeat[r].data(), out[r].size() * sizeof(float)), 0) << "repeat";
+      }
       double error = 0, norm = 0;
       for (int64_t t = 0; t < ranks[r].tokens; ++t) {
         std::vector<float> naive(static_cast<size_t>(hidden), 0.0f);
