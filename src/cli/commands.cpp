@@ -268,8 +268,16 @@ int plan(const PlanOptions& options) {
     config = ModelConfig::from_file((fs::path(options.model_dir) / "config.json").string());
   }
   const int64_t context = parse_token_count(options.context, "--context");
-  const KvStorage kv = parse_kv_storage(options.kv_dtype, "--kv-dtype");
-  const IndexStorage index = parse_index_storage(options.index_dtype, "--index-dtype");
+  std::string kv_dtype = options.kv_dtype, index_dtype = options.index_dtype;
+  if (!options.kv_cache_dtype.empty()) {
+    // The GPU's --kv-cache-dtype: fp8 stores the main entries and the index keys FP8 (docs/gpu.md).
+    const std::string& d = options.kv_cache_dtype;
+    DSV4_CHECK(d == "auto" || d == "bf16" || d == "fp8" || d == "fp8_e4m3",
+               "--kv-cache-dtype '" + d + "': expected auto, bf16 or fp8 (fp8_e4m3)");
+    kv_dtype = index_dtype = d == "fp8" || d == "fp8_e4m3" ? "fp8" : "bf16";
+  }
+  const KvStorage kv = parse_kv_storage(kv_dtype, "--kv-dtype");
+  const IndexStorage index = parse_index_storage(index_dtype, "--index-dtype");
   if (options.gpu_memory_gib)
     DSV4_CHECK(std::isfinite(*options.gpu_memory_gib) && *options.gpu_memory_gib > 0,
           "--gpu-memory " + std::to_string(*options.gpu_memory_gib) + ": must be a positive number of GiB");

@@ -51,6 +51,7 @@ int generate(const GenerateOptions& options);
 // `dsv4 plan`: KV-cache bytes per request and how many requests fit (docs/planner.md).
 struct PlanOptions {
   std::string preset, model_dir, context, kv_dtype = "bf16", index_dtype = "bf16";
+  std::string kv_cache_dtype;  // serve's --kv-cache-dtype: sets both storages (empty: --kv-dtype / --index-dtype)
   std::optional<double> gpu_memory_gib;
   std::optional<int64_t> requests;
   bool json = false;

@@ -82,6 +82,11 @@ int main(int argc, char** argv) {
   plan_cmd->add_option("--context", plan.context, "tokens per request (K = 2^10, M = 2^20 suffixes)")->required();
   plan_cmd->add_option("--kv-dtype", plan.kv_dtype, "main K=V storage: bf16 or fp8 (f32: the CPU reference)");
   plan_cmd->add_option("--index-dtype", plan.index_dtype, "indexer key storage: bf16, fp8 or fp4 (f32: CPU)");
+  auto* kv_cache_dtype = plan_cmd->add_option(
+      "--kv-cache-dtype", plan.kv_cache_dtype,
+      "what serve's --kv-cache-dtype stores: auto/bf16 (bf16 entries and keys) or fp8 (FP8 entries and keys)");
+  kv_cache_dtype->excludes(plan_cmd->get_option("--kv-dtype"));
+  kv_cache_dtype->excludes(plan_cmd->get_option("--index-dtype"));
   plan_cmd->add_option_function<double>(
       "--gpu-memory", [&plan](const double& gib) { plan.gpu_memory_gib = gib; },
       "GiB of memory for the KV cache (weights not counted): how many requests fit");

