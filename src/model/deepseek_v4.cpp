@@ -15,6 +15,8 @@
 #include "ops/cpu/moe.h"
 #include "ops/cpu/norm.h"
 #include "ops/cpu/quantize.h"
+#include "parallel/communicator.h"
+#include "parallel/expert_parallel_moe.h"
 
 namespace dsv4 {
 
@@ -198,6 +200,16 @@ DeepseekV4Model::DeepseekV4Model(ModelConfig config, ModelWeights weights)
   DSV4_CHECK(static_cast<int64_t>(weights_.layers.size()) == config_.num_hidden_layers,
         "weights have " + std::to_string(weights_.layers.size()) + " layers, config " +
             std::to_string(config_.num_hidden_layers));
+}
+
+void DeepseekV4Model::set_expert_parallel(parallel::Communicator* communicator) {
+  DSV4_CHECK(communicator == nullptr || config_.numerics == Numerics::kHf,
+             "expert parallelism runs the hf numerics only (the DeepSeek recipe's MoE is single-rank)");
+  if (communicator != nullptr)
+    DSV4_CHECK(communicator->size() <= config_.n_routed_experts,
+               std::to_string(communicator->size()) + " expert-parallel ranks for " +
+                   std::to_string(config_.n_routed_experts) + " routed experts");
+  expert_parallel_ = communicator;
 }
 
 std::unique_ptr<SequenceState> DeepseekV4Model::new_sequence_state() const {
@@ -540,20 +552,37 @@ void DeepseekV4Model::moe(int64_t layer, const StepLayout& step, const float* x,
     return;
   }
   std::vector<float> rows, gate_up, activated, expert_out;
-  for (int64_t e = 0; e < E; ++e) {
-    const auto& tokens = assigned[e];
-    if (tokens.empty()) continue;
-    const auto n = static_cast<int64_t>(tokens.size());
-    rows.resize(static_cast<size_t>(n * D));
-    for (int64_t i = 0; i < n; ++i) std::memcpy(&rows[i * D], x + tokens[i].first * D, D * sizeof(float));
+  // One routed expert over n rows: weight_i · W2 · swiglu_clamped(W13 · row_i) added into out_rows [n, D].
+  auto run_expert = [&](int64_t e, const float* expert_rows, int64_t n, const float* row_weights, float* out_rows) {
     gate_up.resize(static_cast<size_t>(n * 2 * I));
-    linear(rows.data(), n, l.experts_w13[e], gate_up.data());
+    linear(expert_rows, n, l.experts_w13[e], gate_up.data());
     activated.resize(static_cast<size_t>(n * I));
     swiglu_clamped(gate_up.data(), n, I, limit, activated.data());
     expert_out.resize(static_cast<size_t>(n * D));
     linear(activated.data(), n, l.experts_w2[e], expert_out.data());
     for (int64_t i = 0; i < n; ++i)
-      for (int64_t j = 0; j < D; ++j) out[tokens[i].first * D + j] += tokens[i].second * expert_out[i * D + j];
+      for (int64_t j = 0; j < D; ++j) out_rows[i * D + j] += row_weights[i] * expert_out[i * D + j];
+  };
+  if (expert_parallel_ != nullptr) {
+    // This rank's tokens go to the experts' owners; this rank runs its partition's experts for every rank.
+    const parallel::ExpertPartition partition(E, expert_parallel_->size());
+    const int64_t first = partition.first_expert(expert_parallel_->rank());
+    parallel::expert_parallel_moe(*expert_parallel_, partition, D, K, x, N, chosen, weights,
+                                  [&](int64_t local, const float* expert_rows, int64_t n, const float* row_weights,
+                                      float* out_rows) { run_expert(first + local, expert_rows, n, row_weights, out_rows); },
+                                  out);
+  }
+  for (int64_t e = 0; e < E && expert_parallel_ == nullptr; ++e) {
+    const auto& tokens = assigned[e];
+    if (tokens.empty()) continue;
+    const auto n = static_cast<int64_t>(tokens.size());
+    rows.resize(static_cast<size_t>(n * D));
+    for (int64_t i = 0; i < n; ++i) std::memcpy(&rows[i * D], x + tokens[i].first * D, D * sizeof(float));
+    std::vector<float> row_weights(static_cast<size_t>(n)), contribution(static_cast<size_t>(n * D), 0.0f);
+    for (int64_t i = 0; i < n; ++i) row_weights[i] = tokens[i].second;
+    run_expert(e, rows.data(), n, row_weights.data(), contribution.data());
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < D; ++j) out[tokens[i].first * D + j] += contribution[i * D + j];
   }
   // The shared expert sees every token, with the same clamp.
   gate_up.resize(static_cast<size_t>(N * 2 * I));

@@ -15,6 +15,10 @@
 
 namespace dsv4 {
 
+namespace parallel {
+class Communicator;
+}
+
 // One request's slice of a forward step: `token_ids` are appended at positions state->num_tokens() onwards.
 struct SequenceChunk {
   SequenceState* state = nullptr;
@@ -37,6 +41,12 @@ class DeepseekV4Model {
   // Throws dsv4::Error for an out-of-vocabulary id or an empty chunk (nothing is modified then).
   Tensor forward(std::span<const SequenceChunk> batch, LogitsMode mode);
 
+  // Expert parallelism (docs/parallel.md): with a communicator, the routed experts of every MoE sublayer run
+  // over its ranks (parallel/expert_parallel_moe.h), this model computing the experts of its partition for the
+  // rows every rank sends it. Every rank's model must then run each forward step together with the others (the
+  // sublayers' all-to-alls are collectives). nullptr (the default): all experts here. Numerics::kHf only.
+  void set_expert_parallel(parallel::Communicator* communicator);
+
  private:
   struct StepLayout;  // token -> request / position bookkeeping of one step
   void attention(int64_t layer, const StepLayout& step, std::span<const SequenceChunk> batch, const float* x,
@@ -50,6 +60,7 @@ class DeepseekV4Model {
 
   ModelConfig config_;
   ModelWeights weights_;
+  parallel::Communicator* expert_parallel_ = nullptr;
   ops::cpu::RopeTable rope_main_, rope_compress_;
 };
 

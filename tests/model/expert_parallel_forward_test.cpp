@@ -1,0 +1,147 @@
+// The CPU model with expert parallelism (DeepseekV4Model::set_expert_parallel, docs/parallel.md): R ranks, one
+// thread and one model each, every rank serving its own request, stepping together (a prefill in two chunks,
+// then greedy decode steps). Each rank's logits must equal one model's, without expert parallelism, for the same
+// request: to fp32 summation order (the routed experts' sum is taken per rank, then in rank order) and with the
+// same greedy tokens. With one rank the sublayer's order is the single model's, so the logits are bitwise equal.
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/error.h"
+#include "parallel/communicator.h"
+#include "test_models.h"
+
+namespace dsv4 {
+namespace {
+
+using testing::random_ids;
+using testing::random_model;
+using testing::relative_l2;
+using testing::small_config;
+
+int32_t argmax(const float* row, int64_t n) {
+  int64_t best = 0;
+  for (int64_t i = 1; i < n; ++i)
+    if (row[i] > row[best]) best = i;
+  return static_cast<int32_t>(best);
+}
+
+// A rank's transport that counts what it received from the other ranks: the test's proof that rows really
+// crossed ranks (a model ignoring its communicator would match the reference too).
+class CountingCommunicator final : public parallel::Communicator {
+ public:
+  explicit CountingCommunicator(std::unique_ptr<parallel::Communicator> inner) : inner_(std::move(inner)) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  void all_to_all_v(const void* send, std::span<const int64_t> send_bytes, void* recv,
+                    std::span<const int64_t> recv_bytes) override {
+    for (int s = 0; s < size(); ++s)
+      if (s != rank()) bytes_from_others += recv_bytes[s];
+    ++collectives;
+    inner_->all_to_all_v(send, send_bytes, recv, recv_bytes);
+  }
+  int64_t collectives = 0, bytes_from_others = 0;
+
+ private:
+  std::unique_ptr<parallel::Communicator> inner_;
+};
+
+// One request's steps on `model`: its prompt in two chunks, then `decode` greedy tokens; the logits of every step.
+// Every rank runs the same number of steps, which is all the lockstep of the expert-parallel sublayers needs.
+std::vector<std::vector<float>> run_request(DeepseekV4Model& model, const std::vector<int32_t>& prompt, int decode) {
+  auto state = model.new_sequence_state();
+  std::vector<int32_t> tokens = prompt;
+  std::vector<std::vector<float>> logits;
+  const size_t half = prompt.size() / 2;
+  size_t done = 0;
+  for (const size_t length : {half, prompt.size() - half}) {
+    const SequenceChunk chunk{state.get(), std::span<const int32_t>(tokens).subspan(done, length)};
+    logits.push_back(model.forward(std::span(&chunk, 1), LogitsMode::kLastPerSequence).data);
+    done += length;
+  }
+  const int64_t vocab = model.config().vocab_size;
+  for (int step = 0; step < decode; ++step) {
+    tokens.push_back(argmax(logits.back().data(), vocab));
+    const SequenceChunk chunk{state.get(), std::span<const int32_t>(tokens).subspan(done, 1)};
+    logits.push_back(model.forward(std::span(&chunk, 1), LogitsMode::kLastPerSequence).data);
+    ++done;
+  }
+  return logits;
+}
+
+TEST(ExpertParallelForward, RanksEqualOneModel) {
+  const ModelConfig config = small_config();  // 6 routed experts, top-2, hash and score-routed layers
+  const int decode = 6;
+  for (const int R : {1, 2, 3}) {
+    std::vector<std::vector<int32_t>> prompts;
+    for (int r = 0; r < R; ++r)
+      prompts.push_back(random_ids(9 + 7 * static_cast<size_t>(r), config.vocab_size, 30 + static_cast<uint32_t>(r)));
+    // The reference: one model, all experts, each request on its own.
+    std::vector<std::vector<std::vector<float>>> expected;
+    {
+      DeepseekV4Model single = random_model(config, 5);
+      for (int r = 0; r < R; ++r) expected.push_back(run_request(single, prompts[r], decode));
+    }
+    parallel::InProcessGroup group(R);
+    std::vector<std::vector<std::vector<float>>> actual(static_cast<size_t>(R));
+    std::vector<std::string> errors(static_cast<size_t>(R));
+    std::vector<int64_t> collectives(static_cast<size_t>(R)), bytes_from_others(static_cast<size_t>(R));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < R; ++r)
+      threads.emplace_back([&, r] {
+        try {
+          DeepseekV4Model model = random_model(config, 5);
+          CountingCommunicator comm(group.communicator(r));
+          model.set_expert_parallel(&comm);
+          actual[r] = run_request(model, prompts[r], decode);
+          collectives[r] = comm.collectives;
+          bytes_from_others[r] = comm.bytes_from_others;
+        } catch (const std::exception& error) {
+          errors[r] = error.what();
+        }
+      });
+    for (std::thread& thread : threads) thread.join();
+    int64_t crossed = 0;
+    for (int r = 0; r < R; ++r) crossed += bytes_from_others[r];
+    if (R > 1) {
+      EXPECT_GT(crossed, 0) << "no row crossed ranks";
+    }
+    for (int r = 0; r < R; ++r) {
+      ASSERT_EQ(errors[r], "") << R << " ranks, rank " << r;
+      // 5 collectives (counts, rows, routes, weights, return) per MoE sublayer and step.
+      EXPECT_EQ(collectives[r], 5 * config.num_hidden_layers * static_cast<int64_t>(expected[r].size())) << r;
+      ASSERT_EQ(actual[r].size(), expected[r].size());
+      for (size_t step = 0; step < expected[r].size(); ++step) {
+        const std::vector<float>& e = expected[r][step];
+        const std::vector<float>& a = actual[r][step];
+        if (R == 1) {
+          EXPECT_EQ(a, e) << "one rank, step " << step;
+        } else {
+          EXPECT_LE(relative_l2(a.data(), e.data(), e.size()), 1e-5) << R << " ranks, rank " << r << ", step " << step;
+          EXPECT_EQ(argmax(a.data(), config.vocab_size), argmax(e.data(), config.vocab_size))
+              << R << " ranks, rank " << r << ", step " << step;
+        }
+      }
+    }
+  }
+}
+
+TEST(ExpertParallelForward, RefusesWhatItCannotRun) {
+  ModelConfig config = small_config();
+  parallel::InProcessGroup seven(7);  // more ranks than the 6 routed experts
+  auto comm = seven.communicator(0);
+  DeepseekV4Model model = random_model(config, 5);
+  EXPECT_THROW(model.set_expert_parallel(comm.get()), Error);
+  config.numerics = Numerics::kDeepSeek;
+  DeepseekV4Model deepseek = random_model(config, 5);
+  parallel::InProcessGroup two(2);
+  auto other = two.communicator(0);
+  EXPECT_THROW(deepseek.set_expert_parallel(other.get()), Error);
+}
+
+}  // namespace
+}  // namespace dsv4
