@@ -130,6 +130,52 @@ TEST(ExpertParallelForward, RanksEqualOneModel) {
   }
 }
 
+// A rank with nothing to run still takes part: an empty batch runs every sublayer's collectives with no tokens.
+// Rank 0 serves a request for 10 steps while rank 1 is idle for its first 4 and serves a shorter one after.
+TEST(ExpertParallelForward, AnIdleRankStepsWithAnEmptyBatch) {
+  const ModelConfig config = small_config();
+  const std::vector<int32_t> prompt0 = random_ids(12, config.vocab_size, 51), prompt1 = random_ids(5, config.vocab_size, 52);
+  const int decode0 = 8, decode1 = 4;  // rank 0: 2 prefill + 8 decode steps; rank 1: 4 idle + 2 + 4
+  std::vector<std::vector<float>> expected0, expected1;
+  {
+    DeepseekV4Model single = random_model(config, 5);
+    expected0 = run_request(single, prompt0, decode0);
+    expected1 = run_request(single, prompt1, decode1);
+  }
+  parallel::InProcessGroup group(2);
+  std::vector<std::vector<float>> actual0, actual1;
+  std::vector<std::string> errors(2);
+  std::vector<Tensor> idle_logits;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        DeepseekV4Model model = random_model(config, 5);
+        const std::unique_ptr<parallel::Communicator> comm = group.communicator(r);
+        model.set_expert_parallel(comm.get());
+        if (r == 0) {
+          actual0 = run_request(model, prompt0, decode0);
+        } else {
+          for (int idle = 0; idle < 4; ++idle)
+            idle_logits.push_back(model.forward(std::span<const SequenceChunk>(), LogitsMode::kLastPerSequence));
+          actual1 = run_request(model, prompt1, decode1);
+        }
+      } catch (const std::exception& error) {
+        errors[r] = error.what();
+      }
+    });
+  for (std::thread& thread : threads) thread.join();
+  ASSERT_EQ(errors[0], "");
+  ASSERT_EQ(errors[1], "");
+  for (const Tensor& logits : idle_logits) EXPECT_EQ(logits.data.size(), 0u) << "an empty batch has no logits";
+  ASSERT_EQ(actual0.size(), expected0.size());
+  ASSERT_EQ(actual1.size(), expected1.size());
+  for (size_t step = 0; step < expected0.size(); ++step)
+    EXPECT_LE(relative_l2(actual0[step].data(), expected0[step].data(), expected0[step].size()), 1e-5) << step;
+  for (size_t step = 0; step < expected1.size(); ++step)
+    EXPECT_LE(relative_l2(actual1[step].data(), expected1[step].data(), expected1[step].size()), 1e-5) << step;
+}
+
 TEST(ExpertParallelForward, RefusesWhatItCannotRun) {
   ModelConfig config = small_config();
   parallel::InProcessGroup seven(7);  // more ranks than the 6 routed experts
