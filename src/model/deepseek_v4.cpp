@@ -236,6 +236,14 @@ Tensor DeepseekV4Model::forward(std::span<const SequenceChunk> batch, LogitsMode
     step.tokens += static_cast<int64_t>(batch[r].token_ids.size());
   }
   const int64_t N = step.tokens;
+  if (N == 0) {
+    // Nothing of this rank's to run; an expert-parallel rank still serves the others' rows in every MoE sublayer
+    // (the all-to-alls are collectives, docs/parallel.md).
+    if (expert_parallel_ != nullptr)
+      for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer)
+        routed_experts_parallel(layer, nullptr, 0, {}, {}, nullptr);
+    return Tensor({0, c.vocab_size});
+  }
 
   // h [N, hc, D]: every stream starts as the token embedding.
   std::vector<float> streams(static_cast<size_t>(N * hc * D)), next_streams(streams.size());
@@ -551,27 +559,8 @@ void DeepseekV4Model::moe(int64_t layer, const StepLayout& step, const float* x,
     moe_deepseek(layer, N, x, assigned, out);
     return;
   }
-  std::vector<float> rows, gate_up, activated, expert_out;
-  // One routed expert over n rows: weight_i · W2 · swiglu_clamped(W13 · row_i) added into out_rows [n, D].
-  auto run_expert = [&](int64_t e, const float* expert_rows, int64_t n, const float* row_weights, float* out_rows) {
-    gate_up.resize(static_cast<size_t>(n * 2 * I));
-    linear(expert_rows, n, l.experts_w13[e], gate_up.data());
-    activated.resize(static_cast<size_t>(n * I));
-    swiglu_clamped(gate_up.data(), n, I, limit, activated.data());
-    expert_out.resize(static_cast<size_t>(n * D));
-    linear(activated.data(), n, l.experts_w2[e], expert_out.data());
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t j = 0; j < D; ++j) out_rows[i * D + j] += row_weights[i] * expert_out[i * D + j];
-  };
-  if (expert_parallel_ != nullptr) {
-    // This rank's tokens go to the experts' owners; this rank runs its partition's experts for every rank.
-    const parallel::ExpertPartition partition(E, expert_parallel_->size());
-    const int64_t first = partition.first_expert(expert_parallel_->rank());
-    parallel::expert_parallel_moe(*expert_parallel_, partition, D, K, x, N, chosen, weights,
-                                  [&](int64_t local, const float* expert_rows, int64_t n, const float* row_weights,
-                                      float* out_rows) { run_expert(first + local, expert_rows, n, row_weights, out_rows); },
-                                  out);
-  }
+  std::vector<float> rows, gate_up, activated;
+  if (expert_parallel_ != nullptr) routed_experts_parallel(layer, x, N, chosen, weights, out);
   for (int64_t e = 0; e < E && expert_parallel_ == nullptr; ++e) {
     const auto& tokens = assigned[e];
     if (tokens.empty()) continue;
@@ -580,7 +569,7 @@ void DeepseekV4Model::moe(int64_t layer, const StepLayout& step, const float* x,
     for (int64_t i = 0; i < n; ++i) std::memcpy(&rows[i * D], x + tokens[i].first * D, D * sizeof(float));
     std::vector<float> row_weights(static_cast<size_t>(n)), contribution(static_cast<size_t>(n * D), 0.0f);
     for (int64_t i = 0; i < n; ++i) row_weights[i] = tokens[i].second;
-    run_expert(e, rows.data(), n, row_weights.data(), contribution.data());
+    routed_expert(layer, e, rows.data(), n, row_weights.data(), contribution.data());
     for (int64_t i = 0; i < n; ++i)
       for (int64_t j = 0; j < D; ++j) out[tokens[i].first * D + j] += contribution[i * D + j];
   }
@@ -590,6 +579,35 @@ void DeepseekV4Model::moe(int64_t layer, const StepLayout& step, const float* x,
   activated.resize(static_cast<size_t>(N * I));
   swiglu_clamped(gate_up.data(), N, I, limit, activated.data());
   linear(activated.data(), N, l.shared_w2, out, /*beta=*/1.0f);
+}
+
+void DeepseekV4Model::routed_expert(int64_t layer, int64_t e, const float* rows, int64_t n, const float* weights,
+                                    float* out) const {
+  const ModelConfig& c = config_;
+  const LayerWeights& l = weights_.layers[static_cast<size_t>(layer)];
+  const int64_t D = c.hidden_size, I = c.moe_intermediate_size;
+  std::vector<float> gate_up(static_cast<size_t>(n * 2 * I)), activated(static_cast<size_t>(n * I)),
+      expert_out(static_cast<size_t>(n * D));
+  linear(rows, n, l.experts_w13[e], gate_up.data());
+  swiglu_clamped(gate_up.data(), n, I, static_cast<float>(c.swiglu_limit), activated.data());
+  linear(activated.data(), n, l.experts_w2[e], expert_out.data());
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < D; ++j) out[i * D + j] += weights[i] * expert_out[i * D + j];
+}
+
+void DeepseekV4Model::routed_experts_parallel(int64_t layer, const float* x, int64_t tokens,
+                                              std::span<const int32_t> chosen, std::span<const float> weights,
+                                              float* out) {
+  // This rank's tokens go to the experts' owners; this rank runs its partition's experts for every rank.
+  const ModelConfig& c = config_;
+  const parallel::ExpertPartition partition(c.n_routed_experts, expert_parallel_->size());
+  const int64_t first = partition.first_expert(expert_parallel_->rank());
+  parallel::expert_parallel_moe(
+      *expert_parallel_, partition, c.hidden_size, c.num_experts_per_tok, x, tokens, chosen, weights,
+      [&](int64_t local, const float* rows, int64_t n, const float* row_weights, float* partial) {
+        routed_expert(layer, first + local, rows, n, row_weights, partial);
+      },
+      out);
 }
 
 // MoE.forward of the reference (§9 step 5–7): the expert input quantized per 128 (one quantization serves w1 and

@@ -38,7 +38,8 @@ class DeepseekV4Model {
   std::unique_ptr<SequenceState> new_sequence_state() const;
 
   // One step for several requests at different positions; each state advances by its chunk length.
-  // Throws dsv4::Error for an out-of-vocabulary id or an empty chunk (nothing is modified then).
+  // Throws dsv4::Error for an out-of-vocabulary id or an empty chunk (nothing is modified then). An empty batch
+  // gives empty logits; with expert parallelism it still serves the other ranks' rows in every MoE sublayer.
   Tensor forward(std::span<const SequenceChunk> batch, LogitsMode mode);
 
   // Expert parallelism (docs/parallel.md): with a communicator, the routed experts of every MoE sublayer run
@@ -54,6 +55,11 @@ class DeepseekV4Model {
   void compress(int64_t layer, EntryKind kind, const StepLayout& step, std::span<const SequenceChunk> batch,
                 const float* x);
   void moe(int64_t layer, const StepLayout& step, const float* x, float* out);
+  // Routed expert e over n rows [n, hidden]: adds weight_i · W2 · swiglu_clamped(W13 · row_i) into out [n, hidden].
+  void routed_expert(int64_t layer, int64_t e, const float* rows, int64_t n, const float* weights, float* out) const;
+  // The layer's routed experts over the expert-parallel ranks (tokens may be 0: an idle rank's part).
+  void routed_experts_parallel(int64_t layer, const float* x, int64_t tokens, std::span<const int32_t> chosen,
+                               std::span<const float> weights, float* out);
   // The routed and shared experts under Numerics::kDeepSeek (`assigned`: per expert, (token, routing weight)).
   void moe_deepseek(int64_t layer, int64_t tokens, const float* x,
                     const std::vector<std::vector<std::pair<int64_t, float>>>& assigned, float* out);
