@@ -795,9 +795,9 @@ DeepseekV4CudaModel::Impl::Step DeepseekV4CudaModel::Impl::prepare(std::span<con
     step.graph_key = {step.rows, step.max_position};
   }
   // Layout of the metadata block (int32): token ids, positions, token rows, csa visible, chunk start, index in
-  // the chunk [N]; chunk
-  // starts, ends, last rows, CSA entries in the cache (end div ratio, the indexer's per-request bound) [B]; the
-  // chunk table [B, max_chunk]; row offsets [B + 1]; then every group's block table [B, stride].
+  // the chunk [N]; chunk starts, ends, last rows, CSA entries in the cache (end div ratio, the indexer's
+  // per-request bound) [B]; the chunk table [B, max_chunk]; row offsets [B + 1]; then every group's block table
+  // [B, stride].
   const int64_t N = step.tokens, B = step.rows;
   host_meta.clear();
   auto reserve = [&](int64_t count) {
