@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench/latency_stats.h"
+#include "cache/planner.h"
 #include "cli/commands.h"
 #include "cli/model_loading.h"
 #include "core/error.h"
@@ -162,13 +163,10 @@ int bench_latency(const BenchOfflineOptions& o) {
   for (int64_t step = int64_t{1} << 40; step > 0; step /= 2)
     if (engine.cache().fits_in_pool(fits + step)) fits += step;
   const KvStorage storage = setup.loaded.backend->kv_storage();
-  std::printf("KV cache: %.2f GiB, %s main entries; one request fits %lld tokens\n",
-              static_cast<double>(setup.engine.kv_cache_bytes) / double(int64_t{1} << 30),
-              storage == KvStorage::kFp8                               ? "fp8"
-              : storage == KvStorage::kBf16                            ? "bf16"
-              : setup.loaded.backend->config().fp8_kv_cache ? "fp32 (FP8-simulated)"
-                                                                       : "fp32",
-              static_cast<long long>(fits));
+  const bool simulated = storage == KvStorage::kF32 && setup.loaded.backend->config().fp8_kv_cache;
+  std::printf("KV cache: %.2f GiB, %s%s main entries; one request fits %lld tokens\n",
+              static_cast<double>(setup.engine.kv_cache_bytes) / double(int64_t{1} << 30), kv_storage_name(storage),
+              simulated ? " (FP8-simulated)" : "", static_cast<long long>(fits));
 #ifdef DSV4_HAVE_CUDA
   auto* cuda_model = setup.loaded.on_cuda ? static_cast<DeepseekV4CudaModel*>(setup.loaded.backend.get()) : nullptr;
 #endif

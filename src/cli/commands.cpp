@@ -269,13 +269,8 @@ int plan(const PlanOptions& options) {
   }
   const int64_t context = parse_token_count(options.context, "--context");
   std::string kv_dtype = options.kv_dtype, index_dtype = options.index_dtype;
-  if (!options.kv_cache_dtype.empty()) {
-    // The GPU's --kv-cache-dtype: fp8 stores the main entries and the index keys FP8 (docs/gpu.md).
-    const std::string& d = options.kv_cache_dtype;
-    DSV4_CHECK(d == "auto" || d == "bf16" || d == "fp8" || d == "fp8_e4m3",
-               "--kv-cache-dtype '" + d + "': expected auto, bf16 or fp8 (fp8_e4m3)");
-    kv_dtype = index_dtype = d == "fp8" || d == "fp8_e4m3" ? "fp8" : "bf16";
-  }
+  if (!options.kv_cache_dtype.empty())  // the GPU's --kv-cache-dtype: fp8 stores main entries and index keys FP8
+    kv_dtype = index_dtype = parse_fp8_kv_cache(options.kv_cache_dtype) ? "fp8" : "bf16";
   const KvStorage kv = parse_kv_storage(kv_dtype, "--kv-dtype");
   const IndexStorage index = parse_index_storage(index_dtype, "--index-dtype");
   if (options.gpu_memory_gib)

@@ -58,6 +58,13 @@ DeepseekV4Model load_model(const std::string& model_dir, const std::string& nume
   return DeepseekV4Model(std::move(config), ModelWeights::from_source(*source));
 }
 
+bool parse_fp8_kv_cache(const std::string& kv_cache_dtype) {
+  const std::string& d = kv_cache_dtype;
+  DSV4_CHECK(d == "auto" || d == "bf16" || d == "fp8" || d == "fp8_e4m3",
+             "--kv-cache-dtype '" + d + "': expected auto, bf16 or fp8 (fp8_e4m3)");
+  return d == "fp8" || d == "fp8_e4m3";
+}
+
 LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& options) {
   const std::string& device = options.device;
   DSV4_CHECK(device == "auto" || device == "cpu" || device == "cuda" || device.rfind("cuda:", 0) == 0,
@@ -67,9 +74,7 @@ LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& o
              "--dtype '" + options.dtype + "': expected auto, bf16 or f32");
   DSV4_CHECK(options.gpu_memory_utilization > 0 && options.gpu_memory_utilization <= 1,
              "--gpu-memory-utilization must be in (0, 1]");
-  DSV4_CHECK(options.kv_cache_dtype == "auto" || options.kv_cache_dtype == "bf16" || options.kv_cache_dtype == "fp8" ||
-                 options.kv_cache_dtype == "fp8_e4m3",
-             "--kv-cache-dtype '" + options.kv_cache_dtype + "': expected auto, bf16 or fp8 (fp8_e4m3)");
+  const bool fp8_kv_cache = parse_fp8_kv_cache(options.kv_cache_dtype);
   DSV4_CHECK(options.load_format == "auto" || options.load_format == "dummy",
              "--load-format '" + options.load_format + "': expected auto or dummy");
   bool cuda = device != "cpu" && device != "auto";
@@ -81,7 +86,7 @@ LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& o
   const std::optional<WeightEncoding> expert_encoding =
       parse_expert_requantization(options.expert_bits, "--expert-bits");
   ModelConfig config = model_config(model_dir, parse_numerics(options.numerics), options.load_format == "dummy");
-  config.fp8_kv_cache = options.kv_cache_dtype == "fp8" || options.kv_cache_dtype == "fp8_e4m3";
+  config.fp8_kv_cache = fp8_kv_cache;
   LoadedBackend loaded;
   loaded.gpu_memory_utilization = options.gpu_memory_utilization;
   if (!cuda) {

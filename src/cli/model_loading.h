@@ -41,6 +41,10 @@ struct BackendOptions {
   std::string kv_cache_dtype = "auto";
 };
 
+// --kv-cache-dtype (vLLM's flag): "auto" / "bf16" give false, "fp8" / "fp8_e4m3" true (ModelConfig::fp8_kv_cache:
+// FP8 main entries and index keys); anything else throws dsv4::Error naming the flag and the value.
+bool parse_fp8_kv_cache(const std::string& kv_cache_dtype);
+
 // A model ready for the engine. `cpu_model` is set (and `backend` wraps it) on the CPU.
 struct LoadedBackend {
   std::unique_ptr<DeepseekV4Model> cpu_model;

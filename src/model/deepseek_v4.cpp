@@ -549,31 +549,35 @@ void DeepseekV4Model::moe(int64_t layer, const StepLayout& step, const float* x,
     route_token(&scores[t * E], hash ? nullptr : l.gate_bias.ptr(), E, K,
                 hash ? &l.tid2eid[static_cast<size_t>(step.token_ids[t]) * K] : nullptr,
                 static_cast<float>(c.routed_scaling_factor), &chosen[t * K], &weights[t * K]);
-  // Tokens grouped by expert, then one GEMM pair per expert.
-  std::vector<std::vector<std::pair<int64_t, float>>> assigned(static_cast<size_t>(E));
-  for (int64_t t = 0; t < N; ++t)
-    for (int64_t k = 0; k < K; ++k) assigned[chosen[t * K + k]].emplace_back(t, weights[t * K + k]);
   std::fill(out, out + N * D, 0.0f);
   const float limit = static_cast<float>(c.swiglu_limit);
-  if (deepseek) {
-    moe_deepseek(layer, N, x, assigned, out);
-    return;
-  }
-  std::vector<float> rows, gate_up, activated;
-  if (expert_parallel_ != nullptr) routed_experts_parallel(layer, x, N, chosen, weights, out);
-  for (int64_t e = 0; e < E && expert_parallel_ == nullptr; ++e) {
-    const auto& tokens = assigned[e];
-    if (tokens.empty()) continue;
-    const auto n = static_cast<int64_t>(tokens.size());
-    rows.resize(static_cast<size_t>(n * D));
-    for (int64_t i = 0; i < n; ++i) std::memcpy(&rows[i * D], x + tokens[i].first * D, D * sizeof(float));
-    std::vector<float> row_weights(static_cast<size_t>(n)), contribution(static_cast<size_t>(n * D), 0.0f);
-    for (int64_t i = 0; i < n; ++i) row_weights[i] = tokens[i].second;
-    routed_expert(layer, e, rows.data(), n, row_weights.data(), contribution.data());
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t j = 0; j < D; ++j) out[tokens[i].first * D + j] += contribution[i * D + j];
+  ExpertScratch scratch;
+  if (expert_parallel_ != nullptr) {
+    routed_experts_parallel(layer, x, N, chosen, weights, out);  // kHf only (set_expert_parallel)
+  } else {
+    // Tokens grouped by expert, then one GEMM pair per expert.
+    std::vector<std::vector<std::pair<int64_t, float>>> assigned(static_cast<size_t>(E));
+    for (int64_t t = 0; t < N; ++t)
+      for (int64_t k = 0; k < K; ++k) assigned[chosen[t * K + k]].emplace_back(t, weights[t * K + k]);
+    if (deepseek) {
+      moe_deepseek(layer, N, x, assigned, out);
+      return;
+    }
+    std::vector<float> rows;
+    for (int64_t e = 0; e < E; ++e) {
+      const auto& tokens = assigned[e];
+      if (tokens.empty()) continue;
+      const auto n = static_cast<int64_t>(tokens.size());
+      rows.resize(static_cast<size_t>(n * D));
+      for (int64_t i = 0; i < n; ++i) std::memcpy(&rows[i * D], x + tokens[i].first * D, D * sizeof(float));
+      routed_expert(layer, e, rows.data(), n, scratch);
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < D; ++j) out[tokens[i].first * D + j] += tokens[i].second * scratch.out[i * D + j];
+    }
   }
   // The shared expert sees every token, with the same clamp.
+  std::vector<float>& gate_up = scratch.gate_up;
+  std::vector<float>& activated = scratch.activated;
   gate_up.resize(static_cast<size_t>(N * 2 * I));
   linear(x, N, l.shared_w13, gate_up.data());
   activated.resize(static_cast<size_t>(N * I));
@@ -581,18 +585,17 @@ void DeepseekV4Model::moe(int64_t layer, const StepLayout& step, const float* x,
   linear(activated.data(), N, l.shared_w2, out, /*beta=*/1.0f);
 }
 
-void DeepseekV4Model::routed_expert(int64_t layer, int64_t e, const float* rows, int64_t n, const float* weights,
-                                    float* out) const {
+void DeepseekV4Model::routed_expert(int64_t layer, int64_t e, const float* rows, int64_t n,
+                                    ExpertScratch& scratch) const {
   const ModelConfig& c = config_;
   const LayerWeights& l = weights_.layers[static_cast<size_t>(layer)];
   const int64_t D = c.hidden_size, I = c.moe_intermediate_size;
-  std::vector<float> gate_up(static_cast<size_t>(n * 2 * I)), activated(static_cast<size_t>(n * I)),
-      expert_out(static_cast<size_t>(n * D));
-  linear(rows, n, l.experts_w13[e], gate_up.data());
-  swiglu_clamped(gate_up.data(), n, I, static_cast<float>(c.swiglu_limit), activated.data());
-  linear(activated.data(), n, l.experts_w2[e], expert_out.data());
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t j = 0; j < D; ++j) out[i * D + j] += weights[i] * expert_out[i * D + j];
+  scratch.gate_up.resize(static_cast<size_t>(n * 2 * I));
+  scratch.activated.resize(static_cast<size_t>(n * I));
+  scratch.out.resize(static_cast<size_t>(n * D));
+  linear(rows, n, l.experts_w13[e], scratch.gate_up.data());
+  swiglu_clamped(scratch.gate_up.data(), n, I, static_cast<float>(c.swiglu_limit), scratch.activated.data());
+  linear(scratch.activated.data(), n, l.experts_w2[e], scratch.out.data());
 }
 
 void DeepseekV4Model::routed_experts_parallel(int64_t layer, const float* x, int64_t tokens,
@@ -600,12 +603,16 @@ void DeepseekV4Model::routed_experts_parallel(int64_t layer, const float* x, int
                                               float* out) {
   // This rank's tokens go to the experts' owners; this rank runs its partition's experts for every rank.
   const ModelConfig& c = config_;
+  const int64_t D = c.hidden_size;
   const parallel::ExpertPartition partition(c.n_routed_experts, expert_parallel_->size());
   const int64_t first = partition.first_expert(expert_parallel_->rank());
+  ExpertScratch scratch;
   parallel::expert_parallel_moe(
-      *expert_parallel_, partition, c.hidden_size, c.num_experts_per_tok, x, tokens, chosen, weights,
+      *expert_parallel_, partition, D, c.num_experts_per_tok, x, tokens, chosen, weights,
       [&](int64_t local, const float* rows, int64_t n, const float* row_weights, float* partial) {
-        routed_expert(layer, first + local, rows, n, row_weights, partial);
+        routed_expert(layer, first + local, rows, n, scratch);
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t j = 0; j < D; ++j) partial[i * D + j] += row_weights[i] * scratch.out[i * D + j];
       },
       out);
 }

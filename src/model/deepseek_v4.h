@@ -55,8 +55,13 @@ class DeepseekV4Model {
   void compress(int64_t layer, EntryKind kind, const StepLayout& step, std::span<const SequenceChunk> batch,
                 const float* x);
   void moe(int64_t layer, const StepLayout& step, const float* x, float* out);
-  // Routed expert e over n rows [n, hidden]: adds weight_i · W2 · swiglu_clamped(W13 · row_i) into out [n, hidden].
-  void routed_expert(int64_t layer, int64_t e, const float* rows, int64_t n, const float* weights, float* out) const;
+  // Buffers of one routed-expert call, reused across the experts of a sublayer.
+  struct ExpertScratch {
+    std::vector<float> gate_up, activated, out;
+  };
+  // Routed expert e over n rows [n, hidden]: scratch.out [n, hidden] = W2 · swiglu_clamped(W13 · row_i), unweighted
+  // (the caller applies the routing weight as it accumulates).
+  void routed_expert(int64_t layer, int64_t e, const float* rows, int64_t n, ExpertScratch& scratch) const;
   // The layer's routed experts over the expert-parallel ranks (tokens may be 0: an idle rank's part).
   void routed_experts_parallel(int64_t layer, const float* x, int64_t tokens, std::span<const int32_t> chosen,
                                std::span<const float> weights, float* out);

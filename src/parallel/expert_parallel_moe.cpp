@@ -36,14 +36,17 @@ void expert_parallel_moe(Communicator& comm, const ExpertPartition& partition, i
   std::vector<float> rows(static_cast<size_t>(received * D));
   std::vector<int32_t> routes(static_cast<size_t>(received * top_k));
   std::vector<float> route_weights(static_cast<size_t>(received * top_k));
+  // Byte sizes per rank: a row is D floats, its routes and its weights top_k 4-byte values each.
   const auto row_bytes = static_cast<int64_t>(D * sizeof(float));
   const auto route_bytes = static_cast<int64_t>(top_k * sizeof(int32_t));
-  comm.all_to_all_v(send_rows.data(), scaled(plan.send_counts, row_bytes), rows.data(),
-                    scaled(recv_counts, row_bytes));
-  comm.all_to_all_v(plan.row_local_expert.data(), scaled(plan.send_counts, route_bytes), routes.data(),
-                    scaled(recv_counts, route_bytes));
-  comm.all_to_all_v(plan.row_weight.data(), scaled(plan.send_counts, route_bytes), route_weights.data(),
-                    scaled(recv_counts, route_bytes));
+  static_assert(sizeof(int32_t) == sizeof(float), "routes and weights travel with the same sizes");
+  const std::vector<int64_t> send_row_bytes = scaled(plan.send_counts, row_bytes),
+                             recv_row_bytes = scaled(recv_counts, row_bytes),
+                             send_route_bytes = scaled(plan.send_counts, route_bytes),
+                             recv_route_bytes = scaled(recv_counts, route_bytes);
+  comm.all_to_all_v(send_rows.data(), send_row_bytes, rows.data(), recv_row_bytes);
+  comm.all_to_all_v(plan.row_local_expert.data(), send_route_bytes, routes.data(), recv_route_bytes);
+  comm.all_to_all_v(plan.row_weight.data(), send_route_bytes, route_weights.data(), recv_route_bytes);
 
   // 3. Each local expert over the received rows that chose it, summed per received row.
   const int64_t num_local = partition.num_local(comm.rank());
@@ -66,8 +69,7 @@ void expert_parallel_moe(Communicator& comm, const ExpertPartition& partition, i
 
   // 4. The summed rows go back in the order they came (the receive runs, by source rank), 5. combined in rank order.
   std::vector<float> returned(static_cast<size_t>(plan.num_rows() * D));
-  comm.all_to_all_v(combined.data(), scaled(recv_counts, row_bytes), returned.data(),
-                    scaled(plan.send_counts, row_bytes));
+  comm.all_to_all_v(combined.data(), recv_row_bytes, returned.data(), send_row_bytes);
   combine_returned(plan, returned.data(), D, out);
 }
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "engine/sampler.h"
 #include "parallel/communicator.h"
 #include "test_models.h"
 
@@ -22,13 +23,6 @@ using testing::random_ids;
 using testing::random_model;
 using testing::relative_l2;
 using testing::small_config;
-
-int32_t argmax(const float* row, int64_t n) {
-  int64_t best = 0;
-  for (int64_t i = 1; i < n; ++i)
-    if (row[i] > row[best]) best = i;
-  return static_cast<int32_t>(best);
-}
 
 // A rank's transport that counts what it received from the other ranks: the test's proof that rows really
 // crossed ranks (a model ignoring its communicator would match the reference too).
@@ -63,9 +57,8 @@ std::vector<std::vector<float>> run_request(DeepseekV4Model& model, const std::v
     logits.push_back(model.forward(std::span(&chunk, 1), LogitsMode::kLastPerSequence).data);
     done += length;
   }
-  const int64_t vocab = model.config().vocab_size;
   for (int step = 0; step < decode; ++step) {
-    tokens.push_back(argmax(logits.back().data(), vocab));
+    tokens.push_back(argmax_token(logits.back()));
     const SequenceChunk chunk{state.get(), std::span<const int32_t>(tokens).subspan(done, 1)};
     logits.push_back(model.forward(std::span(&chunk, 1), LogitsMode::kLastPerSequence).data);
     ++done;
@@ -122,7 +115,7 @@ TEST(ExpertParallelForward, RanksEqualOneModel) {
           EXPECT_EQ(a, e) << "one rank, step " << step;
         } else {
           EXPECT_LE(relative_l2(a.data(), e.data(), e.size()), 1e-5) << R << " ranks, rank " << r << ", step " << step;
-          EXPECT_EQ(argmax(a.data(), config.vocab_size), argmax(e.data(), config.vocab_size))
+          EXPECT_EQ(argmax_token(a), argmax_token(e))
               << R << " ranks, rank " << r << ", step " << step;
         }
       }
