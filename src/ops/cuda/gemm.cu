@@ -1,8 +1,10 @@
 #include <cublasLt.h>
 
 #include <cstdlib>
+#include <map>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "core/error.h"
 #include "ops/cuda/fp8_gemm.h"
@@ -23,6 +25,19 @@ constexpr int kCandidates = 8;                        // heuristic answers timed
 constexpr int kTimedRuns = 5;
 // Decode shapes: a bounded set; prefill keeps the heuristic (no stall per prompt length).
 constexpr int64_t kMaxTunedRows = 64;
+
+// The row count a plan is made for. Up to kMaxTunedRows every count has its own plan (decode batches: a bounded
+// set, each possibly timed); above, one plan per power-of-two bucket, its algorithm cuBLASLt's heuristic answer
+// at the bucket's row count and the call's own rows described by call-local layouts. Without buckets every new
+// prompt length, and in the host-grouped MoE every expert's row count, paid a heuristic query (~0.1 ms each,
+// which made per-expert cuBLASLt 2.8× slower than the grouped kernel end to end, docs/PERF.md) and left a plan
+// behind for good.
+int64_t plan_rows(int64_t rows) {
+  if (rows <= kMaxTunedRows) return rows;
+  int64_t bucket = kMaxTunedRows;
+  while (bucket < rows) bucket *= 2;
+  return bucket;
+}
 
 bool switched(const char* name, bool default_on) {
   const char* value = std::getenv(name);
@@ -56,8 +71,42 @@ int64_t ceil_blocks(int64_t n) { return (n + kFp8Block - 1) / kFp8Block; }
 
 struct Gemm::Plan {
   cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;  // b and c describe `rows` rows
   cublasLtMatmulAlgo_t algo{};
+  // What the x and y layouts of a call with other rows need (call_layouts).
+  int64_t rows = 0, in = 0, out = 0, x_stride = 0, y_stride = 0, batch = 1, x_batch = 0, y_batch = 0;
+  cudaDataType_t operand = CUDA_R_32F, output = CUDA_R_32F;
+  // Calls whose rows the bucket's algorithm refused (CUBLAS_STATUS_NOT_SUPPORTED): their own heuristic answer.
+  std::map<int64_t, cublasLtMatmulAlgo_t> exact_algos;
+
+  // x and y layouts for a call of `call_rows` rows into `scratch` (stack objects: cublasLtMatrixLayoutInit
+  // allocates nothing, so a prefill call costs no host work beyond these stores and the launch); the plan's own
+  // layouts when the rows are the plan's.
+  struct CallLayouts {
+    cublasLtMatrixLayoutOpaque_t b{}, c{};
+  };
+  std::pair<cublasLtMatrixLayout_t, cublasLtMatrixLayout_t> layouts(int64_t call_rows, CallLayouts& scratch) const {
+    if (call_rows == rows) return {b, c};
+    check(cublasLtMatrixLayoutInit(&scratch.b, operand, static_cast<uint64_t>(in), static_cast<uint64_t>(call_rows),
+                                   x_stride),
+          "layout x");
+    check(cublasLtMatrixLayoutInit(&scratch.c, output, static_cast<uint64_t>(out), static_cast<uint64_t>(call_rows),
+                                   y_stride),
+          "layout y");
+    if (batch > 1) {
+      const int32_t count = static_cast<int32_t>(batch);
+      auto strided = [&](cublasLtMatrixLayout_t layout, int64_t stride, const char* what) {
+        check(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof count),
+              what);
+        check(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
+                                               sizeof stride),
+              what);
+      };
+      strided(&scratch.b, x_batch, "batch x");
+      strided(&scratch.c, y_batch, "batch y");
+    }
+    return {&scratch.b, &scratch.c};
+  }
   bool skinny = false;  // ops/cuda/skinny_gemm instead of cuBLASLt (bf16, <= 16 rows)
   SkinnyGemmParams skinny_params;
   bool fp8_skinny = false;  // kF8E4M3: ops/cuda/fp8_gemm.h instead of cuBLASLt
@@ -150,6 +199,16 @@ Gemm::Plan& Gemm::plan(const Key& key, const void* w, const void* x, void* y, cu
                 std::to_string(rows) + " x " + std::to_string(in) + "] x [" + std::to_string(in) + " x " +
                 std::to_string(out) + "] product");
   plan->algo = results[0].algo;
+  plan->rows = rows;
+  plan->in = in;
+  plan->out = out;
+  plan->x_stride = x_stride;
+  plan->y_stride = y_stride;
+  plan->batch = batch;
+  plan->x_batch = x_batch;
+  plan->y_batch = y_batch;
+  plan->operand = operand;
+  plan->output = output;
   SkinnyGemmParams& sp = plan->skinny_params;
   sp.rows = rows;
   sp.out = out;
@@ -223,7 +282,7 @@ void Gemm::linear(const GemmWeight& w, const void* x, int64_t rows, float* y, cu
   const Key key{static_cast<int>(w.dtype),
                 w.out,
                 w.in,
-                rows,
+                plan_rows(rows),
                 w_stride,
                 x_stride ? x_stride : w.in,
                 y_stride ? y_stride : w.out,
@@ -234,14 +293,42 @@ void Gemm::linear(const GemmWeight& w, const void* x, int64_t rows, float* y, cu
                 0,
                 static_cast<int>(GemmDtype::kF32),
                 0};
-  const Plan& p = plan(key, w.data, x, y, stream);
+  Plan& p = plan(key, w.data, x, y, stream);
   if (bf16_skinny_ && p.skinny && (beta == 0.0f || beta == 1.0f) &&
       skinny_gemm(p.skinny_params, w.data, x, y, stream) == cudaSuccess)
     return;
+  run_lt(p, rows, w.data, x, y, beta, stream, "matmul");
+}
+
+void Gemm::run_lt(Plan& p, int64_t rows, const void* w, const void* x, void* y, float beta, cudaStream_t stream,
+                  const char* what) {
+  Plan::CallLayouts scratch;
+  const auto [b, c] = p.layouts(rows, scratch);
+  const auto lt = static_cast<cublasLtHandle_t>(handle_);
   const float alpha = 1.0f;
-  check(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), p.op, &alpha, w.data, p.a, x, p.b, &beta, y, p.c, y,
-                       p.c, &p.algo, workspace_, workspace_bytes_, stream),
-        "matmul");
+  const auto exact = p.exact_algos.find(rows);
+  const cublasLtMatmulAlgo_t* algo = exact != p.exact_algos.end() ? &exact->second : &p.algo;
+  cublasStatus_t status =
+      cublasLtMatmul(lt, p.op, &alpha, w, p.a, x, b, &beta, y, c, y, c, algo, workspace_, workspace_bytes_, stream);
+  if (status == CUBLAS_STATUS_NOT_SUPPORTED && algo == &p.algo && rows != p.rows) {
+    // The bucket's algorithm refuses this row count: it gets its own heuristic answer, once.
+    cublasLtMatmulPreference_t preference = nullptr;
+    check(cublasLtMatmulPreferenceCreate(&preference), "preference");
+    check(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                               &workspace_bytes_, sizeof workspace_bytes_),
+          "preference workspace");
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    const cublasStatus_t query =
+        cublasLtMatmulAlgoGetHeuristic(lt, p.op, p.a, b, c, c, preference, 1, &result, &found);
+    cublasLtMatmulPreferenceDestroy(preference);
+    if (query == CUBLAS_STATUS_SUCCESS && found > 0) {
+      algo = &(p.exact_algos[rows] = result.algo);
+      status = cublasLtMatmul(lt, p.op, &alpha, w, p.a, x, b, &beta, y, c, y, c, algo, workspace_, workspace_bytes_,
+                              stream);
+    }
+  }
+  check(status, what);
 }
 
 void Gemm::linear_batched(const GemmWeight& w, int64_t batch, int64_t w_batch_stride, const void* x,
@@ -251,15 +338,12 @@ void Gemm::linear_batched(const GemmWeight& w, int64_t batch, int64_t w_batch_st
   if (w.dtype == GemmDtype::kF8E4M3) throw Error("Gemm::linear_batched: no batched FP8 product");
   const int64_t w_stride = w.row_stride ? w.row_stride : w.in;
   const Key key{
-      static_cast<int>(w.dtype),   w.out, w.in,  rows,           w_stride,       x_stride ? x_stride : w.in,
+      static_cast<int>(w.dtype),   w.out, w.in,  plan_rows(rows), w_stride,      x_stride ? x_stride : w.in,
       y_stride ? y_stride : w.out, false, batch, w_batch_stride, x_batch_stride, y_batch_stride,
       static_cast<int>(y_dtype),   0};
-  const Plan& p = plan(key, w.data, x, y, stream);
+  Plan& p = plan(key, w.data, x, y, stream);
   if (bf16_skinny_ && p.skinny && skinny_gemm(p.skinny_params, w.data, x, y, stream) == cudaSuccess) return;
-  const float alpha = 1.0f, beta = 0.0f;
-  check(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), p.op, &alpha, w.data, p.a, x, p.b, &beta, y, p.c, y,
-                       p.c, &p.algo, workspace_, workspace_bytes_, stream),
-        "batched matmul");
+  run_lt(p, rows, w.data, x, y, 0.0f, stream, "batched matmul");
 }
 
 // ---- FP8 (DeepSeek's recipe, docs/kernels/fp8_gemm.md) ----
@@ -275,7 +359,7 @@ Gemm::Key Gemm::fp8_key(const GemmWeight& w, int64_t rows, GemmDtype y_dtype, in
   return Key{static_cast<int>(GemmDtype::kF8E4M3),
              w.out,
              w.in,
-             rows,
+             plan_rows(rows),
              w.row_stride ? w.row_stride : w.in,
              x_stride ? x_stride : w.in,
              y_stride ? y_stride : w.out,
@@ -339,6 +423,13 @@ Gemm::Plan& Gemm::fp8_plan(const Key& key, const GemmWeight& w, const Fp8Activat
     check(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale,
                                          sizeof b_scale),
           "B scale pointer");
+    plan->rows = rows;
+    plan->in = in;
+    plan->out = out;
+    plan->x_stride = x_stride;
+    plan->y_stride = y_stride;
+    plan->operand = CUDA_R_8F_E4M3;
+    plan->output = output;
     check(cublasLtMatrixLayoutCreate(&plan->a, CUDA_R_8F_E4M3, static_cast<uint64_t>(in),
                                      static_cast<uint64_t>(out), w_stride),
           "fp8 layout W");
@@ -393,18 +484,24 @@ void Gemm::linear_fp8(const GemmWeight& w, const Fp8Activation& x, int64_t rows,
     check(
         cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale, sizeof b_scale),
         "B scale pointer");
+    Plan::CallLayouts scratch;
+    const auto [b, c] = p.layouts(rows, scratch);
     const float alpha = 1.0f, beta = 0.0f;
     const cublasStatus_t status =
-        cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), p.op, &alpha, w.data, p.a, x.codes, p.b, &beta,
-                       y, p.c, y, p.c, &p.algo, workspace_, workspace_bytes_, stream);
+        cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), p.op, &alpha, w.data, p.a, x.codes, b, &beta,
+                       y, c, y, c, &p.algo, workspace_, workspace_bytes_, stream);
     if (status == CUBLAS_STATUS_SUCCESS) return;
     if (status != CUBLAS_STATUS_NOT_SUPPORTED || fp8_backend_ == Fp8Backend::kCublasLt)
       check(status, "fp8 matmul");
-    p.fp8_skinny =
-        true;  // kAuto: an algorithm that refuses these operands at run time; the CUDA-core kernel from now
+    // kAuto: an algorithm that refuses these operands at run time; the CUDA-core kernel from now (for the whole
+    // bucket of rows)
+    p.fp8_skinny = true;
   }
-  const cudaError_t status = fp8_skinny_gemm(p.fp8_params, static_cast<const uint8_t*>(w.data), w.scales,
-                                             x.codes, x.scales, y, stream);
+  Fp8GemmParams params = p.fp8_params;  // the plan's are for its bucket of rows
+  params.rows = rows;
+  params.x_scale_stride = rows;
+  const cudaError_t status = fp8_skinny_gemm(params, static_cast<const uint8_t*>(w.data), w.scales, x.codes,
+                                             x.scales, y, stream);
   if (status != cudaSuccess)
     throw Error(std::string("fp8_skinny_gemm failed: ") + cudaGetErrorString(status));
 }

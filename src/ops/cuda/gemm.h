@@ -9,8 +9,9 @@
 //            W, VEC128_32F for x) for prefill rows; ops/cuda/fp8_gemm.h's CUDA-core kernel for decode rows
 //            and for the shapes cuBLASLt refuses (docs/kernels/fp8_gemm.md has the measured split).
 // One Gemm per stream: it owns the Lt handle, a workspace and the chosen algorithm per shape (picked once per
-// shape by timing cuBLASLt's heuristic candidates, gemm.cu says why, so steady-state calls do no host work
-// beyond the launch and are CUDA-graph capturable).
+// shape, gemm.cu says how, so steady-state calls do no host work beyond the launch and are CUDA-graph
+// capturable). Above 64 rows a shape's plan serves a power-of-two bucket of row counts, so a new prompt length
+// or MoE expert load costs no cuBLASLt heuristic query.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -89,7 +90,7 @@ class Gemm {
 
  private:
   struct Plan;
-  // dtype, out, in, rows, strides of W / x / y, accumulate, batch, batch strides of W / x / y, output dtype,
+  // dtype, out, in, rows (plan_rows in gemm.cu: exact up to 64, a power-of-two bucket above), strides of W / x / y, accumulate, batch, batch strides of W / x / y, output dtype,
   // FP8 backend.
   using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, int64_t, int64_t,
                          int64_t, int64_t, int, int>;
@@ -97,6 +98,9 @@ class Gemm {
   Plan& plan(const Key& key, const void* w, const void* x, void* y, cudaStream_t stream);
   Plan& fp8_plan(const Key& key, const GemmWeight& w, const Fp8Activation& x);
   Key fp8_key(const GemmWeight& w, int64_t rows, GemmDtype y_dtype, int64_t x_stride, int64_t y_stride) const;
+  // cublasLtMatmul of a bf16/fp32 plan on `rows` rows (y = x · Wᵀ + beta · y); throws on failure.
+  void run_lt(Plan& p, int64_t rows, const void* w, const void* x, void* y, float beta, cudaStream_t stream,
+              const char* what);
 
   void* handle_ = nullptr;  // cublasLtHandle_t
   void* workspace_ = nullptr;

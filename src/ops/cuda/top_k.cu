@@ -676,12 +676,12 @@ cudaError_t top_k(const TopKParams& p, void* workspace, size_t workspace_bytes, 
   // shape); read per call.
   const char* forced = std::getenv("DSV4_TOPK_PATH");
   const std::string_view path = forced != nullptr ? forced : "";
+  const bool automatic = path != "sampled" && path != "cluster" && path != "chunked";  // unknown names too
   const LaunchShape sampled = sampled_launch_shape(p.rows, p.columns, multiprocessors);
-  if (path == "sampled" || (path != "cluster" && path != "chunked" && sampled.span > kCandidateCapacity))
-    return launch_sampled(p, sampled, stream);
+  if (path == "sampled" || (automatic && sampled.span > kCandidateCapacity)) return launch_sampled(p, sampled, stream);
   const LaunchShape shape = launch_shape(p.columns);
   const bool cluster_fits_a_wave = p.rows * shape.cluster <= multiprocessors;
-  if (path.empty() && !cluster_fits_a_wave) {
+  if (automatic && !cluster_fits_a_wave) {
     // Rows that neither sample at one wave's width nor fit the cluster path's wave (32K × 17–63): fewer CTAs per
     // row, so each span is long enough to sample, beat the chunked path (29 µs at 32K × 64 with 2 CTAs a row
     // against 40 µs at 32K × 32 chunked, H100).
@@ -689,7 +689,7 @@ cudaError_t top_k(const TopKParams& p, void* workspace, size_t workspace_bytes, 
         sampled.cluster, std::max<int64_t>(1, (p.columns - 1) / kCandidateCapacity)));
     if (narrower.span > kCandidateCapacity) return launch_sampled(p, narrower, stream);
   }
-  if (path == "chunked" || (path != "cluster" && !cluster_fits_a_wave)) return chunked_top_k(p, workspace, stream);
+  if (path == "chunked" || (automatic && !cluster_fits_a_wave)) return chunked_top_k(p, workspace, stream);
   return launch_row_clusters(top_k_cluster_kernel, shape, p.rows, static_cast<size_t>(shape.span) * sizeof(uint32_t),
                              kMaxSpan * static_cast<int>(sizeof(uint32_t)), stream, p, shape.span);
 }
