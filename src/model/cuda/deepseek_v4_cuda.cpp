@@ -747,16 +747,18 @@ bool cuda_device_available() {
 
 // ---------------------------------------------------------------------------------------------------------------
 
-// Steps of at least this many tokens run the bf16 MoE as per-expert cuBLASLt GEMMs (moe_host_grouped); by
-// default none do: the grouped kernel's 128 × 128 tiles measured faster at every prefill size of the bench
-// (4-layer V4-Flash cut, 16 experts, H200: 1K tokens 10.1 ms against 26.7–38.8 ms for the whole prefill, 8K
-// tokens 68.3 against 68.4–80.8 ms; docs/PERF.md). DSV4_HOST_GROUPED_MOE_MIN_TOKENS=N brings it back for
-// steps of ≥ N tokens (a measuring knob).
+// Steps of at least this many tokens run the bf16 MoE as per-expert cuBLASLt GEMMs (moe_host_grouped), the rest
+// the grouped mma.sync kernel. Per-expert cuBLASLt measured faster once its plans stopped paying a heuristic
+// query per expert load (ops/cuda/gemm.h's row buckets): 4-layer V4-Flash cut, 16 experts, H100, whole
+// prefill 37.5 → 34.8 ms at 4K tokens and 10.59 → 10.25 ms at 1K (docs/PERF.md). Below 1K tokens it is
+// unmeasured, so the kernel keeps those. DSV4_HOST_GROUPED_MOE_MIN_TOKENS=N moves the threshold (0 turns the
+// host-grouped path off).
 int64_t host_grouped_moe_min_tokens() {
   static const int64_t value = [] {
     const char* text = std::getenv("DSV4_HOST_GROUPED_MOE_MIN_TOKENS");
-    return text != nullptr && *text != 0 ? std::max<int64_t>(1, std::atoll(text))
-                                         : std::numeric_limits<int64_t>::max();
+    if (text == nullptr || *text == 0) return int64_t{1024};
+    const int64_t tokens = std::atoll(text);
+    return tokens <= 0 ? std::numeric_limits<int64_t>::max() : tokens;
   }();
   return value;
 }

@@ -7,9 +7,12 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 #include "ops/cuda/device.h"
 #include "ops/cuda/launch.cuh"
+#include "ops/cuda/wgmma.cuh"
 
 namespace dsv4::ops::cuda {
 namespace {
@@ -404,6 +407,288 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 }
 
+// ---- The warpgroup-MMA kernel (sm_90a wgmma; the default, DSV4_ATTENTION_KERNEL=mma selects the one above) ----
+//
+// Same grid, threads, key tiles, softmax and epilogue semantics as sparse_attention_kernel; the arithmetic runs
+// on wgmma, which reads Q and the key tile straight from shared memory and keeps no operand in registers:
+//   - tiles are stored as 8 column blocks of 64 channels, each [64 rows][128 B] with the 16-byte chunks XORed
+//     with row mod 8 (wgmma's 128-byte swizzle atoms), so one layout serves as K-major A (Q), K-major B (K for
+//     S = Q·Kᵀ) and MN-major B (V for P·V);
+//   - each of the two warpgroups computes the whole S = Q·Kᵀ of the tile (64 heads × 64 keys, 32 wgmma
+//     m64n64k16), so it holds complete rows: the online softmax needs no shared-memory exchange or barrier;
+//   - P stays in registers as the A operand of O += P·V, and warpgroup g accumulates channels 256·g … 256·g+255
+//     (4 wgmma m64n256k16, 128 fp32 accumulators a thread).
+// S is computed twice (1.5× the minimal FLOPs), which buys two barriers fewer per tile and no P round trip
+// through shared memory.
+namespace warpgroup_mma {
+
+constexpr int kColumnBlockBytes = kTileKeys * 128;  // 8192: 64 rows × 64 channels of bf16
+
+__device__ __forceinline__ uint32_t tile_offset(int row, int chunk) {
+  return static_cast<uint32_t>((chunk >> 3) * kColumnBlockBytes + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
+}
+
+template <KvEntryFormat kFormat>
+struct Smem {
+  static constexpr bool kFp8 = kFormat == KvEntryFormat::kFp8;
+  static constexpr int kKvStages = kFp8 ? 1 : 2;  // FP8: one bf16 tile, fed from two raw stages
+  static constexpr int kQ = 0;
+  static constexpr int kKv = kQ + kTileBytes;  // 64 heads: the same bytes as a tile
+  static constexpr int kRaw = kKv + kKvStages * kTileBytes;
+  static constexpr int kKeyData = kRaw + (kFp8 ? 2 * kRawTileBytes : 0);  // const uint8_t* [2][64]
+  static constexpr int kKeyScales = kKeyData + 2 * 64 * 8;                  // const uint8_t* [2][64]
+  static constexpr int kBytes = kKeyScales + 2 * 64 * 8;
+  static constexpr int kAllocation = kBytes + 1024;  // the base is rounded up to the 1024-byte atom alignment
+};
+static_assert(Smem<KvEntryFormat::kFp8>::kAllocation <= 227 * 1024, "FP8 tiles do not fit");
+static_assert(Smem<KvEntryFormat::kBf16>::kAllocation <= 227 * 1024, "BF16 tiles do not fit");
+
+template <KvEntryFormat kFormat, bool kSplit>
+__global__ void __launch_bounds__(kThreads, 1)
+    sparse_attention_wgmma_kernel(const SparseAttentionParams p, const uint16_t* q, uint16_t* __restrict__ out,
+                                  float* __restrict__ partial_o, float* __restrict__ partial_ml, int splits) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  wait_for_prior_grid();
+  allow_dependents();
+  using L = Smem<kFormat>;
+  extern __shared__ __align__(1024) uint8_t smem_unaligned[];
+  const uint32_t unaligned_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem_unaligned));
+  const uint32_t pad = (1024u - (unaligned_base & 1023u)) & 1023u;
+  uint8_t* smem = smem_unaligned + pad;
+  const uint32_t smem_base = unaligned_base + pad;
+  const uint8_t** key_data = reinterpret_cast<const uint8_t**>(smem + L::kKeyData);
+  const uint8_t** key_scales = reinterpret_cast<const uint8_t**>(smem + L::kKeyScales);
+
+  const int split = blockIdx.x, head_group = blockIdx.y;
+  const int64_t token = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int group = warp >> 2;  // warpgroup: channels 256·group … of O
+  const int64_t table_row = p.rows ? p.rows[token] : token;
+  const int position = p.positions[token];
+  const int chunk_start = p.chunk_starts ? p.chunk_starts[token] : INT_MAX;
+  const int window_keys = static_cast<int>(position + 1 < p.window_size ? position + 1 : p.window_size);
+  const int compressed_keys = p.compressed_lengths ? p.compressed_lengths[token] : 0;
+  const int num_keys = window_keys + compressed_keys;
+  const int num_tiles = (num_keys + kTileKeys - 1) / kTileKeys;
+  const int tiles_per_split = (num_tiles + splits - 1) / splits;
+  const int tile_begin = min(num_tiles, split * tiles_per_split);
+  const int tile_end = min(num_tiles, tile_begin + tiles_per_split);
+  const uint16_t* q_token = q + (token * p.heads + int64_t{head_group} * kHeadsPerCta) * kKvHeadDim;
+
+  auto resolve_tile = [&](int tile, int slot) {
+    if (tid >= kTileKeys) return;
+    const int k = tile * kTileKeys + tid;
+    KvEntryAddress address;
+    if (k < window_keys) {
+      const int window_position = position - window_keys + 1 + k;
+      address = chunk_start <= window_position
+                    ? kv_entry_address(p.chunk, kFormat, table_row, window_position - chunk_start)
+                    : kv_entry_address(p.window, kFormat, table_row, window_position);
+    } else if (k < num_keys) {
+      const int32_t entry = p.compressed_indices[token * p.compressed_stride + (k - window_keys)];
+      if (entry >= 0) address = kv_entry_address(p.compressed, kFormat, table_row, entry);
+    }
+    key_data[slot * kTileKeys + tid] = address.data;
+    key_scales[slot * kTileKeys + tid] = address.scales;
+  };
+  auto load_tile = [&](int slot) {
+    if constexpr (kFormat == KvEntryFormat::kBf16) {
+      const uint32_t stage = smem_base + L::kKv + slot * kTileBytes;
+#pragma unroll
+      for (int i = 0; i < kTileKeys * 64 / kThreads; ++i) {
+        const int u = tid + i * kThreads, key = u / 64, chunk = u % 64;
+        const uint8_t* src = key_data[slot * kTileKeys + key];
+        cp_async_16(stage + tile_offset(key, chunk), src ? src + chunk * 16 : reinterpret_cast<const uint8_t*>(q),
+                    src != nullptr);
+      }
+    } else {
+      const uint32_t stage = smem_base + L::kRaw + slot * kRawTileBytes;
+      constexpr int kChunks = kKvFp8DataBytes / 16;  // 36
+#pragma unroll
+      for (int i = 0; i < kTileKeys * kChunks / kThreads; ++i) {
+        const int u = tid + i * kThreads, key = u / kChunks, chunk = u % kChunks;
+        const uint8_t* src = key_data[slot * kTileKeys + key];
+        cp_async_16(stage + key * kKvFp8DataBytes + chunk * 16,
+                    src ? src + chunk * 16 : reinterpret_cast<const uint8_t*>(q), src != nullptr);
+      }
+      if (tid < kTileKeys) {
+        const uint8_t* src = key_scales[slot * kTileKeys + tid];
+        cp_async_8(stage + kTileKeys * kKvFp8DataBytes + tid * kKvFp8ScaleBytes,
+                   src ? src : reinterpret_cast<const uint8_t*>(q), src != nullptr);
+      }
+    }
+  };
+
+  float o[128];  // O rows 16·(warp % 4) + lane/4 (+8), channels 256·group + 8j + 2·(lane % 4) (+1)
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.0f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};  // log2 domain, rows lane/4 and lane/4 + 8
+  const float scale_log2 = p.scale * kLog2e;
+
+  if (tile_begin < tile_end) {
+    resolve_tile(tile_begin, 0);
+#pragma unroll
+    for (int i = 0; i < kHeadsPerCta * 64 / kThreads; ++i) {
+      const int u = tid + i * kThreads, h = u / 64, chunk = u % 64;
+      cp_async_16(smem_base + L::kQ + tile_offset(h, chunk), q_token + h * kKvHeadDim + chunk * 8, true);
+    }
+    __syncthreads();
+    load_tile(0);
+    cp_async_commit();
+    for (int tile = tile_begin; tile < tile_end; ++tile) {
+      const int slot = (tile - tile_begin) & 1;
+      const bool has_next = tile + 1 < tile_end;
+      if (has_next) resolve_tile(tile + 1, slot ^ 1);
+      __syncthreads();  // next tile's addresses visible; every MMA of the previous tile has completed
+      if (has_next) load_tile(slot ^ 1);
+      cp_async_commit();
+      cp_async_wait_one();
+      uint32_t kv_stage;
+      if constexpr (kFormat == KvEntryFormat::kFp8) {
+        __syncthreads();  // this tile's raw bytes visible to every thread
+        const uint8_t* raw = smem + L::kRaw + slot * kRawTileBytes;
+        uint8_t* tile_bf16 = smem + L::kKv;
+#pragma unroll
+        for (int i = 0; i < (kTileKeys * 28 + kThreads - 1) / kThreads; ++i) {
+          const int u = tid + i * kThreads;
+          if (u < kTileKeys * 28) {
+            const int key = u / 28, chunk = u % 28;
+            const uint4 bytes = *reinterpret_cast<const uint4*>(raw + key * kKvFp8DataBytes + chunk * 16);
+            const uint8_t scale_byte = raw[kTileKeys * kKvFp8DataBytes + key * kKvFp8ScaleBytes + chunk / 4];
+            const float scale = __uint_as_float(static_cast<uint32_t>(scale_byte) << 23);
+            uint4 lo, hi;
+            lo.x = dequant_pair(bytes.x & 0xffff, scale);
+            lo.y = dequant_pair(bytes.x >> 16, scale);
+            lo.z = dequant_pair(bytes.y & 0xffff, scale);
+            lo.w = dequant_pair(bytes.y >> 16, scale);
+            hi.x = dequant_pair(bytes.z & 0xffff, scale);
+            hi.y = dequant_pair(bytes.z >> 16, scale);
+            hi.z = dequant_pair(bytes.w & 0xffff, scale);
+            hi.w = dequant_pair(bytes.w >> 16, scale);
+            *reinterpret_cast<uint4*>(tile_bf16 + tile_offset(key, 2 * chunk)) = lo;
+            *reinterpret_cast<uint4*>(tile_bf16 + tile_offset(key, 2 * chunk + 1)) = hi;
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < kTileKeys * 8 / kThreads; ++i) {
+          const int u = tid + i * kThreads, key = u / 8, chunk = u % 8;
+          *reinterpret_cast<uint4*>(tile_bf16 + tile_offset(key, 56 + chunk)) =
+              *reinterpret_cast<const uint4*>(raw + key * kKvFp8DataBytes + kKvNopeDim + chunk * 16);
+        }
+        kv_stage = smem_base + L::kKv;
+      } else {
+        kv_stage = smem_base + L::kKv + slot * kTileBytes;
+      }
+      fence_proxy_async_shared();  // the tile (cp.async or dequantized) and Q, before wgmma reads them
+      __syncthreads();
+
+      // S = Q·Kᵀ: 64 heads × 64 keys over 512 channels, 16 channels per wgmma (32 bytes into a 128-byte row).
+      float s[32];
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kKvHeadDim / 16; ++ks) {
+        const uint32_t offset = (ks >> 2) * kColumnBlockBytes + (ks & 3) * 32;
+        wgmma_m64n64k16_ss(s, smem_descriptor(smem_base + L::kQ + offset, 16, 1024),
+                           smem_descriptor(kv_stage + offset, 16, 1024), ks > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+
+      // Online softmax (base 2) over complete rows: s[4j + e] is key 8j + 2·(lane % 4) + e % 2 of row
+      // lane/4 + 8·(e / 2); the 4 lanes of a quad hold a row between them.
+      float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int key = 8 * j + 2 * (lane & 3) + e;
+          const bool valid = key_data[slot * kTileKeys + key] != nullptr;
+          s[4 * j + e] = valid ? s[4 * j + e] * scale_log2 : -INFINITY;
+          s[4 * j + 2 + e] = valid ? s[4 * j + 2 + e] * scale_log2 : -INFINITY;
+          tile_max[0] = fmaxf(tile_max[0], s[4 * j + e]);
+          tile_max[1] = fmaxf(tile_max[1], s[4 * j + 2 + e]);
+        }
+      float shift[2], alpha[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+        const float m_new = fmaxf(m_run[r], tile_max[r]);
+        shift[r] = m_new == -INFINITY ? 0.0f : m_new;  // a row with no valid key yet keeps p = 0, not NaN
+        alpha[r] = exp2f(m_run[r] - shift[r]);
+        m_run[r] = m_new;
+        l_run[r] *= alpha[r];
+      }
+      uint32_t pa[4][4];  // P as the A operand, 16 keys per wgmma (the m16n8k16 A fragment of this warp's rows)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float p0 = exp2f(s[4 * j] - shift[0]), p1 = exp2f(s[4 * j + 1] - shift[0]);
+        const float p2 = exp2f(s[4 * j + 2] - shift[1]), p3 = exp2f(s[4 * j + 3] - shift[1]);
+        l_run[0] += p0 + p1;
+        l_run[1] += p2 + p3;
+        pa[j >> 1][2 * (j & 1)] = pack_bf16(p0, p1);
+        pa[j >> 1][2 * (j & 1) + 1] = pack_bf16(p2, p3);
+      }
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        o[4 * j] *= alpha[0];
+        o[4 * j + 1] *= alpha[0];
+        o[4 * j + 2] *= alpha[1];
+        o[4 * j + 3] *= alpha[1];
+      }
+      // O += P·V: keys 16·kk … (two 8-key groups, 1024 B apart) × this warpgroup's 256 channels (4 column
+      // blocks, 8192 B apart).
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kTileKeys / 16; ++kk)
+        wgmma_m64n256k16_rs_mn_major_b(
+            o, pa[kk],
+            smem_descriptor(kv_stage + 4 * group * kColumnBlockBytes + kk * 2048, kColumnBlockBytes, 1024), 1);
+      wgmma_commit();
+      wgmma_wait<0>();
+    }
+  }
+
+  // Row sums over the 4 lanes of a row (each warpgroup holds whole rows, so no exchange between them).
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = 16 * (warp & 3) + (lane >> 2) + 8 * half;
+    const int64_t head = int64_t{head_group} * kHeadsPerCta + row;
+    const float m = m_run[half], l = l_run[half];
+    if constexpr (kSplit) {
+      float* po = partial_o + ((int64_t{split} * p.tokens + token) * p.heads + head) * kKvHeadDim;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const int dim = 256 * group + 8 * j + 2 * (lane & 3);
+        *reinterpret_cast<float2*>(po + dim) = make_float2(o[4 * j + 2 * half], o[4 * j + 2 * half + 1]);
+      }
+      if (group == 0 && (lane & 3) == 0) {
+        float* ml = partial_ml + ((int64_t{split} * p.tokens + token) * p.heads + head) * 2;
+        ml[0] = m;
+        ml[1] = l;
+      }
+    } else {
+      const float inverse = l > 0.0f ? 1.0f / (l + exp2f(p.sinks[head] * kLog2e - m)) : 0.0f;
+      uint16_t* po = out + (token * p.heads + head) * kKvHeadDim;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const int dim = 256 * group + 8 * j + 2 * (lane & 3);
+        float a = o[4 * j + 2 * half] * inverse, b = o[4 * j + 2 * half + 1] * inverse;
+        if (dim >= kKvNopeDim) inverse_rope_pair(a, b, p, (dim - kKvNopeDim) / 2, position);
+        *reinterpret_cast<uint32_t*>(po + dim) = pack_bf16(a, b);
+      }
+    }
+  }
+#endif
+}
+
+}  // namespace warpgroup_mma
+
 // Merges the splits of one (token, head): m = max m_s, l = Σ 2^(m_s − m) l_s, O = Σ 2^(m_s − m) O_s, then the
 // sink, the inverse RoPE and the bf16 store. 128 threads × 4 channels.
 __global__ void __launch_bounds__(128) sparse_attention_combine_kernel(const SparseAttentionParams p,
@@ -444,13 +729,27 @@ __global__ void __launch_bounds__(128) sparse_attention_combine_kernel(const Spa
   *reinterpret_cast<uint2*>(out + (token * p.heads + head) * kKvHeadDim + dim) = packed;
 }
 
+// DSV4_ATTENTION_KERNEL=mma runs the mma.sync kernel (to measure the warpgroup kernel against it); read per call.
+bool use_warpgroup_mma() {
+  const char* value = std::getenv("DSV4_ATTENTION_KERNEL");
+  return value == nullptr || std::strcmp(value, "mma") != 0;
+}
+
 template <KvEntryFormat kFormat, bool kSplit>
 cudaError_t launch(const SparseAttentionParams& p, const uint16_t* q, uint16_t* out, float* partial_o,
                    float* partial_ml, int splits, cudaStream_t stream) {
-  auto kernel = sparse_attention_kernel<kFormat, kSplit>;
-  constexpr int kSmem = SmemLayout<kFormat>::kBytes;
-  static const cudaError_t attribute = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  const bool wgmma = use_warpgroup_mma();
+  auto kernel = wgmma ? warpgroup_mma::sparse_attention_wgmma_kernel<kFormat, kSplit>
+                      : sparse_attention_kernel<kFormat, kSplit>;
+  const int kSmem = wgmma ? warpgroup_mma::Smem<kFormat>::kAllocation : SmemLayout<kFormat>::kBytes;
+  static const cudaError_t attribute = cudaFuncSetAttribute(sparse_attention_kernel<kFormat, kSplit>,
+                                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                            SmemLayout<kFormat>::kBytes);
+  static const cudaError_t wgmma_attribute = cudaFuncSetAttribute(
+      warpgroup_mma::sparse_attention_wgmma_kernel<kFormat, kSplit>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      warpgroup_mma::Smem<kFormat>::kAllocation);
   if (attribute != cudaSuccess) return attribute;
+  if (wgmma_attribute != cudaSuccess) return wgmma_attribute;
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(p.heads / kHeadsPerCta),
                   static_cast<unsigned>(p.tokens));
   launch_dependent(kernel, grid, kThreads, kSmem, stream, p, q, out, partial_o, partial_ml, splits);

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -65,14 +66,21 @@ void check(const AttentionProblemSpec& spec, const std::string& what, std::vecto
   std::vector<uint16_t> twin(pr.q.size(), 0xffff);
   ops::cpu::sparse_attention(pr.host_params(), pr.q.data(), twin.data());
   forced_splits.insert(forced_splits.begin(), 0);  // 0: the kernel's own choice
-  for (const int64_t splits : forced_splits) {
-    p.num_splits = splits;
-    const std::string label = what + (splits ? " splits=" + std::to_string(splits) : " auto splits=" +
-                                      std::to_string(ops::cuda::sparse_attention_splits(p, multiprocessors())));
-    const std::vector<uint16_t> gpu = run_gpu(dev, p);
-    expect_close(gpu, twin, pr.tokens(), label);
-    EXPECT_EQ(gpu, run_gpu(dev, p)) << label << ": not bitwise repeatable";
+  // Both kernels: the warpgroup-MMA one (the default) and the mma.sync one (DSV4_ATTENTION_KERNEL=mma).
+  for (const char* kernel : {"wgmma", "mma"}) {
+    ::setenv("DSV4_ATTENTION_KERNEL", kernel, 1);
+    for (const int64_t splits : forced_splits) {
+      p.num_splits = splits;
+      const std::string label =
+          what + " [" + kernel + "]" +
+          (splits ? " splits=" + std::to_string(splits)
+                  : " auto splits=" + std::to_string(ops::cuda::sparse_attention_splits(p, multiprocessors())));
+      const std::vector<uint16_t> gpu = run_gpu(dev, p);
+      expect_close(gpu, twin, pr.tokens(), label);
+      EXPECT_EQ(gpu, run_gpu(dev, p)) << label << ": not bitwise repeatable";
+    }
   }
+  ::unsetenv("DSV4_ATTENTION_KERNEL");
 }
 
 TEST_F(CudaSparseAttention, FlashCsaTopK512) {
