@@ -1339,7 +1339,7 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
     ap.sinks = l.attn_sink;
     ap.rope_inv_freq = inv_freq;
     ap.rope_attention_scaling = rope_scaling;
-    ap.chunk = fp8_entries ? chunk_pool(step, chunk_entries) : chunk_pool(step, reinterpret_cast<uint8_t*>(kv_bf16));
+    ap.chunk = chunk_pool(step, fp8_entries ? chunk_entries : reinterpret_cast<uint8_t*>(kv_bf16));
     ap.chunk_starts = step.token_chunk_start;
     uint16_t* attended = buffer<uint16_t>("attended_bf16", N * H * d);
     const size_t workspace_bytes = cu::sparse_attention_workspace_bytes(ap, multiprocessors);

@@ -435,9 +435,13 @@ struct Smem {
   static constexpr int kQ = 0;
   static constexpr int kKv = kQ + kTileBytes;  // 64 heads: the same bytes as a tile
   static constexpr int kRaw = kKv + kKvStages * kTileBytes;
-  static constexpr int kKeyData = kRaw + (kFp8 ? 2 * kRawTileBytes : 0);  // const uint8_t* [2][64]
-  static constexpr int kKeyScales = kKeyData + 2 * 64 * 8;                  // const uint8_t* [2][64]
-  static constexpr int kBytes = kKeyScales + 2 * 64 * 8;
+  // Key addresses of three tiles: the tile being multiplied, the one loading, and the one after, which the
+  // resolving threads may write while a slower warp still reads the current tile's masks (no barrier between
+  // the softmax and the next iteration's resolve).
+  static constexpr int kAddressSlots = 3;
+  static constexpr int kKeyData = kRaw + (kFp8 ? 2 * kRawTileBytes : 0);        // const uint8_t* [3][64]
+  static constexpr int kKeyScales = kKeyData + kAddressSlots * kTileKeys * 8;  // const uint8_t* [3][64]
+  static constexpr int kBytes = kKeyScales + kAddressSlots * kTileKeys * 8;
   static constexpr int kAllocation = kBytes + 1024;  // the base is rounded up to the 1024-byte atom alignment
 };
 static_assert(Smem<KvEntryFormat::kFp8>::kAllocation <= 227 * 1024, "FP8 tiles do not fit");
@@ -491,13 +495,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     key_data[slot * kTileKeys + tid] = address.data;
     key_scales[slot * kTileKeys + tid] = address.scales;
   };
-  auto load_tile = [&](int slot) {
+  // Stage `slot` (tile mod 2) from the addresses of `addresses` (tile mod 3).
+  auto load_tile = [&](int slot, int addresses) {
     if constexpr (kFormat == KvEntryFormat::kBf16) {
       const uint32_t stage = smem_base + L::kKv + slot * kTileBytes;
 #pragma unroll
       for (int i = 0; i < kTileKeys * 64 / kThreads; ++i) {
         const int u = tid + i * kThreads, key = u / 64, chunk = u % 64;
-        const uint8_t* src = key_data[slot * kTileKeys + key];
+        const uint8_t* src = key_data[addresses * kTileKeys + key];
         cp_async_16(stage + tile_offset(key, chunk), src ? src + chunk * 16 : reinterpret_cast<const uint8_t*>(q),
                     src != nullptr);
       }
@@ -507,12 +512,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int i = 0; i < kTileKeys * kChunks / kThreads; ++i) {
         const int u = tid + i * kThreads, key = u / kChunks, chunk = u % kChunks;
-        const uint8_t* src = key_data[slot * kTileKeys + key];
+        const uint8_t* src = key_data[addresses * kTileKeys + key];
         cp_async_16(stage + key * kKvFp8DataBytes + chunk * 16,
                     src ? src + chunk * 16 : reinterpret_cast<const uint8_t*>(q), src != nullptr);
       }
       if (tid < kTileKeys) {
-        const uint8_t* src = key_scales[slot * kTileKeys + tid];
+        const uint8_t* src = key_scales[addresses * kTileKeys + tid];
         cp_async_8(stage + kTileKeys * kKvFp8DataBytes + tid * kKvFp8ScaleBytes,
                    src ? src : reinterpret_cast<const uint8_t*>(q), src != nullptr);
       }
@@ -533,14 +538,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       cp_async_16(smem_base + L::kQ + tile_offset(h, chunk), q_token + h * kKvHeadDim + chunk * 8, true);
     }
     __syncthreads();
-    load_tile(0);
+    load_tile(0, 0);
     cp_async_commit();
     for (int tile = tile_begin; tile < tile_end; ++tile) {
-      const int slot = (tile - tile_begin) & 1;
+      const int slot = (tile - tile_begin) & 1, addresses = (tile - tile_begin) % L::kAddressSlots;
+      const int next_addresses = addresses + 1 == L::kAddressSlots ? 0 : addresses + 1;
       const bool has_next = tile + 1 < tile_end;
-      if (has_next) resolve_tile(tile + 1, slot ^ 1);
+      if (has_next) resolve_tile(tile + 1, next_addresses);
       __syncthreads();  // next tile's addresses visible; every MMA of the previous tile has completed
-      if (has_next) load_tile(slot ^ 1);
+      if (has_next) load_tile(slot ^ 1, next_addresses);
       cp_async_commit();
       cp_async_wait_one();
       uint32_t kv_stage;
@@ -602,7 +608,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int key = 8 * j + 2 * (lane & 3) + e;
-          const bool valid = key_data[slot * kTileKeys + key] != nullptr;
+          const bool valid = key_data[addresses * kTileKeys + key] != nullptr;
           s[4 * j + e] = valid ? s[4 * j + e] * scale_log2 : -INFINITY;
           s[4 * j + 2 + e] = valid ? s[4 * j + 2 + e] * scale_log2 : -INFINITY;
           tile_max[0] = fmaxf(tile_max[0], s[4 * j + e]);
