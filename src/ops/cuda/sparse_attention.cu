@@ -107,6 +107,98 @@ __device__ __forceinline__ void inverse_rope_pair(float& a, float& b, const Spar
   b = rb;
 }
 
+// What query token `token` reads (MODEL.md "Attention sublayer"): window positions max(0, t − W + 1) … t, then
+// its compressed entries; key k of the concatenation lives at key_address(k).
+struct QueryKeys {
+  int64_t token = 0, table_row = 0;
+  int position = 0, chunk_start = 0, window_keys = 0, num_keys = 0;
+};
+__device__ __forceinline__ QueryKeys query_keys(const SparseAttentionParams& p, int64_t token) {
+  QueryKeys k;
+  k.token = token;
+  k.table_row = p.rows ? p.rows[token] : token;
+  k.position = p.positions[token];
+  k.chunk_start = p.chunk_starts ? p.chunk_starts[token] : INT_MAX;  // prefill: own chunk from p.chunk
+  k.window_keys = static_cast<int>(k.position + 1 < p.window_size ? k.position + 1 : p.window_size);
+  k.num_keys = k.window_keys + (p.compressed_lengths ? p.compressed_lengths[token] : 0);
+  return k;
+}
+// The entry of key k (data nullptr: masked, or past the query's keys).
+template <KvEntryFormat kFormat>
+__device__ __forceinline__ KvEntryAddress key_address(const SparseAttentionParams& p, const QueryKeys& keys, int k) {
+  KvEntryAddress address;
+  if (k < keys.window_keys) {
+    const int window_position = keys.position - keys.window_keys + 1 + k;
+    address = keys.chunk_start <= window_position
+                  ? kv_entry_address(p.chunk, kFormat, keys.table_row, window_position - keys.chunk_start)
+                  : kv_entry_address(p.window, kFormat, keys.table_row, window_position);
+  } else if (k < keys.num_keys) {
+    const int32_t entry = p.compressed_indices[keys.token * p.compressed_stride + (k - keys.window_keys)];
+    if (entry >= 0) address = kv_entry_address(p.compressed, kFormat, keys.table_row, entry);
+  }
+  return address;
+}
+
+// Asynchronous copies of a resolved tile (entry addresses `data`, `scales` per key) into shared memory; masked
+// keys are zero-filled so that P·V sees zeros (`any` is a valid address the zero-fill never reads). BF16: each
+// 16-byte chunk c of key k at stage + offset(k, c). FP8: the raw 576-byte rows, then the 8-byte scale groups.
+template <typename Offset>
+__device__ __forceinline__ void load_bf16_tile(uint32_t stage, const uint8_t* const* data, const void* any, int tid,
+                                               Offset offset) {
+#pragma unroll
+  for (int i = 0; i < kTileKeys * 64 / kThreads; ++i) {
+    const int u = tid + i * kThreads, key = u / 64, chunk = u % 64;
+    const uint8_t* src = data[key];
+    cp_async_16(stage + offset(key, chunk), src ? src + chunk * 16 : any, src != nullptr);
+  }
+}
+__device__ __forceinline__ void load_fp8_raw_tile(uint32_t stage, const uint8_t* const* data,
+                                                  const uint8_t* const* scales, const void* any, int tid) {
+  constexpr int kChunks = kKvFp8DataBytes / 16;  // 36
+#pragma unroll
+  for (int i = 0; i < kTileKeys * kChunks / kThreads; ++i) {
+    const int u = tid + i * kThreads, key = u / kChunks, chunk = u % kChunks;
+    const uint8_t* src = data[key];
+    cp_async_16(stage + key * kKvFp8DataBytes + chunk * 16, src ? src + chunk * 16 : any, src != nullptr);
+  }
+  if (tid < kTileKeys) {
+    const uint8_t* src = scales[tid];
+    cp_async_8(stage + kTileKeys * kKvFp8DataBytes + tid * kKvFp8ScaleBytes, src ? src : any, src != nullptr);
+  }
+}
+// A raw FP8 tile → bf16 rows at tile_bf16 + offset(key, chunk): 64 keys × 28 chunks of 16 e4m3 (one scale each),
+// and the 64 × 8 rope chunks as they are.
+template <typename Offset>
+__device__ __forceinline__ void dequantize_tile(const uint8_t* raw, uint8_t* tile_bf16, int tid, Offset offset) {
+#pragma unroll
+  for (int i = 0; i < (kTileKeys * 28 + kThreads - 1) / kThreads; ++i) {
+    const int u = tid + i * kThreads;
+    if (u < kTileKeys * 28) {
+      const int key = u / 28, chunk = u % 28;
+      const uint4 bytes = *reinterpret_cast<const uint4*>(raw + key * kKvFp8DataBytes + chunk * 16);
+      const uint8_t scale_byte = raw[kTileKeys * kKvFp8DataBytes + key * kKvFp8ScaleBytes + chunk / 4];
+      const float scale = __uint_as_float(static_cast<uint32_t>(scale_byte) << 23);
+      uint4 lo, hi;
+      lo.x = dequant_pair(bytes.x & 0xffff, scale);
+      lo.y = dequant_pair(bytes.x >> 16, scale);
+      lo.z = dequant_pair(bytes.y & 0xffff, scale);
+      lo.w = dequant_pair(bytes.y >> 16, scale);
+      hi.x = dequant_pair(bytes.z & 0xffff, scale);
+      hi.y = dequant_pair(bytes.z >> 16, scale);
+      hi.z = dequant_pair(bytes.w & 0xffff, scale);
+      hi.w = dequant_pair(bytes.w >> 16, scale);
+      *reinterpret_cast<uint4*>(tile_bf16 + offset(key, 2 * chunk)) = lo;
+      *reinterpret_cast<uint4*>(tile_bf16 + offset(key, 2 * chunk + 1)) = hi;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kTileKeys * 8 / kThreads; ++i) {
+    const int u = tid + i * kThreads, key = u / 8, chunk = u % 8;
+    *reinterpret_cast<uint4*>(tile_bf16 + offset(key, 56 + chunk)) =
+        *reinterpret_cast<const uint4*>(raw + key * kKvFp8DataBytes + kKvNopeDim + chunk * 16);
+  }
+}
+
 // Grid (splits, heads / 64, tokens). CTA (split, g, i): token i, heads 64g … 64g+63, its share of the key tiles.
 template <KvEntryFormat kFormat, bool kSplit>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -127,12 +219,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int split = blockIdx.x, head_group = blockIdx.y;
   const int64_t token = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int64_t table_row = p.rows ? p.rows[token] : token;
-  const int position = p.positions[token];
-  const int chunk_start = p.chunk_starts ? p.chunk_starts[token] : INT_MAX;  // prefill: own chunk from p.chunk
-  const int window_keys = static_cast<int>(position + 1 < p.window_size ? position + 1 : p.window_size);
-  const int compressed_keys = p.compressed_lengths ? p.compressed_lengths[token] : 0;
-  const int num_keys = window_keys + compressed_keys;
+  const QueryKeys keys = query_keys(p, token);
+  const int position = keys.position, num_keys = keys.num_keys;
   const int num_tiles = (num_keys + kTileKeys - 1) / kTileKeys;
   const int tiles_per_split = (num_tiles + splits - 1) / splits;
   const int tile_begin = min(num_tiles, split * tiles_per_split);
@@ -142,47 +230,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Threads 0..63 resolve key `tid` of a tile to its entry's addresses (nullptr: masked).
   auto resolve_tile = [&](int tile, int slot) {
     if (tid >= kTileKeys) return;
-    const int k = tile * kTileKeys + tid;
-    KvEntryAddress address;
-    if (k < window_keys) {
-      const int window_position = position - window_keys + 1 + k;
-      address = chunk_start <= window_position
-                    ? kv_entry_address(p.chunk, kFormat, table_row, window_position - chunk_start)
-                    : kv_entry_address(p.window, kFormat, table_row, window_position);
-    } else if (k < num_keys) {
-      const int32_t entry = p.compressed_indices[token * p.compressed_stride + (k - window_keys)];
-      if (entry >= 0) address = kv_entry_address(p.compressed, kFormat, table_row, entry);
-    }
+    const KvEntryAddress address = key_address<kFormat>(p, keys, tile * kTileKeys + tid);
     key_data[slot * kTileKeys + tid] = address.data;
     key_scales[slot * kTileKeys + tid] = address.scales;
   };
-  // Asynchronous copies of a resolved tile into its stage; masked keys are zero-filled so that P·V sees zeros.
   auto load_tile = [&](int slot) {
-    if constexpr (kFormat == KvEntryFormat::kBf16) {
-      const uint32_t stage = smem_base + L::kKv + slot * kTileBytes;
-#pragma unroll
-      for (int i = 0; i < kTileKeys * 64 / kThreads; ++i) {
-        const int u = tid + i * kThreads, key = u / 64, chunk = u % 64;
-        const uint8_t* src = key_data[slot * kTileKeys + key];
-        cp_async_16(stage + row_offset(key, chunk), src ? src + chunk * 16 : reinterpret_cast<const uint8_t*>(q),
-                    src != nullptr);
-      }
-    } else {
-      const uint32_t stage = smem_base + L::kRaw + slot * kRawTileBytes;
-      constexpr int kChunks = kKvFp8DataBytes / 16;  // 36
-#pragma unroll
-      for (int i = 0; i < kTileKeys * kChunks / kThreads; ++i) {
-        const int u = tid + i * kThreads, key = u / kChunks, chunk = u % kChunks;
-        const uint8_t* src = key_data[slot * kTileKeys + key];
-        cp_async_16(stage + key * kKvFp8DataBytes + chunk * 16,
-                    src ? src + chunk * 16 : reinterpret_cast<const uint8_t*>(q), src != nullptr);
-      }
-      if (tid < kTileKeys) {
-        const uint8_t* src = key_scales[slot * kTileKeys + tid];
-        cp_async_8(stage + kTileKeys * kKvFp8DataBytes + tid * kKvFp8ScaleBytes,
-                   src ? src : reinterpret_cast<const uint8_t*>(q), src != nullptr);
-      }
-    }
+    if constexpr (kFormat == KvEntryFormat::kBf16)
+      load_bf16_tile(smem_base + L::kKv + slot * kTileBytes, key_data + slot * kTileKeys, q, tid, row_offset);
+    else
+      load_fp8_raw_tile(smem_base + L::kRaw + slot * kRawTileBytes, key_data + slot * kTileKeys,
+                        key_scales + slot * kTileKeys, q, tid);
   };
 
   float acc[4][8][4];  // O rows (heads) 16·mt + …, dims 64·warp + 8·nt + …
@@ -219,36 +276,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       __syncthreads();  // this tile's bytes visible to every thread
       uint32_t kv_stage;
       if constexpr (kFormat == KvEntryFormat::kFp8) {
-        // Dequantize: 64 keys × 28 chunks of 16 e4m3 (one scale each) → bf16, and the 64 × 8 rope chunks as is.
         const uint8_t* raw = smem + L::kRaw + slot * kRawTileBytes;
         uint8_t* tile_bf16 = smem + L::kKv;
-#pragma unroll
-        for (int i = 0; i < (kTileKeys * 28 + kThreads - 1) / kThreads; ++i) {
-          const int u = tid + i * kThreads;
-          if (u < kTileKeys * 28) {
-            const int key = u / 28, chunk = u % 28;
-            const uint4 bytes = *reinterpret_cast<const uint4*>(raw + key * kKvFp8DataBytes + chunk * 16);
-            const uint8_t scale_byte = raw[kTileKeys * kKvFp8DataBytes + key * kKvFp8ScaleBytes + chunk / 4];
-            const float scale = __uint_as_float(static_cast<uint32_t>(scale_byte) << 23);
-            uint4 lo, hi;
-            lo.x = dequant_pair(bytes.x & 0xffff, scale);
-            lo.y = dequant_pair(bytes.x >> 16, scale);
-            lo.z = dequant_pair(bytes.y & 0xffff, scale);
-            lo.w = dequant_pair(bytes.y >> 16, scale);
-            hi.x = dequant_pair(bytes.z & 0xffff, scale);
-            hi.y = dequant_pair(bytes.z >> 16, scale);
-            hi.z = dequant_pair(bytes.w & 0xffff, scale);
-            hi.w = dequant_pair(bytes.w >> 16, scale);
-            *reinterpret_cast<uint4*>(tile_bf16 + row_offset(key, 2 * chunk)) = lo;
-            *reinterpret_cast<uint4*>(tile_bf16 + row_offset(key, 2 * chunk + 1)) = hi;
-          }
-        }
-#pragma unroll
-        for (int i = 0; i < kTileKeys * 8 / kThreads; ++i) {
-          const int u = tid + i * kThreads, key = u / 8, chunk = u % 8;
-          *reinterpret_cast<uint4*>(tile_bf16 + row_offset(key, 56 + chunk)) =
-              *reinterpret_cast<const uint4*>(raw + key * kKvFp8DataBytes + kKvNopeDim + chunk * 16);
-        }
+        dequantize_tile(raw, tile_bf16, tid, row_offset);
         __syncthreads();
         kv_stage = smem_base + L::kKv;
       } else {
@@ -467,12 +497,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t token = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int group = warp >> 2;  // warpgroup: channels 256·group … of O
-  const int64_t table_row = p.rows ? p.rows[token] : token;
-  const int position = p.positions[token];
-  const int chunk_start = p.chunk_starts ? p.chunk_starts[token] : INT_MAX;
-  const int window_keys = static_cast<int>(position + 1 < p.window_size ? position + 1 : p.window_size);
-  const int compressed_keys = p.compressed_lengths ? p.compressed_lengths[token] : 0;
-  const int num_keys = window_keys + compressed_keys;
+  const QueryKeys keys = query_keys(p, token);
+  const int position = keys.position, num_keys = keys.num_keys;
   const int num_tiles = (num_keys + kTileKeys - 1) / kTileKeys;
   const int tiles_per_split = (num_tiles + splits - 1) / splits;
   const int tile_begin = min(num_tiles, split * tiles_per_split);
@@ -481,47 +507,17 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   auto resolve_tile = [&](int tile, int slot) {
     if (tid >= kTileKeys) return;
-    const int k = tile * kTileKeys + tid;
-    KvEntryAddress address;
-    if (k < window_keys) {
-      const int window_position = position - window_keys + 1 + k;
-      address = chunk_start <= window_position
-                    ? kv_entry_address(p.chunk, kFormat, table_row, window_position - chunk_start)
-                    : kv_entry_address(p.window, kFormat, table_row, window_position);
-    } else if (k < num_keys) {
-      const int32_t entry = p.compressed_indices[token * p.compressed_stride + (k - window_keys)];
-      if (entry >= 0) address = kv_entry_address(p.compressed, kFormat, table_row, entry);
-    }
+    const KvEntryAddress address = key_address<kFormat>(p, keys, tile * kTileKeys + tid);
     key_data[slot * kTileKeys + tid] = address.data;
     key_scales[slot * kTileKeys + tid] = address.scales;
   };
   // Stage `slot` (tile mod 2) from the addresses of `addresses` (tile mod 3).
   auto load_tile = [&](int slot, int addresses) {
-    if constexpr (kFormat == KvEntryFormat::kBf16) {
-      const uint32_t stage = smem_base + L::kKv + slot * kTileBytes;
-#pragma unroll
-      for (int i = 0; i < kTileKeys * 64 / kThreads; ++i) {
-        const int u = tid + i * kThreads, key = u / 64, chunk = u % 64;
-        const uint8_t* src = key_data[addresses * kTileKeys + key];
-        cp_async_16(stage + tile_offset(key, chunk), src ? src + chunk * 16 : reinterpret_cast<const uint8_t*>(q),
-                    src != nullptr);
-      }
-    } else {
-      const uint32_t stage = smem_base + L::kRaw + slot * kRawTileBytes;
-      constexpr int kChunks = kKvFp8DataBytes / 16;  // 36
-#pragma unroll
-      for (int i = 0; i < kTileKeys * kChunks / kThreads; ++i) {
-        const int u = tid + i * kThreads, key = u / kChunks, chunk = u % kChunks;
-        const uint8_t* src = key_data[addresses * kTileKeys + key];
-        cp_async_16(stage + key * kKvFp8DataBytes + chunk * 16,
-                    src ? src + chunk * 16 : reinterpret_cast<const uint8_t*>(q), src != nullptr);
-      }
-      if (tid < kTileKeys) {
-        const uint8_t* src = key_scales[addresses * kTileKeys + tid];
-        cp_async_8(stage + kTileKeys * kKvFp8DataBytes + tid * kKvFp8ScaleBytes,
-                   src ? src : reinterpret_cast<const uint8_t*>(q), src != nullptr);
-      }
-    }
+    if constexpr (kFormat == KvEntryFormat::kBf16)
+      load_bf16_tile(smem_base + L::kKv + slot * kTileBytes, key_data + addresses * kTileKeys, q, tid, tile_offset);
+    else
+      load_fp8_raw_tile(smem_base + L::kRaw + slot * kRawTileBytes, key_data + addresses * kTileKeys,
+                        key_scales + addresses * kTileKeys, q, tid);
   };
 
   float o[128];  // O rows 16·(warp % 4) + lane/4 (+8), channels 256·group + 8j + 2·(lane % 4) (+1)
@@ -554,33 +550,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         __syncthreads();  // this tile's raw bytes visible to every thread
         const uint8_t* raw = smem + L::kRaw + slot * kRawTileBytes;
         uint8_t* tile_bf16 = smem + L::kKv;
-#pragma unroll
-        for (int i = 0; i < (kTileKeys * 28 + kThreads - 1) / kThreads; ++i) {
-          const int u = tid + i * kThreads;
-          if (u < kTileKeys * 28) {
-            const int key = u / 28, chunk = u % 28;
-            const uint4 bytes = *reinterpret_cast<const uint4*>(raw + key * kKvFp8DataBytes + chunk * 16);
-            const uint8_t scale_byte = raw[kTileKeys * kKvFp8DataBytes + key * kKvFp8ScaleBytes + chunk / 4];
-            const float scale = __uint_as_float(static_cast<uint32_t>(scale_byte) << 23);
-            uint4 lo, hi;
-            lo.x = dequant_pair(bytes.x & 0xffff, scale);
-            lo.y = dequant_pair(bytes.x >> 16, scale);
-            lo.z = dequant_pair(bytes.y & 0xffff, scale);
-            lo.w = dequant_pair(bytes.y >> 16, scale);
-            hi.x = dequant_pair(bytes.z & 0xffff, scale);
-            hi.y = dequant_pair(bytes.z >> 16, scale);
-            hi.z = dequant_pair(bytes.w & 0xffff, scale);
-            hi.w = dequant_pair(bytes.w >> 16, scale);
-            *reinterpret_cast<uint4*>(tile_bf16 + tile_offset(key, 2 * chunk)) = lo;
-            *reinterpret_cast<uint4*>(tile_bf16 + tile_offset(key, 2 * chunk + 1)) = hi;
-          }
-        }
-#pragma unroll
-        for (int i = 0; i < kTileKeys * 8 / kThreads; ++i) {
-          const int u = tid + i * kThreads, key = u / 8, chunk = u % 8;
-          *reinterpret_cast<uint4*>(tile_bf16 + tile_offset(key, 56 + chunk)) =
-              *reinterpret_cast<const uint4*>(raw + key * kKvFp8DataBytes + kKvNopeDim + chunk * 16);
-        }
+        dequantize_tile(raw, tile_bf16, tid, tile_offset);
         kv_stage = smem_base + L::kKv;
       } else {
         kv_stage = smem_base + L::kKv + slot * kTileBytes;
