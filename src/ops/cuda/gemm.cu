@@ -67,6 +67,21 @@ Fp8Backend default_fp8_backend() {  // DSV4_FP8_GEMM=cublaslt|skinny forces one 
 
 int64_t ceil_blocks(int64_t n) { return (n + kFp8Block - 1) / kFp8Block; }
 
+// cuBLASLt's heuristic: up to `count` algorithms for the product in `results`, best first; how many in `found`.
+cublasStatus_t heuristic(cublasLtHandle_t lt, cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t a,
+                         cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c, size_t workspace_bytes, int count,
+                         cublasLtMatmulHeuristicResult_t* results, int& found) {
+  cublasLtMatmulPreference_t preference = nullptr;
+  check(cublasLtMatmulPreferenceCreate(&preference), "preference");
+  check(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                             &workspace_bytes, sizeof workspace_bytes),
+        "preference workspace");
+  found = 0;
+  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(lt, op, a, b, c, c, preference, count, results, &found);
+  cublasLtMatmulPreferenceDestroy(preference);
+  return status;
+}
+
 }  // namespace
 
 struct Gemm::Plan {
@@ -183,17 +198,11 @@ Gemm::Plan& Gemm::plan(const Key& key, const void* w, const void* x, void* y, cu
     strided(plan->b, x_batch, "batch x");
     strided(plan->c, y_batch, "batch y");
   }
-  cublasLtMatmulPreference_t preference = nullptr;
-  check(cublasLtMatmulPreferenceCreate(&preference), "preference");
-  check(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes_,
-                                             sizeof workspace_bytes_),
-        "preference workspace");
   cublasLtMatmulHeuristicResult_t results[kCandidates]{};
   int found = 0;
   const auto lt = static_cast<cublasLtHandle_t>(handle_);
-  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
-      lt, plan->op, plan->a, plan->b, plan->c, plan->c, preference, kCandidates, results, &found);
-  cublasLtMatmulPreferenceDestroy(preference);
+  const cublasStatus_t status =
+      heuristic(lt, plan->op, plan->a, plan->b, plan->c, workspace_bytes_, kCandidates, results, found);
   if (status != CUBLAS_STATUS_SUCCESS || found == 0)
     throw Error("cuBLASLt has no algorithm for a " + std::string(operand == CUDA_R_16BF ? "bf16" : "fp32") + " [" +
                 std::to_string(rows) + " x " + std::to_string(in) + "] x [" + std::to_string(in) + " x " +
@@ -312,16 +321,9 @@ void Gemm::run_lt(Plan& p, int64_t rows, const void* w, const void* x, void* y, 
       cublasLtMatmul(lt, p.op, &alpha, w, p.a, x, b, &beta, y, c, y, c, algo, workspace_, workspace_bytes_, stream);
   if (status == CUBLAS_STATUS_NOT_SUPPORTED && algo == &p.algo && rows != p.rows) {
     // The bucket's algorithm refuses this row count: it gets its own heuristic answer, once.
-    cublasLtMatmulPreference_t preference = nullptr;
-    check(cublasLtMatmulPreferenceCreate(&preference), "preference");
-    check(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                               &workspace_bytes_, sizeof workspace_bytes_),
-          "preference workspace");
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
-    const cublasStatus_t query =
-        cublasLtMatmulAlgoGetHeuristic(lt, p.op, p.a, b, c, c, preference, 1, &result, &found);
-    cublasLtMatmulPreferenceDestroy(preference);
+    const cublasStatus_t query = heuristic(lt, p.op, p.a, b, c, workspace_bytes_, 1, &result, found);
     if (query == CUBLAS_STATUS_SUCCESS && found > 0) {
       algo = &(p.exact_algos[rows] = result.algo);
       status = cublasLtMatmul(lt, p.op, &alpha, w, p.a, x, b, &beta, y, c, y, c, algo, workspace_, workspace_bytes_,
@@ -439,17 +441,10 @@ Gemm::Plan& Gemm::fp8_plan(const Key& key, const GemmWeight& w, const Fp8Activat
     check(cublasLtMatrixLayoutCreate(&plan->c, output, static_cast<uint64_t>(out),
                                      static_cast<uint64_t>(rows), y_stride),
           "fp8 layout y");
-    cublasLtMatmulPreference_t preference = nullptr;
-    check(cublasLtMatmulPreferenceCreate(&preference), "preference");
-    check(cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                               &workspace_bytes_, sizeof workspace_bytes_),
-          "preference workspace");
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
-    const cublasStatus_t status =
-        cublasLtMatmulAlgoGetHeuristic(static_cast<cublasLtHandle_t>(handle_), plan->op, plan->a, plan->b,
-                                       plan->c, plan->c, preference, 1, &result, &found);
-    cublasLtMatmulPreferenceDestroy(preference);
+    const cublasStatus_t status = heuristic(static_cast<cublasLtHandle_t>(handle_), plan->op, plan->a, plan->b,
+                                            plan->c, workspace_bytes_, 1, &result, found);
     if (status == CUBLAS_STATUS_SUCCESS && found > 0) {
       plan->algo = result.algo;
       plan->fp8_skinny = false;
