@@ -166,35 +166,30 @@ __device__ __forceinline__ void load_fp8_raw_tile(uint32_t stage, const uint8_t*
     cp_async_8(stage + kTileKeys * kKvFp8DataBytes + tid * kKvFp8ScaleBytes, src ? src : any, src != nullptr);
   }
 }
-// A raw FP8 tile → bf16 rows at tile_bf16 + offset(key, chunk): 64 keys × 28 chunks of 16 e4m3 (one scale each),
-// and the 64 × 8 rope chunks as they are.
+// A raw FP8 tile → bf16 rows at tile_bf16 + offset(key, chunk): 64 keys × 56 no-rope chunks of 8 e4m3 → 8 bf16
+// (one scale per 64 channels, so per 8 chunks), and the 64 × 8 rope chunks as they are. One 16-byte destination
+// chunk per thread, so 8 consecutive lanes fill the 8 chunks of one 128-byte segment of a row: no bank conflict
+// in either layout (two chunks per thread cost 4-7-way conflicts, ncu).
 template <typename Offset>
 __device__ __forceinline__ void dequantize_tile(const uint8_t* raw, uint8_t* tile_bf16, int tid, Offset offset) {
+  constexpr int kNopeChunks = kKvNopeDim / 8;  // 56
 #pragma unroll
-  for (int i = 0; i < (kTileKeys * 28 + kThreads - 1) / kThreads; ++i) {
-    const int u = tid + i * kThreads;
-    if (u < kTileKeys * 28) {
-      const int key = u / 28, chunk = u % 28;
-      const uint4 bytes = *reinterpret_cast<const uint4*>(raw + key * kKvFp8DataBytes + chunk * 16);
-      const uint8_t scale_byte = raw[kTileKeys * kKvFp8DataBytes + key * kKvFp8ScaleBytes + chunk / 4];
-      const float scale = __uint_as_float(static_cast<uint32_t>(scale_byte) << 23);
-      uint4 lo, hi;
-      lo.x = dequant_pair(bytes.x & 0xffff, scale);
-      lo.y = dequant_pair(bytes.x >> 16, scale);
-      lo.z = dequant_pair(bytes.y & 0xffff, scale);
-      lo.w = dequant_pair(bytes.y >> 16, scale);
-      hi.x = dequant_pair(bytes.z & 0xffff, scale);
-      hi.y = dequant_pair(bytes.z >> 16, scale);
-      hi.z = dequant_pair(bytes.w & 0xffff, scale);
-      hi.w = dequant_pair(bytes.w >> 16, scale);
-      *reinterpret_cast<uint4*>(tile_bf16 + offset(key, 2 * chunk)) = lo;
-      *reinterpret_cast<uint4*>(tile_bf16 + offset(key, 2 * chunk + 1)) = hi;
-    }
+  for (int i = 0; i < kTileKeys * kNopeChunks / kThreads; ++i) {
+    const int u = tid + i * kThreads, key = u / kNopeChunks, chunk = u % kNopeChunks;
+    const uint2 bytes = *reinterpret_cast<const uint2*>(raw + key * kKvFp8DataBytes + chunk * 8);
+    const uint8_t scale_byte = raw[kTileKeys * kKvFp8DataBytes + key * kKvFp8ScaleBytes + chunk / 8];
+    const float scale = __uint_as_float(static_cast<uint32_t>(scale_byte) << 23);
+    uint4 v;
+    v.x = dequant_pair(bytes.x & 0xffff, scale);
+    v.y = dequant_pair(bytes.x >> 16, scale);
+    v.z = dequant_pair(bytes.y & 0xffff, scale);
+    v.w = dequant_pair(bytes.y >> 16, scale);
+    *reinterpret_cast<uint4*>(tile_bf16 + offset(key, chunk)) = v;
   }
 #pragma unroll
   for (int i = 0; i < kTileKeys * 8 / kThreads; ++i) {
     const int u = tid + i * kThreads, key = u / 8, chunk = u % 8;
-    *reinterpret_cast<uint4*>(tile_bf16 + offset(key, 56 + chunk)) =
+    *reinterpret_cast<uint4*>(tile_bf16 + offset(key, kNopeChunks + chunk)) =
         *reinterpret_cast<const uint4*>(raw + key * kKvFp8DataBytes + kKvNopeDim + chunk * 16);
   }
 }
@@ -476,6 +471,9 @@ struct Smem {
 };
 static_assert(Smem<KvEntryFormat::kFp8>::kAllocation <= 227 * 1024, "FP8 tiles do not fit");
 static_assert(Smem<KvEntryFormat::kBf16>::kAllocation <= 227 * 1024, "BF16 tiles do not fit");
+// The epilogue stages 64 rows of fp32 partials (512 + 8 floats each) over Q and the tiles.
+static_assert(kHeadsPerCta * (kKvHeadDim + 8) * 4 <= Smem<KvEntryFormat::kBf16>::kKeyData, "staging does not fit");
+static_assert(kHeadsPerCta * (kKvHeadDim + 8) * 4 <= Smem<KvEntryFormat::kFp8>::kKeyData, "staging does not fit");
 
 template <KvEntryFormat kFormat, bool kSplit>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -631,33 +629,61 @@ __global__ void __launch_bounds__(kThreads, 1)
     l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
     l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
   }
+  // The output leaves through shared memory: straight from the accumulator layout a lane stores 4-8 bytes per
+  // row, which the compiler split into 4-byte stores (16 of every 32 bytes of a sector used, 36 % excess
+  // sectors, the partials' stores the main stall of a one-tile CTA: ncu, 2026-12-06). Staged rows are padded
+  // by 8 words (32 B) so the 8 rows of one store land in different banks; then 16-byte coalesced copies.
+  __syncthreads();  // every warp is past its last wgmma and its last read of Q and the tiles
+  const int64_t first_head = int64_t{head_group} * kHeadsPerCta;
+  if constexpr (kSplit) {
+    constexpr int kStride = kKvHeadDim + 8;  // floats
+    float* staged = reinterpret_cast<float*>(smem);
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = 16 * (warp & 3) + (lane >> 2) + 8 * half;
-    const int64_t head = int64_t{head_group} * kHeadsPerCta + row;
-    const float m = m_run[half], l = l_run[half];
-    if constexpr (kSplit) {
-      float* po = partial_o + ((int64_t{split} * p.tokens + token) * p.heads + head) * kKvHeadDim;
+    for (int half = 0; half < 2; ++half) {
+      const int row = 16 * (warp & 3) + (lane >> 2) + 8 * half;
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
         const int dim = 256 * group + 8 * j + 2 * (lane & 3);
-        *reinterpret_cast<float2*>(po + dim) = make_float2(o[4 * j + 2 * half], o[4 * j + 2 * half + 1]);
+        *reinterpret_cast<float2*>(staged + row * kStride + dim) = make_float2(o[4 * j + 2 * half], o[4 * j + 2 * half + 1]);
       }
       if (group == 0 && (lane & 3) == 0) {
-        float* ml = partial_ml + ((int64_t{split} * p.tokens + token) * p.heads + head) * 2;
-        ml[0] = m;
-        ml[1] = l;
+        float* ml = partial_ml + ((int64_t{split} * p.tokens + token) * p.heads + first_head + row) * 2;
+        ml[0] = m_run[half];
+        ml[1] = l_run[half];
       }
-    } else {
-      const float inverse = l > 0.0f ? 1.0f / (l + exp2f(p.sinks[head] * kLog2e - m)) : 0.0f;
-      uint16_t* po = out + (token * p.heads + head) * kKvHeadDim;
+    }
+    __syncthreads();
+    float* base = partial_o + ((int64_t{split} * p.tokens + token) * p.heads + first_head) * kKvHeadDim;
+#pragma unroll 4
+    for (int i = tid; i < kHeadsPerCta * kKvHeadDim / 4; i += kThreads) {
+      const int row = i / (kKvHeadDim / 4), column = 4 * (i % (kKvHeadDim / 4));
+      *reinterpret_cast<float4*>(base + row * kKvHeadDim + column) =
+          *reinterpret_cast<const float4*>(staged + row * kStride + column);
+    }
+  } else {
+    constexpr int kStride = kKvHeadDim + 8;  // bf16: rows 1,040 B apart, 4 banks on
+    uint16_t* staged = reinterpret_cast<uint16_t*>(smem);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = 16 * (warp & 3) + (lane >> 2) + 8 * half;
+      const float m = m_run[half], l = l_run[half];
+      // The sink joins the denominator only: o = Σ p v / (Σ p + 2^(sink·log2e − m)); no key → zeros.
+      const float inverse = l > 0.0f ? 1.0f / (l + exp2f(p.sinks[first_head + row] * kLog2e - m)) : 0.0f;
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
         const int dim = 256 * group + 8 * j + 2 * (lane & 3);
         float a = o[4 * j + 2 * half] * inverse, b = o[4 * j + 2 * half + 1] * inverse;
         if (dim >= kKvNopeDim) inverse_rope_pair(a, b, p, (dim - kKvNopeDim) / 2, position);
-        *reinterpret_cast<uint32_t*>(po + dim) = pack_bf16(a, b);
+        *reinterpret_cast<uint32_t*>(staged + row * kStride + dim) = pack_bf16(a, b);
       }
+    }
+    __syncthreads();
+    uint16_t* base = out + (token * p.heads + first_head) * kKvHeadDim;
+#pragma unroll 4
+    for (int i = tid; i < kHeadsPerCta * kKvHeadDim / 8; i += kThreads) {
+      const int row = i / (kKvHeadDim / 8), column = 8 * (i % (kKvHeadDim / 8));
+      *reinterpret_cast<uint4*>(base + row * kKvHeadDim + column) =
+          *reinterpret_cast<const uint4*>(staged + row * kStride + column);
     }
   }
 #endif
