@@ -750,9 +750,9 @@ bool cuda_device_available() {
 // Steps of at least this many tokens run the bf16 MoE as per-expert cuBLASLt GEMMs (moe_host_grouped), the rest
 // the grouped mma.sync kernel. Per-expert cuBLASLt measured faster once its plans stopped paying a heuristic
 // query per expert load (ops/cuda/gemm.h's row buckets): 4-layer V4-Flash cut, 16 experts, H100, whole
-// prefill 37.5 → 34.8 ms at 4K tokens and 10.59 → 10.25 ms at 1K (docs/PERF.md). Below 1K tokens it is
-// unmeasured, so the kernel keeps those. DSV4_HOST_GROUPED_MOE_MIN_TOKENS=N moves the threshold (0 turns the
-// host-grouped path off).
+// prefill 37.5 → 34.8 ms at 4K tokens, 18.3 → 16.9 at 2K and 10.59 → 10.25 ms at 1K, but 5.8 → 6.6 ms at 512
+// (docs/PERF.md): the host sync and the small per-expert GEMMs lose below ~1K tokens.
+// DSV4_HOST_GROUPED_MOE_MIN_TOKENS=N moves the threshold (0 turns the host-grouped path off).
 int64_t host_grouped_moe_min_tokens() {
   static const int64_t value = [] {
     const char* text = std::getenv("DSV4_HOST_GROUPED_MOE_MIN_TOKENS");
