@@ -27,7 +27,7 @@ DataParallelRouterConfig router_config(DataParallelRouterConfig router, size_t n
 }  // namespace
 
 DataParallelEngine::DataParallelEngine(std::vector<ModelBackend*> rank_backends, EngineConfig config,
-                                       DataParallelRouterConfig router)
+                                       DataParallelRouterConfig router, bool lockstep)
     : router_(router_config(std::move(router), rank_backends.size(), config)) {
   DSV4_CHECK(!rank_backends.empty(), "a data-parallel engine needs at least one rank");
   DSV4_CHECK(router_.config().prefix_cache_salt.empty(),
@@ -42,6 +42,10 @@ DataParallelEngine::DataParallelEngine(std::vector<ModelBackend*> rank_backends,
   }
   // The ranks report prefix-cache events to the router.
   config.record_prefix_cache_events = config.enable_prefix_caching;
+  if (lockstep) {
+    config.forward_every_step = true;
+    lockstep_ = std::make_unique<LockstepGate>(static_cast<int>(rank_backends.size()));
+  }
   for (size_t r = 0; r < rank_backends.size(); ++r) {
     auto rank = std::make_unique<Rank>();
     rank->index = static_cast<int>(r);
@@ -62,6 +66,7 @@ DataParallelEngine::~DataParallelEngine() {
     }
     rank->wake.notify_all();
   }
+  if (lockstep_) lockstep_->stop();
   for (auto& rank : ranks_)
     if (rank->thread.joinable()) rank->thread.join();
 }
@@ -84,6 +89,7 @@ RequestId DataParallelEngine::add_request(std::vector<int32_t> prompt, SamplingP
       rank.inbox.push_back({true, id, std::move(prompt), std::move(params)});
     }
     rank.wake.notify_one();
+    if (lockstep_) lockstep_->command_posted();
     router_.on_admitted(choice.rank, id, prompt_tokens,
                         std::min(choice.matched_prefix_tokens, prompt_tokens - 1));
     live_.emplace(id, choice.rank);
@@ -105,6 +111,7 @@ bool DataParallelEngine::abort(RequestId id) {
   }
   ++unapplied_aborts_;
   rank.wake.notify_one();
+  if (lockstep_) lockstep_->command_posted();
   return true;
 }
 
@@ -219,9 +226,12 @@ void DataParallelEngine::run_rank(Rank& rank) {
   Engine& engine = *rank.engine;
   for (;;) {
     std::deque<Command> commands;
+    // Read before the inbox is taken: a command posted after this moves it, so an idle round cannot miss it.
+    const uint64_t commands_seen = lockstep_ ? lockstep_->commands_posted() : 0;
     {
       std::unique_lock lock(rank.mutex);
-      rank.wake.wait(lock, [&] { return rank.stopping || !rank.inbox.empty() || engine.has_unfinished(); });
+      if (!lockstep_)
+        rank.wake.wait(lock, [&] { return rank.stopping || !rank.inbox.empty() || engine.has_unfinished(); });
       if (rank.stopping) return;
       commands.swap(rank.inbox);
     }
@@ -245,11 +255,17 @@ void DataParallelEngine::run_rank(Rank& rank) {
         report.outputs.push_back(aborted_output(command.id, error.what()));
       }
     }
-    bool stepped = false;
-    if (engine.has_unfinished()) {
+    bool stepped = false, step = engine.has_unfinished();
+    if (lockstep_) {
+      const LockstepGate::Decision decision = lockstep_->arrive(step);
+      if (decision == LockstepGate::Decision::kStop) return;
+      step = decision == LockstepGate::Decision::kStep;  // an idle rank steps too: an empty forward
+    }
+    if (step) {
       try {
+        const bool had_work = engine.has_unfinished();
         std::vector<RequestOutput> outputs = engine.step();
-        stepped = true;
+        stepped = had_work;
         // Progress of what this step scheduled or preempted, read before the finished ones are forgotten.
         const SchedulerOutput& scheduled = engine.last_scheduled();
         auto progress = [&](RequestId local) {
@@ -272,6 +288,7 @@ void DataParallelEngine::run_rank(Rank& rank) {
         }
       } catch (const std::exception& error) {
         fail_rank(rank, error.what(), report);
+        if (lockstep_) lockstep_->leave();
         post_report(std::move(report));
         return;
       }
@@ -283,7 +300,66 @@ void DataParallelEngine::run_rank(Rank& rank) {
     }
     if (stepped || !report.outputs.empty() || !report.events.empty() || report.aborts_applied > 0)
       post_report(std::move(report));
+    if (lockstep_ && !step) lockstep_->wait_for_commands(commands_seen);  // nothing anywhere: sleep
   }
+}
+
+// ---- LockstepGate ----
+
+DataParallelEngine::LockstepGate::Decision DataParallelEngine::LockstepGate::arrive(bool has_work) {
+  std::unique_lock lock(mutex_);
+  if (stopping_) return Decision::kStop;
+  any_work_ = any_work_ || has_work;
+  const uint64_t round = round_;
+  if (++arrived_ >= members_) {
+    complete_round();
+  } else {
+    wake_.notify_all();  // a rank asleep in wait_for_commands joins this round
+    wake_.wait(lock, [&] { return stopping_ || round_ != round; });
+  }
+  return stopping_ ? Decision::kStop : decision_;
+}
+
+void DataParallelEngine::LockstepGate::leave() {
+  std::lock_guard lock(mutex_);
+  --members_;
+  if (members_ > 0 && arrived_ >= members_) complete_round();
+}
+
+void DataParallelEngine::LockstepGate::complete_round() {
+  decision_ = any_work_ ? Decision::kStep : Decision::kIdle;
+  any_work_ = false;
+  arrived_ = 0;
+  ++round_;
+  wake_.notify_all();
+}
+
+uint64_t DataParallelEngine::LockstepGate::commands_posted() const {
+  std::lock_guard lock(mutex_);
+  return commands_;
+}
+
+void DataParallelEngine::LockstepGate::command_posted() {
+  {
+    std::lock_guard lock(mutex_);
+    ++commands_;
+  }
+  wake_.notify_all();
+}
+
+// Also ends when another rank has arrived at the gate: the commands it took may have been posted before this
+// rank read `seen`, so only its arrival says that a round has work.
+void DataParallelEngine::LockstepGate::wait_for_commands(uint64_t seen) {
+  std::unique_lock lock(mutex_);
+  wake_.wait(lock, [&] { return stopping_ || commands_ != seen || arrived_ > 0; });
+}
+
+void DataParallelEngine::LockstepGate::stop() {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
 }
 
 }  // namespace dsv4

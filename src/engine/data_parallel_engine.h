@@ -17,6 +17,14 @@
 //
 // Weights: the ranks' backends may share read-only weights (CpuModelBackends over one DeepseekV4Model: the
 // CPU forward only reads the model) — each backend still owns its rank's KV arena.
+//
+// Lockstep (expert parallelism, docs/parallel.md): when the ranks' models split the routed experts between them
+// (DeepseekV4Model::set_expert_parallel), every MoE sublayer is a collective over all ranks, so the ranks must
+// run their forwards together. With `lockstep` the ranks meet at a gate before every step: when any of them has
+// work, all of them step, a rank with nothing scheduled over an empty batch (EngineConfig::forward_every_step);
+// when none has, all of them sleep until a request or an abort arrives anywhere. A rank that fails leaves the
+// gate, so the others' steps go on without it — but one that dies inside a forward leaves the others blocked in
+// that forward's collective (the NCCL abort-on-deadline of docs/parallel.md is not built).
 #pragma once
 #include <chrono>
 #include <condition_variable>
@@ -42,7 +50,7 @@ class DataParallelEngine final : public ServingEngine {
   // backends and config.max_num_batched_tokens; its prefix_cache_salt must stay "" (EngineConfig has no
   // salt). Throws dsv4::Error for no backend, or backends of different models.
   DataParallelEngine(std::vector<ModelBackend*> rank_backends, EngineConfig config,
-                     DataParallelRouterConfig router = {});
+                     DataParallelRouterConfig router = {}, bool lockstep = false);
   // Stops and joins the rank threads; unfinished requests are dropped without an output.
   ~DataParallelEngine() override;
   DataParallelEngine(const DataParallelEngine&) = delete;
@@ -106,12 +114,39 @@ class DataParallelEngine final : public ServingEngine {
     std::unordered_map<RequestId, RequestId> to_front, to_local;
   };
 
+  // Where lockstep ranks meet before each step (see the file comment).
+  class LockstepGate {
+   public:
+    enum class Decision { kStep, kIdle, kStop };
+    explicit LockstepGate(int members) : members_(members) {}
+    // Blocks until every member has arrived in this round: kStep when any of them has work, else kIdle.
+    Decision arrive(bool has_work);
+    // A failed rank stops taking part; a round it was the last one missing completes.
+    void leave();
+    // Counts commands posted to any rank: after an idle round a rank sleeps until it moves past what the rank
+    // saw before taking its inbox, or until another rank arrives for the next round.
+    uint64_t commands_posted() const;
+    void command_posted();
+    void wait_for_commands(uint64_t seen);
+    void stop();
+
+   private:
+    void complete_round();  // under mutex_
+    mutable std::mutex mutex_;
+    std::condition_variable wake_;
+    int members_ = 0, arrived_ = 0;
+    bool any_work_ = false, stopping_ = false;
+    Decision decision_ = Decision::kIdle;
+    uint64_t round_ = 0, commands_ = 0;
+  };
+
   void run_rank(Rank& rank);
   // Marks `rank` failed, aborts everything it holds and fills `report` with the error outputs.
   void fail_rank(Rank& rank, const std::string& cause, Report& report);
   void post_report(Report report);
 
   std::vector<std::unique_ptr<Rank>> ranks_;
+  std::unique_ptr<LockstepGate> lockstep_;  // null: the ranks step independently
   DataParallelRouter router_;
   int64_t max_model_len_ = 0;
 

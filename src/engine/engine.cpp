@@ -44,6 +44,7 @@ Engine::Engine(std::unique_ptr<ModelBackend> owned, ModelBackend* backend, Engin
       runner_(backend_) {
   // Every request's state lives in the backend's arena, addressed through the manager's block tables.
   backend_.bind_cache(manager_);
+  runner_.set_forward_every_step(config_.forward_every_step);
 }
 
 void Engine::check_request(RequestId id, std::span<const int32_t> prompt,

@@ -33,6 +33,10 @@ struct EngineConfig {
   // Record the prefix cache's registered / evicted block hashes for drain_prefix_cache_events() (a
   // data-parallel rank reports them to the router; PrefixCacheOptions::record_events).
   bool record_prefix_cache_events = false;
+  // Every step() runs one forward, with an empty batch when nothing is scheduled: an expert-parallel rank must
+  // enter each MoE sublayer's collectives whenever the other ranks do (docs/parallel.md; DataParallelEngine's
+  // lockstep mode sets it).
+  bool forward_every_step = false;
 };
 
 class Engine final : public ServingEngine {

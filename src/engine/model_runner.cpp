@@ -27,7 +27,10 @@ void ModelRunner::execute(const SchedulerOutput& out, std::vector<int32_t>& samp
   for (const RequestId id : out.preempted_ids) states_.erase(id);
   logprobs_.clear();
   sampled.assign(out.scheduled.size(), kNoToken);
-  if (out.scheduled.empty()) return;
+  if (out.scheduled.empty()) {
+    if (forward_every_step_) backend_.forward({}, LogitsMode::kLastPerSequence);
+    return;
+  }
 
   batch_.clear();
   for (const ScheduledChunk& chunk : out.scheduled) {

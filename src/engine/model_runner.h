@@ -36,6 +36,9 @@ class ModelRunner {
 
   void set_state_factory(StateFactory factory) { state_factory_ = std::move(factory); }
   void set_copy_executor(CopyExecutor executor) { copy_executor_ = std::move(executor); }
+  // execute() with nothing scheduled still runs the backend's forward over an empty batch (an expert-parallel
+  // rank serving the other ranks' rows; EngineConfig::forward_every_step).
+  void set_forward_every_step(bool enabled) { forward_every_step_ = enabled; }
 
   void execute_copies(std::span<const BlockCopy> copies);
 
@@ -78,6 +81,7 @@ class ModelRunner {
   std::vector<DeviceSampleRow> device_rows_;
   std::vector<SampleResult> device_results_;
   int64_t num_recomputed_tokens_ = 0;
+  bool forward_every_step_ = false;
 };
 
 }  // namespace dsv4

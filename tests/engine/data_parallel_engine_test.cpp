@@ -11,9 +11,11 @@
 #include <map>
 #include <random>
 #include <set>
+#include <thread>
 
 #include "../model/test_models.h"
 #include "core/error.h"
+#include "parallel/communicator.h"
 
 namespace dsv4 {
 namespace {
@@ -375,6 +377,51 @@ TEST(DataParallelEngine, RejectsAndAbortsAsASingleEngine) {
   // The rank frees the aborted request's blocks on its own thread; the engine counts as unfinished until it
   // has reported doing so, so after the drain the stats show them free.
   EXPECT_EQ(engine.stats().used_bytes, 0);
+}
+
+// Expert parallelism (docs/parallel.md): each rank's model computes only its share of the routed experts
+// (DeepseekV4Model::set_expert_parallel over an in-process group), so every forward is a collective and the
+// ranks step in lockstep, an idle one over an empty batch. Greedy outputs equal one Engine's over the whole
+// model. Two waves: the second arrives after every rank went idle and asleep (the gate must wake for it), and
+// the lone request of the second wave leaves the other rank with nothing to run while it decodes.
+TEST(DataParallelEngine, LockstepExpertParallelRanksEqualOneEngine) {
+  const ModelConfig config = small_config();  // 6 routed experts, top-2: rows cross ranks every sublayer
+  DeepseekV4Model reference = random_model(config, 41);
+  const std::vector<Case> first = mixed_cases(config.vocab_size, 71, 4), second = mixed_cases(config.vocab_size, 72, 1);
+  const std::vector<Outcome> expected_first = single_engine(reference, first);
+  const std::vector<Outcome> expected_second = single_engine(reference, second);
+  const int num_ranks = 2;
+  parallel::InProcessGroup group(num_ranks);
+  std::vector<std::unique_ptr<parallel::Communicator>> communicators;
+  std::vector<std::unique_ptr<DeepseekV4Model>> models;
+  RankBackends backends;
+  for (int r = 0; r < num_ranks; ++r) {
+    communicators.push_back(group.communicator(r));
+    models.push_back(std::make_unique<DeepseekV4Model>(random_model(config, 41)));
+    models.back()->set_expert_parallel(communicators.back().get());
+    backends.owned.push_back(std::make_unique<CpuModelBackend>(*models.back()));
+  }
+  DataParallelEngine engine(backends.pointers(), engine_config(), {}, /*lockstep=*/true);
+  auto serve = [&](const std::vector<Case>& cases, const std::vector<Outcome>& expected, const char* wave) {
+    std::map<RequestId, Outcome> outcomes;
+    std::vector<RequestId> ids;
+    for (const Case& c : cases) ids.push_back(engine.add_request(c.prompt, c.params));
+    drain(engine, outcomes);
+    for (size_t i = 0; i < cases.size(); ++i) {
+      const Outcome& got = outcomes[ids[i]];
+      EXPECT_TRUE(got.finished) << wave << " request " << i;
+      EXPECT_TRUE(got.error.empty()) << got.error;
+      EXPECT_EQ(got.tokens, expected[i].tokens) << wave << " request " << i;
+      EXPECT_EQ(got.status, expected[i].status) << wave << " request " << i;
+    }
+  };
+  serve(first, expected_first, "first wave");
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // every rank idle: asleep at the gate
+  serve(second, expected_second, "second wave");
+  for (int r = 0; r < num_ranks; ++r) {
+    EXPECT_EQ(engine.rank_stats(r).used_bytes, 0) << "rank " << r << " still holds blocks";
+    EXPECT_FALSE(engine.rank_failed(r));
+  }
 }
 
 }  // namespace
