@@ -49,6 +49,7 @@ DataParallelEngine::DataParallelEngine(std::vector<ModelBackend*> rank_backends,
   for (size_t r = 0; r < rank_backends.size(); ++r) {
     auto rank = std::make_unique<Rank>();
     rank->index = static_cast<int>(r);
+    rank->backend = rank_backends[r];
     rank->engine = std::make_unique<Engine>(*rank_backends[r], config);
     rank->stats = rank->engine->stats();
     ranks_.push_back(std::move(rank));
@@ -288,7 +289,11 @@ void DataParallelEngine::run_rank(Rank& rank) {
         }
       } catch (const std::exception& error) {
         fail_rank(rank, error.what(), report);
-        if (lockstep_) lockstep_->leave();
+        if (lockstep_) {
+          lockstep_->leave();
+          rank.backend->abort_collectives("data-parallel rank " + std::to_string(rank.index) +
+                                          " failed: " + error.what());
+        }
         post_report(std::move(report));
         return;
       }

@@ -23,8 +23,10 @@
 // run their forwards together. With `lockstep` the ranks meet at a gate before every step: when any of them has
 // work, all of them step, a rank with nothing scheduled over an empty batch (EngineConfig::forward_every_step);
 // when none has, all of them sleep until a request or an abort arrives anywhere. A rank that fails leaves the
-// gate, so the others' steps go on without it — but one that dies inside a forward leaves the others blocked in
-// that forward's collective (the NCCL abort-on-deadline of docs/parallel.md is not built).
+// gate and aborts its backend's collectives (ModelBackend::abort_collectives): the other ranks, waiting for it
+// in a collective of the same step, then fail too, with an error naming it, instead of hanging — with the
+// experts split, no rank can serve without the failed one's. (A rank that hangs instead of throwing, or another
+// process's NCCL peer, still needs the abort-on-deadline of docs/parallel.md.)
 #pragma once
 #include <chrono>
 #include <condition_variable>
@@ -100,6 +102,7 @@ class DataParallelEngine final : public ServingEngine {
   };
   struct Rank {
     int index = 0;
+    ModelBackend* backend = nullptr;
     std::unique_ptr<Engine>
         engine;  // after construction, touched by the rank's thread only (check_request aside)
     std::thread thread;

@@ -5,6 +5,7 @@
 #pragma once
 #include <memory>
 #include <span>
+#include <string>
 
 #include "cache/hybrid_kv_cache_manager.h"
 #include "core/error.h"
@@ -48,6 +49,9 @@ class ModelBackend {
     (void)batch, (void)rows, (void)results;
     throw Error("this backend samples on the host");
   }
+  // This rank's step failed: release the ranks it shares collectives with (an expert-parallel group), which
+  // would otherwise wait for it forever. No-op for a backend that shares none.
+  virtual void abort_collectives(const std::string& reason) { (void)reason; }
 };
 
 // The exact fp32 CPU backend: DeepseekV4Model over PagedSequenceState in a host arena.
@@ -68,6 +72,7 @@ class CpuModelBackend final : public ModelBackend {
   }
   void copy_blocks(std::span<const BlockCopy> copies) override { arena_->execute(copies); }
   Tensor forward(std::span<const SequenceChunk> batch, LogitsMode mode) override { return model_.forward(batch, mode); }
+  void abort_collectives(const std::string& reason) override { model_.abort_expert_parallel(reason); }
 
  private:
   DeepseekV4Model& model_;

@@ -212,6 +212,10 @@ void DeepseekV4Model::set_expert_parallel(parallel::Communicator* communicator) 
   expert_parallel_ = communicator;
 }
 
+void DeepseekV4Model::abort_expert_parallel(const std::string& reason) {
+  if (expert_parallel_ != nullptr) expert_parallel_->abort(reason);
+}
+
 std::unique_ptr<SequenceState> DeepseekV4Model::new_sequence_state() const {
   return std::make_unique<ContiguousSequenceState>(config_);
 }

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -47,6 +48,9 @@ class DeepseekV4Model {
   // rows every rank sends it. Every rank's model must then run each forward step together with the others (the
   // sublayers' all-to-alls are collectives). nullptr (the default): all experts here. Numerics::kHf only.
   void set_expert_parallel(parallel::Communicator* communicator);
+  // This rank is failing (its step threw): aborts the expert-parallel group, so the other ranks' forwards throw
+  // instead of waiting in a collective for this one (Communicator::abort). No-op without expert parallelism.
+  void abort_expert_parallel(const std::string& reason);
 
  private:
   struct StepLayout;  // token -> request / position bookkeeping of one step

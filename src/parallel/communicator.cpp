@@ -22,6 +22,9 @@ class InProcessGroup::Member final : public Communicator {
   Member(InProcessGroup& group, int rank) : group_(group), rank_(rank) {}
   int rank() const override { return rank_; }
   int size() const override { return group_.size_; }
+  void abort(const std::string& reason) override {
+    group_.abort("expert-parallel rank " + std::to_string(rank_) + " aborted the group: " + reason);
+  }
 
   void all_to_all_v(const void* send, std::span<const int64_t> send_bytes, void* recv,
                     std::span<const int64_t> recv_bytes) override {
@@ -36,7 +39,7 @@ class InProcessGroup::Member final : public Communicator {
       DSV4_CHECK(send_bytes[d] >= 0 && recv_bytes[d] >= 0, "all_to_all_v: a negative size");
       mine.offsets[d + 1] = mine.offsets[d] + send_bytes[d];
     }
-    group_.barrier_.arrive_and_wait();  // every sender's buffer and sizes are posted
+    group_.arrive_and_wait();  // every sender's buffer and sizes are posted
     auto* out = static_cast<uint8_t*>(recv);
     int64_t at = 0;
     for (int s = 0; s < n; ++s) {
@@ -45,14 +48,14 @@ class InProcessGroup::Member final : public Communicator {
       // A mismatch is the caller's bug on one side; every rank still reaches the second barrier before throwing,
       // so the others are not left waiting on it.
       if (bytes != recv_bytes[s]) {
-        group_.barrier_.arrive_and_wait();
+        group_.arrive_and_wait();
         throw Error("all_to_all_v: rank " + std::to_string(s) + " sends " + std::to_string(bytes) + " bytes to rank " +
                     std::to_string(rank_) + ", which expects " + std::to_string(recv_bytes[s]));
       }
       if (bytes > 0) std::memcpy(out + at, source.send + source.offsets[rank_], static_cast<size_t>(bytes));
       at += bytes;
     }
-    group_.barrier_.arrive_and_wait();  // every reader is done with every sender's buffer
+    group_.arrive_and_wait();  // every reader is done with every sender's buffer
   }
 
  private:
@@ -60,8 +63,32 @@ class InProcessGroup::Member final : public Communicator {
   int rank_;
 };
 
+void InProcessGroup::arrive_and_wait() {
+  std::unique_lock lock(mutex_);
+  if (aborted_) throw Error(abort_reason_);
+  const uint64_t round = round_;
+  if (++arrived_ == size_) {
+    arrived_ = 0;
+    ++round_;
+    wake_.notify_all();
+    return;
+  }
+  wake_.wait(lock, [&] { return aborted_ || round_ != round; });
+  if (round_ == round) throw Error(abort_reason_);  // released by an abort, not by the last arrival
+}
+
+void InProcessGroup::abort(const std::string& reason) {
+  {
+    std::lock_guard lock(mutex_);
+    if (aborted_) return;
+    aborted_ = true;
+    abort_reason_ = reason;
+  }
+  wake_.notify_all();
+}
+
 InProcessGroup::InProcessGroup(int size)
-    : size_(size), posted_(static_cast<size_t>(size > 0 ? size : 1)), barrier_(size > 0 ? size : 1) {
+    : size_(size), posted_(static_cast<size_t>(size > 0 ? size : 1)) {
   DSV4_CHECK(size >= 1, "a group needs at least one rank, got " + std::to_string(size));
 }
 

@@ -5,10 +5,12 @@
 // A collective is called by every rank of the group, in the same order; a rank with nothing to send still calls
 // it (zero sizes), as the data-parallel-attention ranks of one MoE step all take part in its all-to-alls.
 #pragma once
-#include <barrier>
 #include <cstdint>
 #include <memory>
+#include <condition_variable>
+#include <mutex>
 #include <span>
+#include <string>
 #include <vector>
 
 namespace dsv4::parallel {
@@ -30,6 +32,12 @@ class Communicator {
   // Every rank gives size() counts (what it will send to each rank); returns what each rank sends to this one.
   // Host memory on every transport.
   virtual std::vector<int64_t> exchange_counts(std::span<const int64_t> send_counts);
+
+  // This rank is failing and will call no further collective: the group is unusable from here on. Each later
+  // collective on this rank throws dsv4::Error naming `reason`; the in-process group also wakes the other ranks
+  // waiting in a collective, which then throw the same error instead of waiting for this rank forever (NCCL
+  // aborts this rank's communicator; its peers in other processes need their own abort). Idempotent.
+  virtual void abort(const std::string& reason) = 0;
 };
 
 // size() ranks in one process, one thread each: rank r's communicator is communicator(r). A collective copies
@@ -48,9 +56,19 @@ class InProcessGroup {
     const uint8_t* send = nullptr;
     std::vector<int64_t> offsets;  // [size + 1]: where each destination's run starts
   };
+  // A barrier that an abort releases (std::barrier cannot be interrupted): arrive_and_wait throws once the
+  // group is aborted.
+  void arrive_and_wait();
+  void abort(const std::string& reason);
+
   int size_;
   std::vector<Posted> posted_;
-  std::barrier<> barrier_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  int arrived_ = 0;
+  uint64_t round_ = 0;
+  bool aborted_ = false;
+  std::string abort_reason_;
 };
 
 }  // namespace dsv4::parallel

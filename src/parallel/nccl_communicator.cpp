@@ -52,8 +52,16 @@ NcclCommunicator::~NcclCommunicator() {
   if (owns_stream_ && stream_) cudaStreamDestroy(stream_);
 }
 
+void NcclCommunicator::abort(const std::string& reason) {
+  if (!abort_reason_.empty()) return;
+  abort_reason_ = "NCCL rank " + std::to_string(rank_) + " aborted: " + reason;
+  if (comm_) ncclCommAbort(comm_);
+  comm_ = nullptr;
+}
+
 void NcclCommunicator::all_to_all_v(const void* send, std::span<const int64_t> send_bytes, void* recv,
                                     std::span<const int64_t> recv_bytes) {
+  if (!abort_reason_.empty()) throw Error(abort_reason_);
   DSV4_CHECK(static_cast<int>(send_bytes.size()) == size_ && static_cast<int>(recv_bytes.size()) == size_,
              "all_to_all_v: sizes for " + std::to_string(send_bytes.size()) + " / " +
                  std::to_string(recv_bytes.size()) + " ranks in a group of " + std::to_string(size_));
@@ -78,6 +86,7 @@ void NcclCommunicator::all_to_all_v(const void* send, std::span<const int64_t> s
 }
 
 std::vector<int64_t> NcclCommunicator::exchange_counts(std::span<const int64_t> send_counts) {
+  if (!abort_reason_.empty()) throw Error(abort_reason_);
   DSV4_CHECK(static_cast<int>(send_counts.size()) == size_,
              "exchange_counts: " + std::to_string(send_counts.size()) + " counts for " + std::to_string(size_) +
                  " ranks");

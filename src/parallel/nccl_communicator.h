@@ -11,6 +11,7 @@
 #include <nccl.h>
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "parallel/communicator.h"
@@ -35,6 +36,8 @@ class NcclCommunicator final : public Communicator {
   void all_to_all_v(const void* send, std::span<const int64_t> send_bytes, void* recv,
                     std::span<const int64_t> recv_bytes) override;
   std::vector<int64_t> exchange_counts(std::span<const int64_t> send_counts) override;
+  // ncclCommAbort on this rank's communicator; later collectives throw `reason`.
+  void abort(const std::string& reason) override;
 
  private:
   NcclCommunicator(ncclComm_t comm, int size, int rank, cudaStream_t stream, bool owns_stream);
@@ -43,6 +46,7 @@ class NcclCommunicator final : public Communicator {
   cudaStream_t stream_ = nullptr;
   bool owns_stream_ = false;
   int64_t* staging_ = nullptr;  // device [2 · size] counts for exchange_counts
+  std::string abort_reason_;    // set once aborted (comm_ is then gone)
 };
 
 }  // namespace dsv4::parallel

@@ -138,6 +138,7 @@ class FaultInjectingBackend final : public ModelBackend {
     if (++forwards_ == fail_at_) throw Error("injected fault in forward " + std::to_string(forwards_));
     return inner_.forward(batch, mode);
   }
+  void abort_collectives(const std::string& reason) override { inner_.abort_collectives(reason); }
   int64_t forwards() const { return forwards_; }
 
  private:
@@ -422,6 +423,44 @@ TEST(DataParallelEngine, LockstepExpertParallelRanksEqualOneEngine) {
     EXPECT_EQ(engine.rank_stats(r).used_bytes, 0) << "rank " << r << " still holds blocks";
     EXPECT_FALSE(engine.rank_failed(r));
   }
+}
+
+// A lockstep expert-parallel rank whose forward throws: it aborts the group, so the other rank, waiting for it in
+// a collective of the same step, fails too instead of hanging (without the other's experts it cannot serve).
+// Every request finishes aborted with an error that names the failure, and every block goes back.
+TEST(DataParallelEngine, AFailingExpertParallelRankFailsTheGroupWithoutAHang) {
+  const ModelConfig config = small_config();
+  const std::vector<Case> cases = mixed_cases(config.vocab_size, 73, 4);
+  const int num_ranks = 2;
+  parallel::InProcessGroup group(num_ranks);
+  std::vector<std::unique_ptr<parallel::Communicator>> communicators;
+  std::vector<std::unique_ptr<DeepseekV4Model>> models;
+  RankBackends backends;
+  for (int r = 0; r < num_ranks; ++r) {
+    communicators.push_back(group.communicator(r));
+    models.push_back(std::make_unique<DeepseekV4Model>(random_model(config, 41)));
+    models.back()->set_expert_parallel(communicators.back().get());
+    if (r == 1)
+      backends.owned.push_back(std::make_unique<FaultInjectingBackend>(*models.back(), /*fail_at=*/4));
+    else
+      backends.owned.push_back(std::make_unique<CpuModelBackend>(*models.back()));
+  }
+  DataParallelEngine engine(backends.pointers(), engine_config(), {}, /*lockstep=*/true);
+  std::map<RequestId, Outcome> outcomes;
+  std::vector<RequestId> ids;
+  for (const Case& c : cases) ids.push_back(engine.add_request(c.prompt, c.params));
+  drain(engine, outcomes, std::chrono::seconds(60));
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const Outcome& got = outcomes[ids[i]];
+    EXPECT_TRUE(got.finished) << "request " << i;
+    EXPECT_EQ(got.status, RequestStatus::kFinishedAborted) << "request " << i;
+    EXPECT_NE(got.error.find("injected fault in forward 4"), std::string::npos) << "request " << i << ": " << got.error;
+  }
+  for (int r = 0; r < num_ranks; ++r) {
+    EXPECT_TRUE(engine.rank_failed(r)) << "rank " << r;
+    EXPECT_EQ(engine.rank_stats(r).used_bytes, 0) << "rank " << r << " still holds blocks";
+  }
+  EXPECT_THROW(engine.add_request(cases[0].prompt, cases[0].params), Error);
 }
 
 }  // namespace

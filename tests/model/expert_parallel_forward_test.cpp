@@ -38,6 +38,7 @@ class CountingCommunicator final : public parallel::Communicator {
     ++collectives;
     inner_->all_to_all_v(send, send_bytes, recv, recv_bytes);
   }
+  void abort(const std::string& reason) override { inner_->abort(reason); }
   int64_t collectives = 0, bytes_from_others = 0;
 
  private:

@@ -1,11 +1,12 @@
 // The in-process transport of the expert-parallel all-to-alls (parallel/communicator.h) against the definition:
 // rank d receives, from every rank s in order, exactly the run s addressed to d. Random sizes (zeros included) on
-// 1-5 ranks, repeated collectives on one group, the counts exchange, and a size mismatch that fails the rank that
-// sees it with a message naming both ranks, without leaving the others blocked.
+// 1-5 ranks, repeated collectives on one group, the counts exchange, a size mismatch that fails the rank that
+// sees it with a message naming both ranks, without leaving the others blocked, and an abort that releases them.
 #include "parallel/communicator.h"
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdint>
 #include <random>
 #include <string>
@@ -97,6 +98,25 @@ TEST(InProcessGroup, ASizeMismatchFailsTheReceiverAndReleasesTheOthers) {
   EXPECT_EQ(failures[0], "");
   EXPECT_EQ(failures[1], "");
   EXPECT_NE(failures[2].find("rank 0 sends 8 bytes to rank 2, which expects 4"), std::string::npos) << failures[2];
+}
+
+// A rank that fails aborts the group instead of calling the next collective: the ranks already waiting in it, and
+// every later collective on any rank, throw an error naming the aborting rank and its reason (no rank hangs).
+TEST(InProcessGroup, AnAbortReleasesTheRanksWaitingInACollective) {
+  InProcessGroup group(3);
+  const auto errors = on_ranks(group, [&](int rank, Communicator& comm) {
+    // One collective that succeeds, then rank 1 aborts while the others enter the next one.
+    EXPECT_EQ(comm.exchange_counts(std::vector<int64_t>{rank, rank, rank}), (std::vector<int64_t>{0, 1, 2}));
+    if (rank == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));  // the others are waiting by now
+      comm.abort("injected failure");
+      comm.exchange_counts(std::vector<int64_t>{1, 1, 1});  // throws: aborted
+    }
+    comm.exchange_counts(std::vector<int64_t>{rank, rank, rank});
+  });
+  for (int r = 0; r < 3; ++r)
+    EXPECT_NE(errors[r].find("expert-parallel rank 1 aborted the group: injected failure"), std::string::npos)
+        << "rank " << r << ": " << errors[r];
 }
 
 TEST(InProcessGroup, RejectsBadSizesAndRanks) {
