@@ -686,6 +686,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           *reinterpret_cast<const uint4*>(staged + row * kStride + column);
     }
   }
+#else
+  __trap();  // not sm_90a code: use_warpgroup_mma never launches it there
 #endif
 }
 
@@ -731,10 +733,19 @@ __global__ void __launch_bounds__(128) sparse_attention_combine_kernel(const Spa
   *reinterpret_cast<uint2*>(out + (token * p.heads + head) * kKvHeadDim + dim) = packed;
 }
 
-// DSV4_ATTENTION_KERNEL=mma runs the mma.sync kernel (to measure the warpgroup kernel against it); read per call.
+// The warpgroup kernel where it exists: sm_90a code in this build (DSV4_CUDA_SM90A, src/ops/cuda/CMakeLists.txt)
+// and a Hopper as the current device (a multi-architecture build's other cubins hold an empty kernel that
+// traps). DSV4_ATTENTION_KERNEL=mma runs the mma.sync kernel anyway (to measure the two); read per call.
 bool use_warpgroup_mma() {
+#ifdef DSV4_CUDA_SM90A
   const char* value = std::getenv("DSV4_ATTENTION_KERNEL");
-  return value == nullptr || std::strcmp(value, "mma") != 0;
+  if (value != nullptr && std::strcmp(value, "mma") == 0) return false;
+  int device = 0, major = 0;
+  return cudaGetDevice(&device) == cudaSuccess &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major == 9;
+#else
+  return false;
+#endif
 }
 
 template <KvEntryFormat kFormat, bool kSplit>
