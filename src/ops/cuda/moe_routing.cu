@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "ops/cuda/bf16.cuh"
 #include "ops/cuda/launch.cuh"
 
 namespace dsv4::ops::cuda {
@@ -136,28 +137,53 @@ __device__ __forceinline__ float swiglu(float gate, float up, float limit) {
   return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
 }
 
-// grid (rows, column blocks).
-template <bool kVec4>
+// grid (rows, column blocks). Out = float, or uint16_t for bf16 bits (f32_to_bf16 of the fp32 result).
+template <bool kVec4, typename Out>
 __global__ void __launch_bounds__(kSwigluThreads) swiglu_kernel(const float* __restrict__ gate_up,
-                                                                float* __restrict__ out, int64_t inter,
-                                                                float limit) {
+                                                                Out* __restrict__ out, int64_t inter, float limit) {
   wait_for_prior_grid();
   allow_dependents();
   const int64_t r = blockIdx.x;
   const float* gate = gate_up + r * 2 * inter;
   const float* up = gate + inter;
-  float* o = out + r * inter;
+  Out* o = out + r * inter;
   const int64_t stride = int64_t{gridDim.y} * kSwigluThreads;
   if constexpr (kVec4) {
     for (int64_t c = blockIdx.y * int64_t{kSwigluThreads} + threadIdx.x; c < inter / 4; c += stride) {
       const float4 g = reinterpret_cast<const float4*>(gate)[c], u = reinterpret_cast<const float4*>(up)[c];
-      reinterpret_cast<float4*>(o)[c] =
+      const float4 v =
           make_float4(swiglu(g.x, u.x, limit), swiglu(g.y, u.y, limit), swiglu(g.z, u.z, limit), swiglu(g.w, u.w, limit));
+      if constexpr (sizeof(Out) == 4) {
+        reinterpret_cast<float4*>(o)[c] = v;
+      } else {
+        const uint2 bits{static_cast<uint32_t>(f32_to_bf16_bits(v.x)) | static_cast<uint32_t>(f32_to_bf16_bits(v.y)) << 16,
+                         static_cast<uint32_t>(f32_to_bf16_bits(v.z)) | static_cast<uint32_t>(f32_to_bf16_bits(v.w)) << 16};
+        reinterpret_cast<uint2*>(o)[c] = bits;
+      }
     }
   } else {
-    for (int64_t c = blockIdx.y * int64_t{kSwigluThreads} + threadIdx.x; c < inter; c += stride)
-      o[c] = swiglu(gate[c], up[c], limit);
+    for (int64_t c = blockIdx.y * int64_t{kSwigluThreads} + threadIdx.x; c < inter; c += stride) {
+      const float v = swiglu(gate[c], up[c], limit);
+      if constexpr (sizeof(Out) == 4) o[c] = v;
+      else o[c] = f32_to_bf16_bits(v);
+    }
   }
+}
+
+template <typename Out>
+cudaError_t launch_swiglu(const SwigluParams& p, const float* gate_up, Out* out, cudaStream_t stream) {
+  if (p.rows < 0 || p.inter < 0 || p.rows > 0x7fffffff) return cudaErrorInvalidValue;
+  if (p.rows == 0 || p.inter == 0) return cudaSuccess;
+  const bool vec4 = p.inter % 4 == 0 && reinterpret_cast<uintptr_t>(gate_up) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(out) % (4 * sizeof(Out)) == 0;
+  const int64_t n = vec4 ? p.inter / 4 : p.inter;
+  const dim3 grid(static_cast<unsigned>(p.rows),
+                  static_cast<unsigned>(std::min<int64_t>((n + kSwigluThreads - 1) / kSwigluThreads, 65535)));
+  if (vec4)
+    launch_dependent(swiglu_kernel<true, Out>, grid, kSwigluThreads, 0, stream, gate_up, out, p.inter, p.limit);
+  else
+    launch_dependent(swiglu_kernel<false, Out>, grid, kSwigluThreads, 0, stream, gate_up, out, p.inter, p.limit);
+  return cudaGetLastError();
 }
 
 }  // namespace
@@ -185,18 +211,11 @@ cudaError_t route(const RouteParams& p, const float* logits, const float* bias, 
 }
 
 cudaError_t swiglu_clamped(const SwigluParams& p, const float* gate_up, float* out, cudaStream_t stream) {
-  if (p.rows < 0 || p.inter < 0 || p.rows > 0x7fffffff) return cudaErrorInvalidValue;
-  if (p.rows == 0 || p.inter == 0) return cudaSuccess;
-  const bool vec4 = p.inter % 4 == 0 && reinterpret_cast<uintptr_t>(gate_up) % 16 == 0 &&
-                    reinterpret_cast<uintptr_t>(out) % 16 == 0;
-  const int64_t n = vec4 ? p.inter / 4 : p.inter;
-  const dim3 grid(static_cast<unsigned>(p.rows),
-                  static_cast<unsigned>(std::min<int64_t>((n + kSwigluThreads - 1) / kSwigluThreads, 65535)));
-  if (vec4)
-    launch_dependent(swiglu_kernel<true>, grid, kSwigluThreads, 0, stream, gate_up, out, p.inter, p.limit);
-  else
-    launch_dependent(swiglu_kernel<false>, grid, kSwigluThreads, 0, stream, gate_up, out, p.inter, p.limit);
-  return cudaGetLastError();
+  return launch_swiglu(p, gate_up, out, stream);
+}
+
+cudaError_t swiglu_clamped_bf16(const SwigluParams& p, const float* gate_up, uint16_t* out, cudaStream_t stream) {
+  return launch_swiglu(p, gate_up, out, stream);
 }
 
 }  // namespace dsv4::ops::cuda

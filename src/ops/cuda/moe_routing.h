@@ -40,5 +40,8 @@ struct SwigluParams {
 // gate_up [rows, 2·inter] (gate = first half, up = second) -> out [rows, inter] =
 // silu(min(gate, limit)) · clamp(up, −limit, limit), every operation rounded as the twin (out may not alias).
 cudaError_t swiglu_clamped(const SwigluParams& p, const float* gate_up, float* out, cudaStream_t stream);
+// The same values stored as bf16 bits (f32_to_bf16 of each fp32 result): the down projection's bf16 operand in
+// one pass, bitwise what swiglu_clamped then f32_to_bf16 give.
+cudaError_t swiglu_clamped_bf16(const SwigluParams& p, const float* gate_up, uint16_t* out, cudaStream_t stream);
 
 }  // namespace dsv4::ops::cuda

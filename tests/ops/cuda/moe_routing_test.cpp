@@ -1,5 +1,5 @@
 // The CUDA MoE routing and clamped SwiGLU against their CPU twins (ops/cpu/moe.h router_scores + route_token,
-// swiglu_clamped): V4-Flash (256 experts, top-6, sqrtsoftplus, bias) and V4-Pro (384, top-8) shapes, softmax and
+// swiglu_clamped, and its bf16-output form): V4-Flash (256 experts, top-6, sqrtsoftplus, bias) and V4-Pro (384, top-8) shapes, softmax and
 // sigmoid, hash routing from tid2eid, constructed ties (equal keys go to the lower expert id), bitwise repeats.
 #include <gtest/gtest.h>
 
@@ -9,6 +9,7 @@
 #include <random>
 #include <vector>
 
+#include "core/dtype.h"
 #include "ops/cpu/moe.h"
 #include "ops/cuda/moe_routing.h"
 #include "small_ops_util.h"
@@ -214,6 +215,12 @@ TEST_F(CudaMoeRouting, SwigluClampedMatchesCpuTwin) {
     d_out.poison();
     ASSERT_EQ(swiglu_clamped({rows, inter, 10.0f}, d_in.get(), d_out.get(), nullptr), cudaSuccess);
     EXPECT_TRUE(bitwise_equal(d_out.download(), actual)) << "not bitwise repeatable";
+    // The bf16-output form (the host-grouped MoE's down-projection operand) is bitwise f32_to_bf16 of the above.
+    DeviceArray<uint16_t> d_bf16(expected.size());
+    ASSERT_EQ(swiglu_clamped_bf16({rows, inter, 10.0f}, d_in.get(), d_bf16.get(), nullptr), cudaSuccess);
+    const std::vector<uint16_t> bits = d_bf16.download();
+    for (size_t i = 0; i < bits.size(); ++i)
+      ASSERT_EQ(bits[i], f32_to_bf16(actual[i])) << "element " << i;
   }
 }
 
