@@ -94,6 +94,21 @@ struct Gemm::Plan {
   // Calls whose rows the bucket's algorithm refused (CUBLAS_STATUS_NOT_SUPPORTED): their own heuristic answer.
   std::map<int64_t, cublasLtMatmulAlgo_t> exact_algos;
 
+  void describe(int64_t plan_rows, int64_t in_features, int64_t out_features, int64_t x_row_stride,
+                int64_t y_row_stride, int64_t batch_count, int64_t x_batch_stride, int64_t y_batch_stride,
+                cudaDataType_t operand_type, cudaDataType_t output_type) {
+    rows = plan_rows;
+    in = in_features;
+    out = out_features;
+    x_stride = x_row_stride;
+    y_stride = y_row_stride;
+    batch = batch_count;
+    x_batch = x_batch_stride;
+    y_batch = y_batch_stride;
+    operand = operand_type;
+    output = output_type;
+  }
+
   // x and y layouts for a call of `call_rows` rows into `scratch` (stack objects: cublasLtMatrixLayoutInit
   // allocates nothing, so a prefill call costs no host work beyond these stores and the launch); the plan's own
   // layouts when the rows are the plan's.
@@ -208,16 +223,7 @@ Gemm::Plan& Gemm::plan(const Key& key, const void* w, const void* x, void* y, cu
                 std::to_string(rows) + " x " + std::to_string(in) + "] x [" + std::to_string(in) + " x " +
                 std::to_string(out) + "] product");
   plan->algo = results[0].algo;
-  plan->rows = rows;
-  plan->in = in;
-  plan->out = out;
-  plan->x_stride = x_stride;
-  plan->y_stride = y_stride;
-  plan->batch = batch;
-  plan->x_batch = x_batch;
-  plan->y_batch = y_batch;
-  plan->operand = operand;
-  plan->output = output;
+  plan->describe(rows, in, out, x_stride, y_stride, batch, x_batch, y_batch, operand, output);
   SkinnyGemmParams& sp = plan->skinny_params;
   sp.rows = rows;
   sp.out = out;
@@ -425,13 +431,7 @@ Gemm::Plan& Gemm::fp8_plan(const Key& key, const GemmWeight& w, const Fp8Activat
     check(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale,
                                          sizeof b_scale),
           "B scale pointer");
-    plan->rows = rows;
-    plan->in = in;
-    plan->out = out;
-    plan->x_stride = x_stride;
-    plan->y_stride = y_stride;
-    plan->operand = CUDA_R_8F_E4M3;
-    plan->output = output;
+    plan->describe(rows, in, out, x_stride, y_stride, 1, 0, 0, CUDA_R_8F_E4M3, output);
     check(cublasLtMatrixLayoutCreate(&plan->a, CUDA_R_8F_E4M3, static_cast<uint64_t>(in),
                                      static_cast<uint64_t>(out), w_stride),
           "fp8 layout W");

@@ -139,6 +139,26 @@ __device__ __forceinline__ KvEntryAddress key_address(const SparseAttentionParam
   return address;
 }
 
+// The key tiles split `split` of `splits` takes: [begin, end) of the query's ceil(num_keys / 64) tiles.
+struct TileRange {
+  int begin = 0, end = 0;
+};
+__device__ __forceinline__ TileRange split_tiles(int num_keys, int splits, int split) {
+  const int num_tiles = (num_keys + kTileKeys - 1) / kTileKeys;
+  const int per_split = (num_tiles + splits - 1) / splits;
+  const int begin = min(num_tiles, split * per_split);
+  return {begin, min(num_tiles, begin + per_split)};
+}
+// Threads 0..63 resolve key `tid` of `tile` into its slot's entry addresses (data nullptr: masked).
+template <KvEntryFormat kFormat>
+__device__ __forceinline__ void resolve_tile_keys(const SparseAttentionParams& p, const QueryKeys& keys, int tile,
+                                                  int tid, const uint8_t** data, const uint8_t** scales) {
+  if (tid >= kTileKeys) return;
+  const KvEntryAddress address = key_address<kFormat>(p, keys, tile * kTileKeys + tid);
+  data[tid] = address.data;
+  scales[tid] = address.scales;
+}
+
 // Asynchronous copies of a resolved tile (entry addresses `data`, `scales` per key) into shared memory; masked
 // keys are zero-filled so that P·V sees zeros (`any` is a valid address the zero-fill never reads). BF16: each
 // 16-byte chunk c of key k at stage + offset(k, c). FP8: the raw 576-byte rows, then the 8-byte scale groups.
@@ -215,19 +235,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t token = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const QueryKeys keys = query_keys(p, token);
-  const int position = keys.position, num_keys = keys.num_keys;
-  const int num_tiles = (num_keys + kTileKeys - 1) / kTileKeys;
-  const int tiles_per_split = (num_tiles + splits - 1) / splits;
-  const int tile_begin = min(num_tiles, split * tiles_per_split);
-  const int tile_end = min(num_tiles, tile_begin + tiles_per_split);
+  const int position = keys.position;
+  const auto [tile_begin, tile_end] = split_tiles(keys.num_keys, splits, split);
   const uint16_t* q_token = q + (token * p.heads + int64_t{head_group} * kHeadsPerCta) * kKvHeadDim;
 
-  // Threads 0..63 resolve key `tid` of a tile to its entry's addresses (nullptr: masked).
   auto resolve_tile = [&](int tile, int slot) {
-    if (tid >= kTileKeys) return;
-    const KvEntryAddress address = key_address<kFormat>(p, keys, tile * kTileKeys + tid);
-    key_data[slot * kTileKeys + tid] = address.data;
-    key_scales[slot * kTileKeys + tid] = address.scales;
+    resolve_tile_keys<kFormat>(p, keys, tile, tid, key_data + slot * kTileKeys, key_scales + slot * kTileKeys);
   };
   auto load_tile = [&](int slot) {
     if constexpr (kFormat == KvEntryFormat::kBf16)
@@ -496,18 +509,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int group = warp >> 2;  // warpgroup: channels 256·group … of O
   const QueryKeys keys = query_keys(p, token);
-  const int position = keys.position, num_keys = keys.num_keys;
-  const int num_tiles = (num_keys + kTileKeys - 1) / kTileKeys;
-  const int tiles_per_split = (num_tiles + splits - 1) / splits;
-  const int tile_begin = min(num_tiles, split * tiles_per_split);
-  const int tile_end = min(num_tiles, tile_begin + tiles_per_split);
+  const int position = keys.position;
+  const auto [tile_begin, tile_end] = split_tiles(keys.num_keys, splits, split);
   const uint16_t* q_token = q + (token * p.heads + int64_t{head_group} * kHeadsPerCta) * kKvHeadDim;
 
   auto resolve_tile = [&](int tile, int slot) {
-    if (tid >= kTileKeys) return;
-    const KvEntryAddress address = key_address<kFormat>(p, keys, tile * kTileKeys + tid);
-    key_data[slot * kTileKeys + tid] = address.data;
-    key_scales[slot * kTileKeys + tid] = address.scales;
+    resolve_tile_keys<kFormat>(p, keys, tile, tid, key_data + slot * kTileKeys, key_scales + slot * kTileKeys);
   };
   // Stage `slot` (tile mod 2) from the addresses of `addresses` (tile mod 3).
   auto load_tile = [&](int slot, int addresses) {
