@@ -380,6 +380,27 @@ TEST(DataParallelEngine, RejectsAndAbortsAsASingleEngine) {
   EXPECT_EQ(engine.stats().used_bytes, 0);
 }
 
+// Expert-parallel CPU ranks (docs/parallel.md): each rank's model holds the same weights and computes only its
+// share of the routed experts, over one in-process group; rank `faulty` (if any) throws at forward `fail_at`.
+struct ExpertParallelRanks {
+  parallel::InProcessGroup group;
+  std::vector<std::unique_ptr<parallel::Communicator>> communicators;
+  std::vector<std::unique_ptr<DeepseekV4Model>> models;
+  RankBackends backends;
+  ExpertParallelRanks(const ModelConfig& config, uint64_t seed, int num_ranks, int faulty = -1, int64_t fail_at = 0)
+      : group(num_ranks) {
+    for (int r = 0; r < num_ranks; ++r) {
+      communicators.push_back(group.communicator(r));
+      models.push_back(std::make_unique<DeepseekV4Model>(random_model(config, seed)));
+      models.back()->set_expert_parallel(communicators.back().get());
+      if (r == faulty)
+        backends.owned.push_back(std::make_unique<FaultInjectingBackend>(*models.back(), fail_at));
+      else
+        backends.owned.push_back(std::make_unique<CpuModelBackend>(*models.back()));
+    }
+  }
+};
+
 // Expert parallelism (docs/parallel.md): each rank's model computes only its share of the routed experts
 // (DeepseekV4Model::set_expert_parallel over an in-process group), so every forward is a collective and the
 // ranks step in lockstep, an idle one over an empty batch. Greedy outputs equal one Engine's over the whole
@@ -392,17 +413,8 @@ TEST(DataParallelEngine, LockstepExpertParallelRanksEqualOneEngine) {
   const std::vector<Outcome> expected_first = single_engine(reference, first);
   const std::vector<Outcome> expected_second = single_engine(reference, second);
   const int num_ranks = 2;
-  parallel::InProcessGroup group(num_ranks);
-  std::vector<std::unique_ptr<parallel::Communicator>> communicators;
-  std::vector<std::unique_ptr<DeepseekV4Model>> models;
-  RankBackends backends;
-  for (int r = 0; r < num_ranks; ++r) {
-    communicators.push_back(group.communicator(r));
-    models.push_back(std::make_unique<DeepseekV4Model>(random_model(config, 41)));
-    models.back()->set_expert_parallel(communicators.back().get());
-    backends.owned.push_back(std::make_unique<CpuModelBackend>(*models.back()));
-  }
-  DataParallelEngine engine(backends.pointers(), engine_config(), {}, /*lockstep=*/true);
+  ExpertParallelRanks ranks(config, 41, num_ranks);
+  DataParallelEngine engine(ranks.backends.pointers(), engine_config(), {}, /*lockstep=*/true);
   auto serve = [&](const std::vector<Case>& cases, const std::vector<Outcome>& expected, const char* wave) {
     std::map<RequestId, Outcome> outcomes;
     std::vector<RequestId> ids;
@@ -432,20 +444,8 @@ TEST(DataParallelEngine, AFailingExpertParallelRankFailsTheGroupWithoutAHang) {
   const ModelConfig config = small_config();
   const std::vector<Case> cases = mixed_cases(config.vocab_size, 73, 4);
   const int num_ranks = 2;
-  parallel::InProcessGroup group(num_ranks);
-  std::vector<std::unique_ptr<parallel::Communicator>> communicators;
-  std::vector<std::unique_ptr<DeepseekV4Model>> models;
-  RankBackends backends;
-  for (int r = 0; r < num_ranks; ++r) {
-    communicators.push_back(group.communicator(r));
-    models.push_back(std::make_unique<DeepseekV4Model>(random_model(config, 41)));
-    models.back()->set_expert_parallel(communicators.back().get());
-    if (r == 1)
-      backends.owned.push_back(std::make_unique<FaultInjectingBackend>(*models.back(), /*fail_at=*/4));
-    else
-      backends.owned.push_back(std::make_unique<CpuModelBackend>(*models.back()));
-  }
-  DataParallelEngine engine(backends.pointers(), engine_config(), {}, /*lockstep=*/true);
+  ExpertParallelRanks ranks(config, 41, num_ranks, /*faulty=*/1, /*fail_at=*/4);
+  DataParallelEngine engine(ranks.backends.pointers(), engine_config(), {}, /*lockstep=*/true);
   std::map<RequestId, Outcome> outcomes;
   std::vector<RequestId> ids;
   for (const Case& c : cases) ids.push_back(engine.add_request(c.prompt, c.params));
