@@ -45,6 +45,7 @@ struct GenerateOptions {
   bool no_prefix_caching = false;
   int64_t prefix_checkpoint_interval = 1024;
   int data_parallel_size = 1;  // DataParallelEngine ranks (CPU); the n samples spread over them
+  bool enable_expert_parallel = false;  // the routed experts split over the data-parallel ranks (CPU)
 };
 int generate(const GenerateOptions& options);
 

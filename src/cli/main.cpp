@@ -74,6 +74,9 @@ int main(int argc, char** argv) {
           "data-parallel attention ranks (CPU backend), each with its own KV cache of --kv-cache-gib; the "
           "-n samples spread over them")
       ->check(CLI::Range(1, 64));
+  generate_cmd->add_flag("--enable-expert-parallel", gen.enable_expert_parallel,
+                         "split the routed experts over the data-parallel ranks, which then step in lockstep "
+                         "(CPU backend; docs/parallel.md)");
 
   dsv4::cli::PlanOptions plan;
   auto* plan_cmd = app.add_subcommand("plan", "KV-cache bytes per request and how many requests fit");

@@ -163,10 +163,46 @@ int64_t LoadedBackend::cache_bytes(int64_t requested_bytes, bool explicitly_requ
   return requested_bytes;
 }
 
+namespace {
+
+// N lockstep ranks whose models split the routed experts over one in-process group (docs/parallel.md). Each rank
+// model is a copy of the loaded one that keeps only its own experts (copied and trimmed one at a time, so the
+// peak is the loaded model plus one copy); rank 0 runs the loaded model itself, trimmed last.
+std::unique_ptr<ServingEngine> make_expert_parallel_engine(LoadedBackend& loaded, const EngineConfig& config,
+                                                           int ranks) {
+  DSV4_CHECK(!loaded.on_cuda && loaded.cpu_model,
+             "--enable-expert-parallel runs on the CPU backend: the GPU's expert-parallel sublayer (NCCL all-to-all "
+             "of device rows) is not built yet");
+  DSV4_CHECK(ranks <= loaded.cpu_model->config().n_routed_experts,
+             "--data-parallel-size " + std::to_string(ranks) + " with --enable-expert-parallel: more ranks than the " +
+                 std::to_string(loaded.cpu_model->config().n_routed_experts) + " routed experts");
+  loaded.expert_group = std::make_unique<parallel::InProcessGroup>(ranks);
+  loaded.expert_communicators.clear();
+  loaded.extra_rank_models.clear();
+  loaded.extra_rank_backends.clear();
+  for (int r = 0; r < ranks; ++r) loaded.expert_communicators.push_back(loaded.expert_group->communicator(r));
+  std::vector<ModelBackend*> backends{loaded.backend.get()};
+  for (int r = 1; r < ranks; ++r) {
+    auto model = std::make_unique<DeepseekV4Model>(*loaded.cpu_model);
+    model->set_expert_parallel(loaded.expert_communicators[static_cast<size_t>(r)].get());
+    model->drop_remote_experts();
+    loaded.extra_rank_backends.push_back(std::make_unique<CpuModelBackend>(*model));
+    loaded.extra_rank_models.push_back(std::move(model));
+    backends.push_back(loaded.extra_rank_backends.back().get());
+  }
+  loaded.cpu_model->set_expert_parallel(loaded.expert_communicators[0].get());
+  loaded.cpu_model->drop_remote_experts();
+  return std::make_unique<DataParallelEngine>(std::move(backends), config, DataParallelRouterConfig{},
+                                              /*lockstep=*/true);
+}
+
+}  // namespace
+
 std::unique_ptr<ServingEngine> make_serving_engine(LoadedBackend& loaded, const EngineConfig& config,
-                                                   int data_parallel_size) {
+                                                   int data_parallel_size, bool expert_parallel) {
   DSV4_CHECK(data_parallel_size >= 1,
              "--data-parallel-size " + std::to_string(data_parallel_size) + ": must be >= 1");
+  if (expert_parallel && data_parallel_size > 1) return make_expert_parallel_engine(loaded, config, data_parallel_size);
   if (data_parallel_size == 1) return std::make_unique<Engine>(*loaded.backend, config);
   DSV4_CHECK(!loaded.on_cuda && loaded.cpu_model,
              "--data-parallel-size " + std::to_string(data_parallel_size) +

@@ -8,6 +8,7 @@
 #include "engine/model_backend.h"
 #include "engine/serving_engine.h"
 #include "model/deepseek_v4.h"
+#include "parallel/communicator.h"
 #include "tokenizer/tokenizer.h"
 
 namespace dsv4::cli {
@@ -54,8 +55,13 @@ struct LoadedBackend {
   // what --gpu-memory-utilization leaves after the weights and a step of `max_batched_tokens`.
   int64_t cache_bytes(int64_t requested_bytes, bool explicitly_requested, int64_t max_batched_tokens) const;
   double gpu_memory_utilization = 0.9;
-  // Data-parallel ranks 1.. (make_serving_engine): their own CPU backends over cpu_model's weights.
+  // Data-parallel ranks 1.. (make_serving_engine): their own CPU backends over cpu_model's weights, or with
+  // expert parallelism over their own models (each holding its partition of the routed experts) and the group
+  // that connects the ranks' MoE sublayers.
   std::vector<std::unique_ptr<ModelBackend>> extra_rank_backends;
+  std::vector<std::unique_ptr<DeepseekV4Model>> extra_rank_models;
+  std::unique_ptr<parallel::InProcessGroup> expert_group;
+  std::vector<std::unique_ptr<parallel::Communicator>> expert_communicators;
 };
 // On CUDA the weights are streamed (model/weights.h ModelWeightSource): host memory holds one layer at a time,
 // so a model whose fp32 copy exceeds host memory loads.
@@ -66,8 +72,11 @@ LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& o
 // backends over the same read-only weights, each rank with its own KV cache of config.kv_cache_bytes.
 // `loaded` must outlive the engine. Throws dsv4::Error for data_parallel_size > 1 on CUDA (one GPU per rank
 // is not driven from one process yet).
+// expert_parallel (vLLM's --enable-expert-parallel): the routed experts split over the ranks
+// (DeepseekV4Model::set_expert_parallel over one in-process group, each rank keeping only its partition), the
+// ranks stepping in lockstep. CPU backend and hf numerics only.
 std::unique_ptr<ServingEngine> make_serving_engine(LoadedBackend& loaded, const EngineConfig& config,
-                                                   int data_parallel_size);
+                                                   int data_parallel_size, bool expert_parallel = false);
 
 // The tokenizer for text in/out: `explicit_path`, else the model directory's tokenizer.json, else the DeepSeek
 // tokenizer that scripts/setup.sh installs next to this checkout. Throws dsv4::Error when none is found.

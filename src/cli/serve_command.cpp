@@ -50,6 +50,9 @@ CLI::App* add_serve_command(CLI::App& app, ServeOptions& o) {
          "data-parallel attention ranks in this process, each with its own scheduler and KV cache of "
          "--kv-cache-gib, requests routed by prefix-cache affinity and load (CPU backend)")
       ->check(CLI::Range(1, 64));
+  cmd->add_flag("--enable-expert-parallel", o.enable_expert_parallel,
+                "split the routed experts over the data-parallel ranks, which then step in lockstep (CPU "
+                "backend; docs/parallel.md)");
   return cmd;
 }
 
@@ -76,7 +79,8 @@ int serve(const ServeOptions& options) {
   server::ServerMetrics metrics;
   server::ServiceOptions service_options;
   service_options.max_queued_jobs = options.max_queued_requests;
-  server::EngineService service(make_serving_engine(loaded, engine, options.data_parallel_size), tokenizer,
+  server::EngineService service(make_serving_engine(loaded, engine, options.data_parallel_size,
+                                                   options.enable_expert_parallel), tokenizer,
                                 service_options, metrics);
 
   server::HttpServerOptions http;

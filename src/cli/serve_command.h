@@ -34,6 +34,7 @@ struct ServeOptions {
   int io_threads = 2;
   int data_parallel_size =
       1;  // ranks of data-parallel attention (engine/data_parallel_engine.h); CPU only for now
+  bool enable_expert_parallel = false;  // the routed experts split over those ranks (docs/parallel.md)
 };
 
 // Adds the `serve` subcommand to `app`; the returned options are filled when it is parsed.

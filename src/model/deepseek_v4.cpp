@@ -209,7 +209,25 @@ void DeepseekV4Model::set_expert_parallel(parallel::Communicator* communicator) 
     DSV4_CHECK(communicator->size() <= config_.n_routed_experts,
                std::to_string(communicator->size()) + " expert-parallel ranks for " +
                    std::to_string(config_.n_routed_experts) + " routed experts");
+  DSV4_CHECK(!remote_experts_dropped_ || (communicator != nullptr && expert_parallel_ != nullptr &&
+                                          communicator->rank() == expert_parallel_->rank() &&
+                                          communicator->size() == expert_parallel_->size()),
+             "this model dropped the other ranks' experts: it serves only its own partition of the same group shape");
   expert_parallel_ = communicator;
+}
+
+void DeepseekV4Model::drop_remote_experts() {
+  DSV4_CHECK(expert_parallel_ != nullptr, "drop_remote_experts needs expert parallelism (set_expert_parallel)");
+  const parallel::ExpertPartition partition(config_.n_routed_experts, expert_parallel_->size());
+  const int64_t first = partition.first_expert(expert_parallel_->rank());
+  const int64_t last = first + partition.num_local(expert_parallel_->rank());
+  for (LayerWeights& layer : weights_.layers)
+    for (int64_t e = 0; e < static_cast<int64_t>(layer.experts_w13.size()); ++e)
+      if (e < first || e >= last) {
+        layer.experts_w13[static_cast<size_t>(e)] = LinearWeight();
+        layer.experts_w2[static_cast<size_t>(e)] = LinearWeight();
+      }
+  remote_experts_dropped_ = true;
 }
 
 void DeepseekV4Model::abort_expert_parallel(const std::string& reason) {

@@ -51,6 +51,9 @@ class DeepseekV4Model {
   // This rank is failing (its step threw): aborts the expert-parallel group, so the other ranks' forwards throw
   // instead of waiting in a collective for this one (Communicator::abort). No-op without expert parallelism.
   void abort_expert_parallel(const std::string& reason);
+  // With expert parallelism set: frees the routed experts of the other ranks' partitions, so this rank holds only
+  // its own (what splitting the experts is for). Expert parallelism can then no longer be turned off.
+  void drop_remote_experts();
 
  private:
   struct StepLayout;  // token -> request / position bookkeeping of one step
@@ -76,6 +79,7 @@ class DeepseekV4Model {
   ModelConfig config_;
   ModelWeights weights_;
   parallel::Communicator* expert_parallel_ = nullptr;
+  bool remote_experts_dropped_ = false;
   ops::cpu::RopeTable rope_main_, rope_compress_;
 };
 

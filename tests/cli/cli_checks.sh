@@ -105,6 +105,14 @@ expect_success "generate --data-parallel-size 3" "$dsv4" generate --ids 5,6,7,8 
 if ! grep '^\[' "$work/out" | sort | cmp -s - "$work/dp1" || [ ! -s "$work/dp1" ]; then
   echo "FAIL generate --data-parallel-size 3 differs from one engine"; failures=$((failures + 1))
 fi
+# --enable-expert-parallel: the same samples with the routed experts split over 3 lockstep ranks.
+expect_success "generate --enable-expert-parallel" "$dsv4" generate --ids 5,6,7,8 --max-tokens 6 -n 4 --temperature 0.9 \
+  --seed 2 --data-parallel-size 3 --enable-expert-parallel
+if ! grep '^\[' "$work/out" | sort | cmp -s - "$work/dp1"; then
+  echo "FAIL generate --enable-expert-parallel differs from one engine"; failures=$((failures + 1))
+fi
+expect_failure "more expert-parallel ranks than experts" "more ranks than the" "$dsv4" generate --ids 1,2 \
+  --data-parallel-size 64 --enable-expert-parallel
 expect_failure "data-parallel size 0" "data-parallel-size" "$dsv4" generate --ids 1,2 --data-parallel-size 0
 expect_failure "bad checkpoint interval" "multiple of 256" "$dsv4" generate --ids 1,2 --prefix-checkpoint-interval 1000
 expect_failure "pool too small" "holds no page" "$dsv4" generate --ids 1,2 --kv-cache-gib 0.0001

@@ -181,6 +181,35 @@ TEST(ExpertParallelForward, RefusesWhatItCannotRun) {
   parallel::InProcessGroup two(2);
   auto other = two.communicator(0);
   EXPECT_THROW(deepseek.set_expert_parallel(other.get()), Error);
+  // Dropping the other ranks' experts needs expert parallelism, and leaves no way back to all experts here.
+  EXPECT_THROW(model.drop_remote_experts(), Error);
+  model.set_expert_parallel(other.get());
+  model.drop_remote_experts();
+  EXPECT_THROW(model.set_expert_parallel(nullptr), Error);
+  auto second = two.communicator(1);
+  EXPECT_THROW(model.set_expert_parallel(second.get()), Error);  // another rank's partition
+}
+
+// A rank that dropped the other ranks' experts computes what it computed holding them all: they were never used.
+TEST(ExpertParallelForward, DroppingRemoteExpertsChangesNothing) {
+  const ModelConfig config = small_config();
+  const std::vector<int32_t> prompt = random_ids(11, config.vocab_size, 61);
+  auto run = [&](bool drop) {
+    parallel::InProcessGroup group(2);
+    std::vector<std::vector<std::vector<float>>> logits(2);  // per rank, per step
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r)
+      threads.emplace_back([&, r] {
+        DeepseekV4Model model = random_model(config, 5);
+        auto comm = group.communicator(r);
+        model.set_expert_parallel(comm.get());
+        if (drop) model.drop_remote_experts();
+        logits[r] = run_request(model, prompt, 3);
+      });
+    for (std::thread& thread : threads) thread.join();
+    return logits;
+  };
+  EXPECT_EQ(run(true), run(false)) << "dropping the remote experts changed the logits";
 }
 
 }  // namespace
