@@ -70,7 +70,7 @@ std::vector<std::vector<float>> run_request(DeepseekV4Model& model, const std::v
 TEST(ExpertParallelForward, RanksEqualOneModel) {
   const ModelConfig config = small_config();  // 6 routed experts, top-2, hash and score-routed layers
   const int decode = 6;
-  for (const int R : {1, 2, 3}) {
+  for (const int R : {1, 2, 3, 4}) {
     std::vector<std::vector<int32_t>> prompts;
     for (int r = 0; r < R; ++r)
       prompts.push_back(random_ids(9 + 7 * static_cast<size_t>(r), config.vocab_size, 30 + static_cast<uint32_t>(r)));
