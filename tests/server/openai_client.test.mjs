@@ -84,7 +84,12 @@ test('chat: streamed deltas equal the message; usage chunk last; n with a seed i
   const a = await client.chat.completions.create(sampled);
   const b = await client.chat.completions.create(sampled);
   assert.equal(a.choices.length, 3);
-  assert.deepEqual(a.choices.map((c) => c.message.content), b.choices.map((c) => c.message.content));
+  // Under expert parallelism (DSV4_SAMPLING_BATCH_INVARIANT=0, set by the ctest that serves with
+  // --enable-expert-parallel) a request's expert GEMMs also hold whichever rows the other rank's requests send in
+  // that step, which depends on thread timing, and OpenBLAS rounds a row differently beside other rows; the random
+  // model's flat logits let a last-bit difference change a sampled token. Elsewhere the batches repeat exactly.
+  if (process.env.DSV4_SAMPLING_BATCH_INVARIANT !== '0')
+    assert.deepEqual(a.choices.map((c) => c.message.content), b.choices.map((c) => c.message.content));
   assert.deepEqual(a.choices.map((c) => c.index), [0, 1, 2]);
   assert.equal(a.usage.completion_tokens, 24);
 });
