@@ -1,8 +1,10 @@
 // cuBLASLt projections (ops/cuda/gemm.h) against a naive fp64 product: the exact fp32 mode, bf16 operands, the
 // strided batch the grouped output projection uses, two weights over one input (x batch stride 0, the compressor's
-// wkv ‖ wgate) and the bf16 output (wo_a straight into wo_b's operand).
+// wkv ‖ wgate), the bf16 output (wo_a straight into wo_b's operand), and one Gemm serving many row counts through
+// its row buckets.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -99,6 +101,40 @@ TEST_F(CudaGemm, GroupedBatchWithBf16Output) {
         const float actual = bf16_to_f32(y[static_cast<size_t>(r * groups * out + g * out + o)]);
         EXPECT_NEAR(actual, sum, std::abs(sum) * (1.0 / 256) + 1e-4) << "group " << g << " row " << r << " out " << o;
       }
+}
+
+// Above 64 rows one plan serves a power-of-two bucket of row counts, each call describing its own rows (gemm.h):
+// one Gemm over many prefill lengths — bf16 and fp32, plain and strided-batched, rows in and across buckets,
+// every length twice in shuffled order (a plan made for 128 rows then serving 65) — against the naive product.
+TEST_F(CudaGemm, RowBucketsServeEveryRowCount) {
+  const int64_t out = 96, in = 192, max_rows = 300;
+  for (const GemmDtype dtype : {GemmDtype::kBf16, GemmDtype::kF32}) {
+    const bool bf16 = dtype == GemmDtype::kBf16;
+    const auto w = random_values(2 * out * in, 11, bf16), x = random_values(max_rows * in, 12, bf16);
+    DeviceArray<float> dw32(w), dx32(x), dy(static_cast<size_t>(2 * max_rows * out));
+    DeviceArray<uint16_t> dw16(to_bf16(w)), dx16(to_bf16(x));
+    const void* wp = bf16 ? static_cast<const void*>(dw16.get()) : dw32.get();
+    const void* xp = bf16 ? static_cast<const void*>(dx16.get()) : dx32.get();
+    std::vector<int64_t> lengths = {128, 65, 100, 127, 129, 255, 256, 257, 300, 64, 1, 200, 65, 300, 129};
+    std::mt19937 rng(13);
+    std::shuffle(lengths.begin(), lengths.end(), rng);
+    Gemm gemm;
+    for (const int64_t rows : lengths) {
+      SCOPED_TRACE(::testing::Message() << (bf16 ? "bf16" : "f32") << ", " << rows << " rows");
+      dy.poison();
+      gemm.linear({wp, dtype, out, in, 0}, xp, rows, dy.get(), nullptr);
+      std::vector<float> y = dy.download();
+      y.resize(static_cast<size_t>(rows * out));
+      for (const float v : y) ASSERT_FALSE(std::isnan(v)) << "an output left unwritten";
+      EXPECT_LE(rel_l2(y, naive(w, x, 1, rows, out, in, 0)), bf16 ? 1e-5 : 1e-6);
+      // The batched form (two weights over one input) through the same buckets.
+      dy.poison();
+      gemm.linear_batched({wp, dtype, out, in, 0}, 2, out * in, xp, in, 0, rows, dy.get(), out, rows * out, nullptr);
+      std::vector<float> y2 = dy.download();
+      y2.resize(static_cast<size_t>(2 * rows * out));
+      EXPECT_LE(rel_l2(y2, naive(w, x, 2, rows, out, in, 0)), bf16 ? 1e-5 : 1e-6) << "batched";
+    }
+  }
 }
 
 }  // namespace
