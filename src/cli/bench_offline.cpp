@@ -101,7 +101,7 @@ struct BatchTiming {
   int64_t decode_steps = 0;
 };
 
-BatchTiming run_batch(Engine& engine, const std::vector<std::vector<int32_t>>& prompts, int64_t output_len) {
+BatchTiming run_batch(ServingEngine& engine, const std::vector<std::vector<int32_t>>& prompts, int64_t output_len) {
   for (const auto& prompt : prompts) engine.add_request(prompt, fixed_length(output_len));
   const auto start = Clock::now();
   BatchTiming timing;
@@ -144,6 +144,13 @@ std::pair<CLI::App*, CLI::App*> add_bench_offline_commands(CLI::App& bench, Benc
       "throughput", "Offline: requests/s and tokens/s of --num-prompts requests submitted at once");
   add_common(throughput_cmd, throughput);
   throughput_cmd->add_option("--num-prompts", throughput.num_prompts, "requests")->capture_default_str();
+  throughput_cmd
+      ->add_option("--data-parallel-size", throughput.data_parallel_size,
+                   "data-parallel attention ranks (CPU backend; the prompts are routed over them)")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
+  throughput_cmd->add_flag("--enable-expert-parallel", throughput.enable_expert_parallel,
+                           "split the routed experts over the data-parallel ranks (lockstep; CPU backend)");
   return {latency_cmd, throughput_cmd};
 }
 
@@ -221,23 +228,27 @@ int bench_latency(const BenchOfflineOptions& o) {
 int bench_throughput(const BenchOfflineOptions& o) {
   DSV4_CHECK(o.num_prompts >= 1, "--num-prompts must be >= 1");
   Setup setup = make_setup(o);
-  Engine engine(*setup.loaded.backend, setup.engine);
+  const std::unique_ptr<ServingEngine> engine =
+      make_serving_engine(setup.loaded, setup.engine, o.data_parallel_size, o.enable_expert_parallel);
   std::mt19937_64 rng(o.seed);
   const int64_t vocab = setup.loaded.backend->config().vocab_size;
   const auto prompts = random_prompts(o.num_prompts, o.input_len, vocab, rng);
-  const BatchTiming t = run_batch(engine, prompts, o.output_len);
+  const BatchTiming t = run_batch(*engine, prompts, o.output_len);
   const double requests = static_cast<double>(o.num_prompts);
   const double total_tokens = requests * static_cast<double>(o.input_len + o.output_len);
   const double output_tokens = requests * static_cast<double>(o.output_len);
-  std::printf("bench throughput on %s: %lld prompts, input %lld, output %lld\n", setup.loaded.backend->device_name(),
-              static_cast<long long>(o.num_prompts), static_cast<long long>(o.input_len),
-              static_cast<long long>(o.output_len));
+  std::printf("bench throughput on %s: %lld prompts, input %lld, output %lld, %d rank%s%s\n",
+              setup.loaded.backend->device_name(), static_cast<long long>(o.num_prompts),
+              static_cast<long long>(o.input_len), static_cast<long long>(o.output_len), o.data_parallel_size,
+              o.data_parallel_size == 1 ? "" : "s", o.enable_expert_parallel ? " (expert parallel)" : "");
   std::printf("Throughput: %.2f requests/s, %.2f total tokens/s, %.2f output tokens/s (%.2f s)\n", requests / t.total_s,
               total_tokens / t.total_s, output_tokens / t.total_s, t.total_s);
   write_json(o.output_json, {{"device", setup.loaded.backend->device_name()},
                              {"num_prompts", o.num_prompts},
                              {"input_len", o.input_len},
                              {"output_len", o.output_len},
+                             {"data_parallel_size", o.data_parallel_size},
+                             {"expert_parallel", o.enable_expert_parallel},
                              {"elapsed_time", t.total_s},
                              {"requests_per_second", requests / t.total_s},
                              {"tokens_per_second", total_tokens / t.total_s},

@@ -50,6 +50,12 @@ for dummy_model in "$work/config.json" "$work/config_only"; do
 done
 expect_success "bench latency --load-format dummy" "$dsv4" bench latency --model "$work/config.json" --load-format dummy \
   --input-len 8 --output-len 4 --batch-size 2 --num-iters 1 --device cpu
+# bench throughput over 2 expert-parallel ranks: every request completes (run_batch checks each) and the JSON says so.
+expect_success "bench throughput --enable-expert-parallel" "$dsv4" bench throughput --input-len 16 --output-len 4 \
+  --num-prompts 6 --data-parallel-size 2 --enable-expert-parallel --device cpu --output-json "$work/throughput.json"
+if ! grep -q '"expert_parallel": true' "$work/throughput.json" || ! grep -q '"data_parallel_size": 2' "$work/throughput.json"; then
+  echo "FAIL bench throughput JSON lacks the ranks"; failures=$((failures + 1))
+fi
 expect_failure "unknown load format" "--load-format 'pt'" "$dsv4" generate --model "$work/model" --load-format pt --ids 1
 expect_failure "unknown expert bits" "--expert-bits '3'" "$dsv4" generate --ids 1 --expert-bits 3 --device cpu
 # Routed experts requantized at load: the embedded model still generates.
