@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <string>
+#include <utility>
 
 #include "core/error.h"
 
@@ -39,6 +40,17 @@ class InProcessGroup::Member final : public Communicator {
       DSV4_CHECK(send_bytes[d] >= 0 && recv_bytes[d] >= 0, "all_to_all_v: a negative size");
       mine.offsets[d + 1] = mine.offsets[d] + send_bytes[d];
     }
+    const InProcessTransport& transport = group_.transport_;
+    // A transport failure (a device error) on this rank aborts the group: the others throw instead of waiting.
+    auto guarded = [&](auto&& step) {
+      try {
+        step();
+      } catch (const std::exception& error) {
+        group_.abort("expert-parallel rank " + std::to_string(rank_) + " failed to move its bytes: " + error.what());
+        throw;
+      }
+    };
+    if (transport.before_post) guarded([&] { transport.before_post(rank_); });
     group_.arrive_and_wait();  // every sender's buffer and sizes are posted
     auto* out = static_cast<uint8_t*>(recv);
     int64_t at = 0;
@@ -48,13 +60,19 @@ class InProcessGroup::Member final : public Communicator {
       // A mismatch is the caller's bug on one side; every rank still reaches the second barrier before throwing,
       // so the others are not left waiting on it.
       if (bytes != recv_bytes[s]) {
+        if (transport.after_copies) guarded([&] { transport.after_copies(rank_); });  // issued copies finish first
         group_.arrive_and_wait();
         throw Error("all_to_all_v: rank " + std::to_string(s) + " sends " + std::to_string(bytes) + " bytes to rank " +
                     std::to_string(rank_) + ", which expects " + std::to_string(recv_bytes[s]));
       }
-      if (bytes > 0) std::memcpy(out + at, source.send + source.offsets[rank_], static_cast<size_t>(bytes));
+      if (bytes > 0) {
+        const uint8_t* from = source.send + source.offsets[rank_];
+        if (transport.copy) guarded([&] { transport.copy(rank_, out + at, from, static_cast<size_t>(bytes)); });
+        else std::memcpy(out + at, from, static_cast<size_t>(bytes));
+      }
       at += bytes;
     }
+    if (transport.after_copies) guarded([&] { transport.after_copies(rank_); });
     group_.arrive_and_wait();  // every reader is done with every sender's buffer
   }
 
@@ -87,8 +105,8 @@ void InProcessGroup::abort(const std::string& reason) {
   wake_.notify_all();
 }
 
-InProcessGroup::InProcessGroup(int size)
-    : size_(size), posted_(static_cast<size_t>(size > 0 ? size : 1)) {
+InProcessGroup::InProcessGroup(int size, InProcessTransport transport)
+    : size_(size), transport_(std::move(transport)), posted_(static_cast<size_t>(size > 0 ? size : 1)) {
   DSV4_CHECK(size >= 1, "a group needs at least one rank, got " + std::to_string(size));
 }
 

@@ -5,7 +5,9 @@
 // A collective is called by every rank of the group, in the same order; a rank with nothing to send still calls
 // it (zero sizes), as the data-parallel-attention ranks of one MoE step all take part in its all-to-alls.
 #pragma once
+#include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <condition_variable>
 #include <mutex>
@@ -40,13 +42,21 @@ class Communicator {
   virtual void abort(const std::string& reason) = 0;
 };
 
+// How an in-process group moves bytes. The default is host memory: memcpy, nothing before or after. A group of
+// ranks on one GPU (parallel/device_in_process_group.h) copies on each rank's stream instead, waits for the rank's
+// stream before publishing its send buffer (the kernels that write it may still run) and after its copies.
+struct InProcessTransport {
+  std::function<void(int rank, void* dst, const void* src, size_t bytes)> copy;  // null: memcpy
+  std::function<void(int rank)> before_post, after_copies;                       // null: nothing
+};
+
 // size() ranks in one process, one thread each: rank r's communicator is communicator(r). A collective copies
 // straight from the senders' buffers: every rank publishes its buffer, a barrier, every rank copies the runs
 // addressed to it, a barrier (so no sender reuses its buffer before every reader is done). The group must outlive
 // its communicators; every rank must call each collective (a rank that stops calling blocks the others).
 class InProcessGroup {
  public:
-  explicit InProcessGroup(int size);  // throws dsv4::Error unless size >= 1
+  explicit InProcessGroup(int size, InProcessTransport transport = {});  // throws dsv4::Error unless size >= 1
   int size() const { return size_; }
   std::unique_ptr<Communicator> communicator(int rank);  // throws dsv4::Error for a rank outside [0, size)
 
@@ -62,6 +72,7 @@ class InProcessGroup {
   void abort(const std::string& reason);
 
   int size_;
+  InProcessTransport transport_;
   std::vector<Posted> posted_;
   std::mutex mutex_;
   std::condition_variable wake_;

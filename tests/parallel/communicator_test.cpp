@@ -6,8 +6,10 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <thread>
@@ -116,6 +118,45 @@ TEST(InProcessGroup, AnAbortReleasesTheRanksWaitingInACollective) {
   });
   for (int r = 0; r < 3; ++r)
     EXPECT_NE(errors[r].find("expert-parallel rank 1 aborted the group: injected failure"), std::string::npos)
+        << "rank " << r << ": " << errors[r];
+}
+
+// A group's transport (InProcessTransport): its copy moves every byte between ranks, before_post runs before a rank
+// publishes and after_copies once its copies are issued, on every rank and collective; a copy that throws aborts
+// the group, so the other ranks throw too instead of waiting for the failed one.
+TEST(InProcessGroup, ATransportMovesTheBytesAndItsFailureAbortsTheGroup) {
+  std::atomic<int64_t> copied{0};
+  std::atomic<int> posts{0}, finishes{0};
+  InProcessTransport counting;
+  counting.copy = [&](int, void* dst, const void* src, size_t bytes) {
+    std::memcpy(dst, src, bytes);
+    copied += static_cast<int64_t>(bytes);
+  };
+  counting.before_post = [&](int) { ++posts; };
+  counting.after_copies = [&](int) { ++finishes; };
+  {
+    InProcessGroup group(3, counting);
+    const auto errors = on_ranks(group, [&](int rank, Communicator& comm) {
+      EXPECT_EQ(comm.exchange_counts(std::vector<int64_t>{rank, rank, rank}), (std::vector<int64_t>{0, 1, 2}));
+    });
+    for (int r = 0; r < 3; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+  }
+  EXPECT_EQ(copied.load(), 3 * 3 * static_cast<int64_t>(sizeof(int64_t)));  // every run, the own one included
+  EXPECT_EQ(posts.load(), 3);
+  EXPECT_EQ(finishes.load(), 3);
+
+  InProcessTransport failing;
+  failing.copy = [](int rank, void* dst, const void* src, size_t bytes) {
+    if (rank == 2) throw Error("injected copy failure");
+    std::memcpy(dst, src, bytes);
+  };
+  InProcessGroup group(3, failing);
+  const auto errors = on_ranks(group, [&](int rank, Communicator& comm) {
+    comm.exchange_counts(std::vector<int64_t>{rank, rank, rank});
+  });
+  EXPECT_NE(errors[2].find("injected copy failure"), std::string::npos) << errors[2];
+  for (int r = 0; r < 2; ++r)
+    EXPECT_NE(errors[r].find("rank 2 failed to move its bytes: injected copy failure"), std::string::npos)
         << "rank " << r << ": " << errors[r];
 }
 
