@@ -351,6 +351,10 @@ void EngineService::run() {
         jobs_.clear();
         by_request_.clear();
       }
+      // The gauges of the state this step left, before any client hears of its outputs: a client that reads
+      // /metrics right after its request finished must not see it still running (seen once under a loaded ctest,
+      // server_openai_client_dp: dsv4:num_requests_running 1 after the last response).
+      publish_gauges();
       process(outputs);
     }
     publish_gauges();
