@@ -256,17 +256,17 @@ void DataParallelEngine::run_rank(Rank& rank) {
         report.outputs.push_back(aborted_output(command.id, error.what()));
       }
     }
-    bool stepped = false, step = engine.has_unfinished();
+    const bool own_work = engine.has_unfinished();
+    bool stepped = false, step = own_work;
     if (lockstep_) {
-      const LockstepGate::Decision decision = lockstep_->arrive(step);
+      const LockstepGate::Decision decision = lockstep_->arrive(own_work);
       if (decision == LockstepGate::Decision::kStop) return;
       step = decision == LockstepGate::Decision::kStep;  // an idle rank steps too: an empty forward
     }
     if (step) {
       try {
-        const bool had_work = engine.has_unfinished();
         std::vector<RequestOutput> outputs = engine.step();
-        stepped = had_work;
+        stepped = own_work;  // an idle rank's empty forward reports nothing
         // Progress of what this step scheduled or preempted, read before the finished ones are forgotten.
         const SchedulerOutput& scheduled = engine.last_scheduled();
         auto progress = [&](RequestId local) {

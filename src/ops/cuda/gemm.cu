@@ -82,13 +82,21 @@ cublasStatus_t heuristic(cublasLtHandle_t lt, cublasLtMatmulDesc_t op, cublasLtM
   return status;
 }
 
+// A strided batch of `count` matrices `stride` elements apart on `layout`.
+void set_strided_batch(cublasLtMatrixLayout_t layout, int64_t count, int64_t stride, const char* what) {
+  const int32_t count32 = static_cast<int32_t>(count);
+  check(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count32, sizeof count32), what);
+  check(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof stride),
+        what);
+}
+
 }  // namespace
 
 struct Gemm::Plan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;  // b and c describe `rows` rows
   cublasLtMatmulAlgo_t algo{};
-  // What the x and y layouts of a call with other rows need (call_layouts).
+  // What the x and y layouts of a call with other rows need (layouts()).
   int64_t rows = 0, in = 0, out = 0, x_stride = 0, y_stride = 0, batch = 1, x_batch = 0, y_batch = 0;
   cudaDataType_t operand = CUDA_R_32F, output = CUDA_R_32F;
   // Calls whose rows the bucket's algorithm refused (CUBLAS_STATUS_NOT_SUPPORTED): their own heuristic answer.
@@ -124,16 +132,8 @@ struct Gemm::Plan {
                                    y_stride),
           "layout y");
     if (batch > 1) {
-      const int32_t count = static_cast<int32_t>(batch);
-      auto strided = [&](cublasLtMatrixLayout_t layout, int64_t stride, const char* what) {
-        check(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof count),
-              what);
-        check(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
-                                               sizeof stride),
-              what);
-      };
-      strided(&scratch.b, x_batch, "batch x");
-      strided(&scratch.c, y_batch, "batch y");
+      set_strided_batch(&scratch.b, batch, x_batch, "batch x");
+      set_strided_batch(&scratch.c, batch, y_batch, "batch y");
     }
     return {&scratch.b, &scratch.c};
   }
@@ -202,16 +202,9 @@ Gemm::Plan& Gemm::plan(const Key& key, const void* w, const void* x, void* y, cu
                                    y_stride),
         "layout y");
   if (batch > 1) {
-    const int32_t count = static_cast<int32_t>(batch);
-    auto strided = [&](cublasLtMatrixLayout_t layout, int64_t stride, const char* what) {
-      check(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof count), what);
-      check(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
-                                             sizeof stride),
-            what);
-    };
-    strided(plan->a, w_batch, "batch W");
-    strided(plan->b, x_batch, "batch x");
-    strided(plan->c, y_batch, "batch y");
+    set_strided_batch(plan->a, batch, w_batch, "batch W");
+    set_strided_batch(plan->b, batch, x_batch, "batch x");
+    set_strided_batch(plan->c, batch, y_batch, "batch y");
   }
   cublasLtMatmulHeuristicResult_t results[kCandidates]{};
   int found = 0;

@@ -90,8 +90,8 @@ class Gemm {
 
  private:
   struct Plan;
-  // dtype, out, in, rows (plan_rows in gemm.cu: exact up to 64, a power-of-two bucket above), strides of W / x / y, accumulate, batch, batch strides of W / x / y, output dtype,
-  // FP8 backend.
+  // dtype, out, in, rows (plan_rows in gemm.cu: exact up to 64, a power-of-two bucket above), strides of
+  // W / x / y, accumulate, batch, batch strides of W / x / y, output dtype, FP8 backend.
   using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, int64_t, int64_t,
                          int64_t, int64_t, int, int>;
   // The plan of a shape, made (and its algorithm timed on these operands) at the shape's first call.

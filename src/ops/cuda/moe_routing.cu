@@ -1,6 +1,7 @@
 #include "ops/cuda/moe_routing.h"
 
 #include <algorithm>
+#include <type_traits>
 
 #include "ops/cuda/bf16.cuh"
 #include "ops/cuda/launch.cuh"
@@ -153,18 +154,19 @@ __global__ void __launch_bounds__(kSwigluThreads) swiglu_kernel(const float* __r
       const float4 g = reinterpret_cast<const float4*>(gate)[c], u = reinterpret_cast<const float4*>(up)[c];
       const float4 v =
           make_float4(swiglu(g.x, u.x, limit), swiglu(g.y, u.y, limit), swiglu(g.z, u.z, limit), swiglu(g.w, u.w, limit));
-      if constexpr (sizeof(Out) == 4) {
+      if constexpr (std::is_same_v<Out, float>) {
         reinterpret_cast<float4*>(o)[c] = v;
       } else {
-        const uint2 bits{static_cast<uint32_t>(f32_to_bf16_bits(v.x)) | static_cast<uint32_t>(f32_to_bf16_bits(v.y)) << 16,
-                         static_cast<uint32_t>(f32_to_bf16_bits(v.z)) | static_cast<uint32_t>(f32_to_bf16_bits(v.w)) << 16};
-        reinterpret_cast<uint2*>(o)[c] = bits;
+        auto pair = [](float lo, float hi) {
+          return static_cast<uint32_t>(f32_to_bf16_bits(lo)) | static_cast<uint32_t>(f32_to_bf16_bits(hi)) << 16;
+        };
+        reinterpret_cast<uint2*>(o)[c] = make_uint2(pair(v.x, v.y), pair(v.z, v.w));
       }
     }
   } else {
     for (int64_t c = blockIdx.y * int64_t{kSwigluThreads} + threadIdx.x; c < inter; c += stride) {
       const float v = swiglu(gate[c], up[c], limit);
-      if constexpr (sizeof(Out) == 4) o[c] = v;
+      if constexpr (std::is_same_v<Out, float>) o[c] = v;
       else o[c] = f32_to_bf16_bits(v);
     }
   }

@@ -172,6 +172,16 @@ __device__ __forceinline__ void load_bf16_tile(uint32_t stage, const uint8_t* co
     cp_async_16(stage + offset(key, chunk), src ? src + chunk * 16 : any, src != nullptr);
   }
 }
+// The CTA's 64 query heads (512 bf16 each, contiguous from q_token) into shared memory, chunk c of head h at
+// stage + offset(h, c): the same 64 × 64 chunks as a bf16 key tile.
+template <typename Offset>
+__device__ __forceinline__ void load_query_heads(uint32_t stage, const uint16_t* q_token, int tid, Offset offset) {
+#pragma unroll
+  for (int i = 0; i < kHeadsPerCta * 64 / kThreads; ++i) {
+    const int u = tid + i * kThreads, h = u / 64, chunk = u % 64;
+    cp_async_16(stage + offset(h, chunk), q_token + h * kKvHeadDim + chunk * 8, true);
+  }
+}
 __device__ __forceinline__ void load_fp8_raw_tile(uint32_t stage, const uint8_t* const* data,
                                                   const uint8_t* const* scales, const void* any, int tid) {
   constexpr int kChunks = kKvFp8DataBytes / 16;  // 36
@@ -265,11 +275,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (tile_begin < tile_end) {
     resolve_tile(tile_begin, 0);
-#pragma unroll
-    for (int i = 0; i < kHeadsPerCta * 64 / kThreads; ++i) {
-      const int u = tid + i * kThreads, h = u / 64, chunk = u % 64;
-      cp_async_16(smem_base + L::kQ + row_offset(h, chunk), q_token + h * kKvHeadDim + chunk * 8, true);
-    }
+    load_query_heads(smem_base + L::kQ, q_token, tid, row_offset);
     __syncthreads();
     load_tile(0);
     cp_async_commit();
@@ -533,11 +539,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (tile_begin < tile_end) {
     resolve_tile(tile_begin, 0);
-#pragma unroll
-    for (int i = 0; i < kHeadsPerCta * 64 / kThreads; ++i) {
-      const int u = tid + i * kThreads, h = u / 64, chunk = u % 64;
-      cp_async_16(smem_base + L::kQ + tile_offset(h, chunk), q_token + h * kKvHeadDim + chunk * 8, true);
-    }
+    load_query_heads(smem_base + L::kQ, q_token, tid, tile_offset);
     __syncthreads();
     load_tile(0, 0);
     cp_async_commit();
@@ -761,7 +763,7 @@ cudaError_t launch(const SparseAttentionParams& p, const uint16_t* q, uint16_t* 
   const bool wgmma = use_warpgroup_mma();
   auto kernel = wgmma ? warpgroup_mma::sparse_attention_wgmma_kernel<kFormat, kSplit>
                       : sparse_attention_kernel<kFormat, kSplit>;
-  const int kSmem = wgmma ? warpgroup_mma::Smem<kFormat>::kAllocation : SmemLayout<kFormat>::kBytes;
+  const int smem_bytes = wgmma ? warpgroup_mma::Smem<kFormat>::kAllocation : SmemLayout<kFormat>::kBytes;
   static const cudaError_t attribute = cudaFuncSetAttribute(sparse_attention_kernel<kFormat, kSplit>,
                                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                             SmemLayout<kFormat>::kBytes);
@@ -772,7 +774,7 @@ cudaError_t launch(const SparseAttentionParams& p, const uint16_t* q, uint16_t* 
   if (wgmma_attribute != cudaSuccess) return wgmma_attribute;
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(p.heads / kHeadsPerCta),
                   static_cast<unsigned>(p.tokens));
-  launch_dependent(kernel, grid, kThreads, kSmem, stream, p, q, out, partial_o, partial_ml, splits);
+  launch_dependent(kernel, grid, kThreads, smem_bytes, stream, p, q, out, partial_o, partial_ml, splits);
   return cudaGetLastError();
 }
 
