@@ -51,7 +51,22 @@ class InProcessGroup::Member final : public Communicator {
       }
     };
     if (transport.before_post) guarded([&] { transport.before_post(rank_); });
-    group_.arrive_and_wait();  // every sender's buffer and sizes are posted
+    group_.arrive_posted();  // every sender's buffer and sizes are posted
+    // This rank reads the others' buffers until finish(). Left by an exception instead (a transport failure,
+    // which aborted the group), it also waits until no other rank reads this rank's buffers before they go.
+    struct ReadingPhase {
+      InProcessGroup& group;
+      bool open = true;
+      void finish() {
+        if (open) group.done_reading();
+        open = false;
+      }
+      ~ReadingPhase() {
+        if (!open) return;
+        finish();
+        group.wait_for_no_readers();
+      }
+    } reading{group_};
     auto* out = static_cast<uint8_t*>(recv);
     int64_t at = 0;
     for (int s = 0; s < n; ++s) {
@@ -61,7 +76,8 @@ class InProcessGroup::Member final : public Communicator {
       // so the others are not left waiting on it.
       if (bytes != recv_bytes[s]) {
         if (transport.after_copies) guarded([&] { transport.after_copies(rank_); });  // issued copies finish first
-        group_.arrive_and_wait();
+        reading.finish();
+        group_.arrive_read();
         throw Error("all_to_all_v: rank " + std::to_string(s) + " sends " + std::to_string(bytes) + " bytes to rank " +
                     std::to_string(rank_) + ", which expects " + std::to_string(recv_bytes[s]));
       }
@@ -73,7 +89,8 @@ class InProcessGroup::Member final : public Communicator {
       at += bytes;
     }
     if (transport.after_copies) guarded([&] { transport.after_copies(rank_); });
-    group_.arrive_and_wait();  // every reader is done with every sender's buffer
+    reading.finish();
+    group_.arrive_read();  // every reader is done with every sender's buffer
   }
 
  private:
@@ -81,18 +98,36 @@ class InProcessGroup::Member final : public Communicator {
   int rank_;
 };
 
-void InProcessGroup::arrive_and_wait() {
+void InProcessGroup::arrive(bool opens_reading) {
   std::unique_lock lock(mutex_);
-  if (aborted_) throw Error(abort_reason_);
+  auto fail = [&] {
+    wake_.wait(lock, [&] { return readers_ == 0; });  // no rank copies from this one's buffers any more
+    throw Error(abort_reason_);
+  };
+  if (aborted_) fail();
   const uint64_t round = round_;
   if (++arrived_ == size_) {
     arrived_ = 0;
     ++round_;
+    if (opens_reading) readers_ = size_;
     wake_.notify_all();
     return;
   }
   wake_.wait(lock, [&] { return aborted_ || round_ != round; });
-  if (round_ == round) throw Error(abort_reason_);  // released by an abort, not by the last arrival
+  if (round_ == round) fail();  // released by an abort, not by the last arrival
+}
+
+void InProcessGroup::wait_for_no_readers() {
+  std::unique_lock lock(mutex_);
+  wake_.wait(lock, [&] { return readers_ == 0; });
+}
+
+void InProcessGroup::done_reading() {
+  {
+    std::lock_guard lock(mutex_);
+    --readers_;
+  }
+  wake_.notify_all();
 }
 
 void InProcessGroup::abort(const std::string& reason) {

@@ -66,9 +66,15 @@ class InProcessGroup {
     const uint8_t* send = nullptr;
     std::vector<int64_t> offsets;  // [size + 1]: where each destination's run starts
   };
-  // A barrier that an abort releases (std::barrier cannot be interrupted): arrive_and_wait throws once the
-  // group is aborted.
-  void arrive_and_wait();
+  // The two barriers of a collective, which an abort releases (std::barrier cannot be interrupted): every
+  // sender's buffer posted (its completion opens the reading phase: all ranks read the others' buffers until each
+  // calls done_reading), then every reader done. A rank that an abort releases, at either, throws — but only once
+  // no rank is still reading, so no sender frees a buffer another rank is copying from.
+  void arrive_posted() { arrive(true); }
+  void arrive_read() { arrive(false); }
+  void arrive(bool opens_reading);
+  void done_reading();
+  void wait_for_no_readers();
   void abort(const std::string& reason);
 
   int size_;
@@ -76,7 +82,7 @@ class InProcessGroup {
   std::vector<Posted> posted_;
   std::mutex mutex_;
   std::condition_variable wake_;
-  int arrived_ = 0;
+  int arrived_ = 0, readers_ = 0;
   uint64_t round_ = 0;
   bool aborted_ = false;
   std::string abort_reason_;
