@@ -6,6 +6,8 @@
 #include <cmath>
 
 #include "ops/cuda/launch.cuh"
+#include "ops/cuda/warpgroup_dispatch.h"
+#include "ops/cuda/wgmma.cuh"
 
 namespace dsv4::ops::cuda {
 namespace {
@@ -54,7 +56,9 @@ struct WarpTile {
   int32_t in_block0;  // entry0 % entries_per_block
 };
 
-template <IndexKeyDtype kDtype>
+// Rows of a lane: row group m (16 rows from entry0 + kGroupStride·m, in one cache block since entries_per_block is
+// a multiple of 32 and groups start 16-aligned), rows 8h + g of it; the lane's 32 channels [32t, 32t + 32).
+template <IndexKeyDtype kDtype, int kGroupStride>
 __device__ __forceinline__ void load_tile(const IndexerScoresParams& p, const unsigned char* __restrict__ pool,
                                           const int32_t* __restrict__ table, int64_t entry0, int64_t visible,
                                           int g, int t, KeyTile<kDtype>& tile) {
@@ -67,27 +71,30 @@ __device__ __forceinline__ void load_tile(const IndexerScoresParams& p, const un
   tile.scale = 0;
   if (entry0 >= visible) return;
   const int epb = p.keys.entries_per_block;
-  const int32_t block = table[entry0 / epb];
-  const int64_t run = p.keys.run_offset(block);
-  const int in_block0 = static_cast<int>(entry0 % epb);
   constexpr int kRowBytes = kDtype == IndexKeyDtype::kFp8 ? kHeadDim : 2 * kHeadDim;
 #pragma unroll
-  for (int m = 0; m < 2; ++m)
+  for (int m = 0; m < 2; ++m) {
+    const int64_t group0 = entry0 + kGroupStride * m;
+    if (group0 >= visible) break;
+    const int64_t run = p.keys.run_offset(table[group0 / epb]);
+    const int in_block0 = static_cast<int>(group0 % epb);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int r = 16 * m + 8 * h + g;
-      if (entry0 + r < visible) {
+      const int r = 8 * h + g;
+      if (group0 + r < visible) {
         const uint4* src = reinterpret_cast<const uint4*>(pool + run + static_cast<int64_t>(in_block0 + r) * kRowBytes +
                                                           t * (kRowBytes / 4));
 #pragma unroll
         for (int v = 0; v < KeyTile<kDtype>::kVectors; ++v) tile.raw[m][h][v] = __ldg(src + v);
       }
     }
-  if constexpr (kDtype == IndexKeyDtype::kFp8) {
-    const int r = 16 * (t >> 1) + 8 * (t & 1) + g;  // the row this lane writes
-    if (entry0 + r < visible)
-      tile.scale = __ldg(reinterpret_cast<const float*>(pool + run + static_cast<int64_t>(epb) * kHeadDim +
-                                                        4 * static_cast<int64_t>(in_block0 + r)));
+    if constexpr (kDtype == IndexKeyDtype::kFp8) {
+      // The scale of the row this lane writes: row group t >> 1, row 8·(t & 1) + g.
+      const int r = 8 * (t & 1) + g;
+      if (m == (t >> 1) && group0 + r < visible)
+        tile.scale = __ldg(reinterpret_cast<const float*>(pool + run + static_cast<int64_t>(epb) * kHeadDim +
+                                                          4 * static_cast<int64_t>(in_block0 + r)));
+    }
   }
 }
 
@@ -156,12 +163,12 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   const unsigned char* q_lane = q_smem + g * kQRowBytes + t * 64;  // head g of n-tile 0, channel 32t
 
   KeyTile<kDtype> tile;
-  load_tile<kDtype>(p, pool, table, first_entry + warp * kWarpEntries, visible, g, t, tile);
+  load_tile<kDtype, 16>(p, pool, table, first_entry + warp * kWarpEntries, visible, g, t, tile);
   for (int it = 0; it < tiles_per_cta; ++it) {
     const int64_t entry0 = first_entry + static_cast<int64_t>(it) * kCtaEntries + warp * kWarpEntries;
     if (entry0 >= p.max_entries) break;
     const KeyTile<kDtype> current = tile;
-    if (it + 1 < tiles_per_cta) load_tile<kDtype>(p, pool, table, entry0 + kCtaEntries, visible, g, t, tile);
+    if (it + 1 < tiles_per_cta) load_tile<kDtype, 16>(p, pool, table, entry0 + kCtaEntries, visible, g, t, tile);
 
     float part[2][2] = {{0, 0}, {0, 0}};  // [m][h]: Σ over this lane's heads of w · relu(q · k), rows 16m + 8h + g
     if (entry0 < visible) {
@@ -210,6 +217,144 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
 #endif
 }
 
+// ---- The warpgroup-MMA kernel (sm_90a wgmma; the default on a Hopper, DSV4_INDEXER_KERNEL=mma selects the one
+// above) ----
+//
+// Same grid, 128-entry tiles, per-lane key loads, dequantization and epilogue as indexer_scores_kernel. The mma.sync
+// kernel is issue-bound with FP8 keys (~260 TFLOP/s, half the copy bandwidth: docs/kernels/indexer_topk.md): 128
+// mma per warp and tile. Here the CTA is one warpgroup and the tile two m64 row groups (entries 64m + 16·warp + …):
+// each row group is 8 wgmma m64n64k16 with the dequantized keys as the A operand from registers (the m16n8k16 A
+// fragments the mma.sync kernel builds) and q as the B operand from shared memory, 16 wgmma per tile in all. The k
+// permutation of the fragments (channels 32t + 4s + … of lane t in k-step s) is applied to q once, when it is
+// stored: its logical k of step s are the physical channels physical_channel(16s + kk).
+namespace warpgroup_mma {
+
+constexpr int kQBlockBytes = kHeads * 128;  // one 64-channel column block of q: 64 head rows × 128 B
+
+__device__ __forceinline__ int physical_channel(int k) {
+  const int step = k >> 4, kk = k & 15;
+  return 32 * ((kk & 7) >> 1) + 4 * step + 2 * (kk >> 3) + (kk & 1);
+}
+
+// 16-byte chunk `chunk` (logical k 8·chunk …) of head row `head` in the 128-byte-swizzled K-major layout.
+__device__ __forceinline__ uint32_t q_offset(int head, int chunk) {
+  return static_cast<uint32_t>((chunk >> 3) * kQBlockBytes + head * 128 + (((chunk & 7) ^ (head & 7)) << 4));
+}
+
+template <IndexKeyDtype kDtype, int kMinBlocks>
+__global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
+    indexer_scores_wgmma_kernel(const IndexerScoresParams p, int tiles_per_cta) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  wait_for_prior_grid();
+  allow_dependents();
+  __shared__ __align__(128) unsigned char q_buffer[2 * kQBlockBytes + 1024];  // aligned to 1024 below
+  __shared__ __align__(16) uint32_t q_raw[kHeads * kHeadDim / 2];            // q as it comes, bf16 pairs
+  __shared__ float w_smem[kHeads];
+  const uint32_t q_unaligned = static_cast<uint32_t>(__cvta_generic_to_shared(q_buffer));
+  const uint32_t q_pad = (1024u - (q_unaligned & 1023u)) & 1023u;
+  unsigned char* q_smem = q_buffer + q_pad;
+  const uint32_t q_base = q_unaligned + q_pad;
+
+  const int64_t token = blockIdx.y;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
+  const int32_t request = p.token_request[token];
+  const int64_t entries = p.request_entries[request];
+  const int64_t causal = (static_cast<int64_t>(p.token_position[token]) + 1) / p.compress_ratio;
+  int64_t visible = entries < causal ? entries : causal;
+  visible = visible < 0 ? 0 : visible > p.max_entries ? p.max_entries : visible;
+  const int32_t* table = p.block_tables + static_cast<int64_t>(request) * p.block_table_stride;
+  const auto* pool = reinterpret_cast<const unsigned char*>(p.pool);
+  float* out = p.scores + token * p.max_entries;
+  const int64_t first_entry = static_cast<int64_t>(blockIdx.x) * tiles_per_cta * kCtaEntries;
+
+  // The first keys are in flight while q is staged and permuted.
+  KeyTile<kDtype> tile;
+  load_tile<kDtype, 64>(p, pool, table, first_entry + 16 * warp, visible, g, t, tile);
+  const uint4* q = reinterpret_cast<const uint4*>(p.q + token * kHeads * kHeadDim);
+  for (int i = tid; i < kHeads * kHeadDim / 8; i += kWarps * 32) reinterpret_cast<uint4*>(q_raw)[i] = __ldg(q + i);
+  if (tid < kHeads) w_smem[tid] = p.weights[token * kHeads + tid] * p.softmax_scale;
+  __syncthreads();
+  // Logical k pairs (2e, 2e + 1) of a chunk are physical neighbours (physical_channel keeps the low bit).
+  for (int i = tid; i < kHeads * 16; i += kWarps * 32) {
+    const int head = i >> 4, chunk = i & 15;
+    uint32_t words[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) words[e] = q_raw[(head * kHeadDim + physical_channel(8 * chunk + 2 * e)) / 2];
+    *reinterpret_cast<uint4*>(q_smem + q_offset(head, chunk)) = make_uint4(words[0], words[1], words[2], words[3]);
+  }
+  fence_proxy_async_shared();  // q's generic stores before wgmma's async-proxy reads
+  __syncthreads();
+  float w[8][2];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    w[j][0] = w_smem[8 * j + 2 * t];
+    w[j][1] = w_smem[8 * j + 2 * t + 1];
+  }
+
+  for (int it = 0; it < tiles_per_cta; ++it) {
+    const int64_t tile0 = first_entry + static_cast<int64_t>(it) * kCtaEntries;
+    if (tile0 >= p.max_entries) break;
+    // Every fragment of the tile first (wgmma reads them asynchronously), then the next tile's loads go out into
+    // the same registers: no second copy of the raw tile is live (3 CTAs an SM without spills).
+    const bool any = tile0 < visible;  // uniform over the warpgroup, as wgmma needs
+    uint32_t a[2][8][4];
+    if (any) {
+#pragma unroll
+      for (int s = 0; s < 8; ++s) {
+        uint32_t step[2][4];
+        fragments_of_step<kDtype>(tile, s, step);
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) a[m][s][i] = step[m][i];
+      }
+    }
+    const float scale = tile.scale;
+    if (it + 1 < tiles_per_cta)
+      load_tile<kDtype, 64>(p, pool, table, tile0 + kCtaEntries + 16 * warp, visible, g, t, tile);
+
+    // [m][h]: Σ over this lane's heads of w · relu(k · q), rows 64m + 16·warp + 8h + g
+    float part[2][2] = {{0, 0}, {0, 0}};
+    if (any) {
+      // One row group at a time (one accumulator tile live), so the kernel fits 3 CTAs an SM without spills.
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        float acc[32];
+        wgmma_fence();
+#pragma unroll
+        for (int s = 0; s < 8; ++s)
+          wgmma_m64n64k16_rs(acc, a[m][s],
+                             smem_descriptor(q_base + (s >> 2) * kQBlockBytes + (s & 3) * 32, 16, 1024), s > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        // acc[4j + e]: entry row 16·warp + g + 8·(e / 2) of group m, head 8j + 2t + e % 2.
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          part[m][0] += w[j][0] * fmaxf(acc[4 * j], 0.0f) + w[j][1] * fmaxf(acc[4 * j + 1], 0.0f);
+          part[m][1] += w[j][0] * fmaxf(acc[4 * j + 2], 0.0f) + w[j][1] * fmaxf(acc[4 * j + 3], 0.0f);
+        }
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        part[m][h] += __shfl_xor_sync(0xffffffffu, part[m][h], 1);
+        part[m][h] += __shfl_xor_sync(0xffffffffu, part[m][h], 2);
+      }
+    // Lane t writes row 64·(t>>1) + 16·warp + 8·(t&1) + g; the FP8 scale is positive, so it commutes with relu.
+    const float mine = t == 0 ? part[0][0] : t == 1 ? part[0][1] : t == 2 ? part[1][0] : part[1][1];
+    const int64_t row = tile0 + 64 * (t >> 1) + 16 * warp + 8 * (t & 1) + g;
+    if (row < p.max_entries)
+      out[row] = row < visible ? (kDtype == IndexKeyDtype::kFp8 ? mine * scale : mine) : -INFINITY;
+  }
+#else
+  __trap();  // not sm_90a code: use_warpgroup_mma (ops/cuda/warpgroup_dispatch.h) never launches it there
+#endif
+}
+
+}  // namespace warpgroup_mma
+
 int multiprocessors() {
   static const int count = [] {
     int device = 0, value = 0;
@@ -244,17 +389,26 @@ cudaError_t indexer_scores(const IndexerScoresParams& p, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   if (p.num_tokens == 0 || p.max_entries == 0) return cudaSuccess;
   if (p.num_tokens > 65535) return cudaErrorInvalidValue;
+  // DSV4_INDEXER_KERNEL=mma runs the mma.sync kernel on a Hopper too.
+  const bool wgmma = use_warpgroup_mma("DSV4_INDEXER_KERNEL");
+  const bool fp8 = p.keys.dtype == IndexKeyDtype::kFp8;
+  auto kernel = wgmma ? (fp8 ? warpgroup_mma::indexer_scores_wgmma_kernel<IndexKeyDtype::kFp8, 3>
+                             : warpgroup_mma::indexer_scores_wgmma_kernel<IndexKeyDtype::kBf16, 2>)
+                      : (fp8 ? indexer_scores_kernel<IndexKeyDtype::kFp8, 3>
+                             : indexer_scores_kernel<IndexKeyDtype::kBf16, 2>);
+  static int resident_per_sm[2][2] = {};  // [wgmma][fp8], asked once per kernel
+  int& per_sm = resident_per_sm[wgmma][fp8];
+  if (per_sm == 0 && (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * 32, 0) != cudaSuccess ||
+                      per_sm < 1)) {
+    cudaGetLastError();
+    per_sm = 2;
+  }
   // Enough CTAs for about two waves, each scoring several consecutive tiles so q is read from L2 once per tile run.
   const int64_t tiles = (p.max_entries + kCtaEntries - 1) / kCtaEntries;
-  const int64_t resident = static_cast<int64_t>(multiprocessors()) * 3;
+  const int64_t resident = static_cast<int64_t>(multiprocessors()) * per_sm;
   const int64_t per_cta = std::max<int64_t>(1, std::min<int64_t>(32, tiles * p.num_tokens / (2 * resident)));
   const dim3 grid(static_cast<unsigned>((tiles + per_cta - 1) / per_cta), static_cast<unsigned>(p.num_tokens));
-  if (p.keys.dtype == IndexKeyDtype::kFp8)
-    launch_dependent(indexer_scores_kernel<IndexKeyDtype::kFp8, 3>, grid, kWarps * 32, 0, stream, p,
-                     static_cast<int>(per_cta));
-  else
-    launch_dependent(indexer_scores_kernel<IndexKeyDtype::kBf16, 2>, grid, kWarps * 32, 0, stream, p,
-                     static_cast<int>(per_cta));
+  launch_dependent(kernel, grid, kWarps * 32, 0, stream, p, static_cast<int>(per_cta));
   return cudaGetLastError();
 }
 

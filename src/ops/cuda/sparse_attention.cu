@@ -7,11 +7,10 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 
 #include "ops/cuda/device.h"
 #include "ops/cuda/launch.cuh"
+#include "ops/cuda/warpgroup_dispatch.h"
 #include "ops/cuda/wgmma.cuh"
 
 namespace dsv4::ops::cuda {
@@ -696,7 +695,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 #else
-  __trap();  // not sm_90a code: use_warpgroup_mma never launches it there
+  __trap();  // not sm_90a code: use_warpgroup_mma (ops/cuda/warpgroup_dispatch.h) never launches it there
 #endif
 }
 
@@ -742,25 +741,11 @@ __global__ void __launch_bounds__(128) sparse_attention_combine_kernel(const Spa
   *reinterpret_cast<uint2*>(out + (token * p.heads + head) * kKvHeadDim + dim) = packed;
 }
 
-// The warpgroup kernel where it exists: sm_90a code in this build (DSV4_CUDA_SM90A, src/ops/cuda/CMakeLists.txt)
-// and a Hopper as the current device (a multi-architecture build's other cubins hold an empty kernel that
-// traps). DSV4_ATTENTION_KERNEL=mma runs the mma.sync kernel anyway (to measure the two); read per call.
-bool use_warpgroup_mma() {
-#ifdef DSV4_CUDA_SM90A
-  const char* value = std::getenv("DSV4_ATTENTION_KERNEL");
-  if (value != nullptr && std::strcmp(value, "mma") == 0) return false;
-  int device = 0, major = 0;
-  return cudaGetDevice(&device) == cudaSuccess &&
-         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major == 9;
-#else
-  return false;
-#endif
-}
-
 template <KvEntryFormat kFormat, bool kSplit>
 cudaError_t launch(const SparseAttentionParams& p, const uint16_t* q, uint16_t* out, float* partial_o,
                    float* partial_ml, int splits, cudaStream_t stream) {
-  const bool wgmma = use_warpgroup_mma();
+  // DSV4_ATTENTION_KERNEL=mma runs the mma.sync kernel on a Hopper too.
+  const bool wgmma = use_warpgroup_mma("DSV4_ATTENTION_KERNEL");
   auto kernel = wgmma ? warpgroup_mma::sparse_attention_wgmma_kernel<kFormat, kSplit>
                       : sparse_attention_kernel<kFormat, kSplit>;
   const int smem_bytes = wgmma ? warpgroup_mma::Smem<kFormat>::kAllocation : SmemLayout<kFormat>::kBytes;

@@ -98,31 +98,38 @@ void check_scores(IndexKeyDtype dtype, const std::vector<int32_t>& entries,
   p.token_position = d_position;
   p.q = d_q;
   p.weights = d_w;
-  CUDA_OK(cudaMemset(d_scores, 0xff, n * 4));  // NaN wherever the kernel fails to write
-  CUDA_OK(indexer_scores(p, nullptr));
-  CUDA_OK(cudaDeviceSynchronize());
-  const auto actual = to_host(d_scores, n);
-  CUDA_OK(cudaMemset(d_scores, 0xff, n * 4));
-  CUDA_OK(indexer_scores(p, nullptr));
-  const auto repeat = to_host(d_scores, n);
+  // Both kernels: the warpgroup-MMA one (the default on a Hopper) and the mma.sync one (DSV4_INDEXER_KERNEL=mma).
+  struct SwitchOffOnExit {
+    ~SwitchOffOnExit() { ::unsetenv("DSV4_INDEXER_KERNEL"); }
+  } switch_off_on_exit;  // also when an ASSERT returns early
+  for (const char* kernel : {"wgmma", "mma"}) {
+    ::setenv("DSV4_INDEXER_KERNEL", kernel, 1);
+    CUDA_OK(cudaMemset(d_scores, 0xff, n * 4));  // NaN wherever the kernel fails to write
+    CUDA_OK(indexer_scores(p, nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
+    const auto actual = to_host(d_scores, n);
+    CUDA_OK(cudaMemset(d_scores, 0xff, n * 4));
+    CUDA_OK(indexer_scores(p, nullptr));
+    const auto repeat = to_host(d_scores, n);
+    EXPECT_EQ(std::memcmp(actual.data(), repeat.data(), n * 4), 0) << kernel << ": not bitwise repeatable";
+    for (size_t t = 0; t < queries.size(); ++t) {
+      double err = 0, norm = 0;
+      for (int64_t s = 0; s < max_entries; ++s) {
+        const float a = actual[t * max_entries + s], e = expected[t * max_entries + s];
+        ASSERT_FALSE(std::isnan(a)) << kernel << ": unwritten score " << t << " " << s;
+        if (std::isinf(e)) {
+          ASSERT_EQ(a, e) << kernel << " " << t << " " << s;
+          continue;
+        }
+        ASSERT_FALSE(std::isinf(a)) << kernel << " " << t << " " << s;
+        err += (double(a) - e) * (double(a) - e);
+        norm += double(e) * e;
+      }
+      EXPECT_LE(std::sqrt(err / std::max(norm, 1e-30)), 3e-5) << kernel << ": token " << t;  // fp32 sums, another order
+    }
+  }
   for (void* ptr : std::initializer_list<void*>{d_pool, d_tables, d_entries, d_request, d_position, d_q, d_w, d_scores})
     cudaFree(ptr);
-  EXPECT_EQ(std::memcmp(actual.data(), repeat.data(), n * 4), 0) << "not bitwise repeatable";
-  for (size_t t = 0; t < queries.size(); ++t) {
-    double err = 0, norm = 0;
-    for (int64_t s = 0; s < max_entries; ++s) {
-      const float a = actual[t * max_entries + s], e = expected[t * max_entries + s];
-      ASSERT_FALSE(std::isnan(a)) << "unwritten score " << t << " " << s;
-      if (std::isinf(e)) {
-        ASSERT_EQ(a, e) << t << " " << s;
-        continue;
-      }
-      ASSERT_FALSE(std::isinf(a)) << t << " " << s;
-      err += (double(a) - e) * (double(a) - e);
-      norm += double(e) * e;
-    }
-    EXPECT_LE(std::sqrt(err / std::max(norm, 1e-30)), 3e-5) << "token " << t;  // fp32 sums in another order
-  }
 }
 
 TEST_F(CudaIndexerTest, ScoresMatchCpuTwinDecodeAndPrefill) {
