@@ -129,6 +129,9 @@ std::vector<CaseResult> score_cases(const Ceilings&, const Options& options) {
       check(cudaMemcpy(entries, host_entries.data(), max_tokens * 4, cudaMemcpyHostToDevice), "entries");
       check(cudaMemcpy(positions, host_positions.data(), max_tokens * 4, cudaMemcpyHostToDevice), "positions");
       for (const int64_t batch : batches) {
+        const std::string name =
+            shape_name(dtype == IndexKeyDtype::kFp8 ? "indexer_scores fp8" : "indexer_scores bf16", context, batch);
+        if (!options.wants(name)) continue;
         ops::IndexerScoresParams p;
         p.num_tokens = batch;
         p.max_entries = context;
@@ -154,8 +157,7 @@ std::vector<CaseResult> score_cases(const Ceilings&, const Options& options) {
           cudaGetLastError();
           continue;
         }
-        r.name = shape_name(dtype == IndexKeyDtype::kFp8 ? "indexer_scores fp8" : "indexer_scores bf16", context,
-                            batch);
+        r.name = name;
         r.microseconds = us;
         r.flops = 2.0 * batch * context * 64 * 128;
         r.bytes = double(batch) * context * (layout.entry_bytes() + 4) + batch * (64 * 128 * 2 + 64 * 4);

@@ -85,19 +85,20 @@ __device__ __forceinline__ void wgmma_m64n{n}k16_rs_mn_major_b(float (&d)[{regs}
 """
 
 
-def rs(n):
+def rs(n, dtype="bf16"):
     regs = n // 2
     d = ", ".join(f"%{i}" for i in range(regs))
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
+    suffix = "" if dtype == "bf16" else f"_{dtype}"
     return f"""
-// D[m64 × n{n}] (+)= A · B, A bf16 from registers (4 per thread), B bf16 from shared memory (K-major), fp32
+// D[m64 × n{n}] (+)= A · B, A {dtype} from registers (4 per thread), B {dtype} from shared memory (K-major), fp32
 // accumulators. accumulate = 0 overwrites D. The A registers are read asynchronously: keep them unchanged (and
 // live) until wgmma_wait() has seen this group complete.
-__device__ __forceinline__ void wgmma_m64n{n}k16_rs(float (&d)[{regs}], const uint32_t (&a)[4], uint64_t desc_b,
+__device__ __forceinline__ void wgmma_m64n{n}k16_rs{suffix}(float (&d)[{regs}], const uint32_t (&a)[4], uint64_t desc_b,
                                                    int accumulate) {{
   asm volatile(
       "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 5}, 0;\\n"
-      "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{d}}}, {{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, "
+      "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{dtype}.{dtype} {{{d}}}, {{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, "
       "%{regs + 4}, p, 1, 1, 0;\\n}}\\n"
       : {outs}
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
@@ -105,4 +106,4 @@ __device__ __forceinline__ void wgmma_m64n{n}k16_rs(float (&d)[{regs}], const ui
 """
 
 
-print(HEADER + ss(64) + rs(64) + rs_transposed_b(256) + "\n}  // namespace dsv4::ops::cuda")
+print(HEADER + ss(64) + rs(64) + rs(64, "f16") + rs_transposed_b(256) + "\n}  // namespace dsv4::ops::cuda")

@@ -1,6 +1,7 @@
 #include "ops/cuda/indexer_scores.h"
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <algorithm>
 #include <cmath>
@@ -236,6 +237,31 @@ __device__ __forceinline__ int physical_channel(int k) {
   return 32 * ((kk & 7) >> 1) + 4 * step + 2 * (kk >> 3) + (kk & 1);
 }
 
+// Four e4m3 bytes -> two f16x2 (bytes 0-1, bytes 2-3), exactly: one hardware conversion per pair (sm_89+), where
+// the bf16 route of the mma.sync kernel takes five instructions. Every e4m3 value is an f16 value.
+__device__ __forceinline__ void e4m3x4_to_f16x2x2(uint32_t word, uint32_t& low, uint32_t& high) {
+  asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %2;\ncvt.rn.f16x2.e4m3x2 %0, lo;\ncvt.rn.f16x2.e4m3x2 %1, hi;\n}\n"
+      : "=r"(low), "=r"(high)
+      : "r"(word));
+}
+
+// The A fragments of k-step s for both row groups: FP8 keys as f16 (the q they meet is f16 too, see the kernel).
+template <IndexKeyDtype kDtype>
+__device__ __forceinline__ void wgmma_fragments_of_step(const KeyTile<kDtype>& tile, int s, uint32_t (&a)[2][4]) {
+  if constexpr (kDtype == IndexKeyDtype::kFp8) {
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint4& vec = tile.raw[m][h][s / 4];
+        const uint32_t word = (s % 4 == 0) ? vec.x : (s % 4 == 1) ? vec.y : (s % 4 == 2) ? vec.z : vec.w;
+        e4m3x4_to_f16x2x2(word, a[m][h], a[m][2 + h]);  // channels +0, +1 | +2, +3: logical k 2t, 2t+1 | 2t+8, 2t+9
+      }
+  } else {
+    fragments_of_step<kDtype>(tile, s, a);
+  }
+}
+
 // 16-byte chunk `chunk` (logical k 8·chunk …) of head row `head` in the 128-byte-swizzled K-major layout.
 __device__ __forceinline__ uint32_t q_offset(int head, int chunk) {
   return static_cast<uint32_t>((chunk >> 3) * kQBlockBytes + head * 128 + (((chunk & 7) ^ (head & 7)) << 4));
@@ -271,15 +297,44 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   KeyTile<kDtype> tile;
   load_tile<kDtype, 64>(p, pool, table, first_entry + 16 * warp, visible, g, t, tile);
   const uint4* q = reinterpret_cast<const uint4*>(p.q + token * kHeads * kHeadDim);
-  for (int i = tid; i < kHeads * kHeadDim / 8; i += kWarps * 32) reinterpret_cast<uint4*>(q_raw)[i] = __ldg(q + i);
-  if (tid < kHeads) w_smem[tid] = p.weights[token * kHeads + tid] * p.softmax_scale;
+  uint32_t largest = 0;  // FP8: max |q| of the token as bf16 magnitude bits (ordered like the values)
+  for (int i = tid; i < kHeads * kHeadDim / 8; i += kWarps * 32) {
+    const uint4 v = __ldg(q + i);
+    reinterpret_cast<uint4*>(q_raw)[i] = v;
+    if constexpr (kDtype == IndexKeyDtype::kFp8)
+      largest = __vmaxu2(largest, __vmaxu2(__vmaxu2(v.x & 0x7fff7fffu, v.y & 0x7fff7fffu),
+                                           __vmaxu2(v.z & 0x7fff7fffu, v.w & 0x7fff7fffu)));
+  }
+  // FP8 keys meet q as f16 (11 significant bits, bf16 has 8), scaled per token by 2^-e so that max |q| lands in
+  // [2^14, 2^15): every element within 2^31 of the largest converts exactly, and 2^e goes into the head weights
+  // (relu commutes with a positive scale). So the products are those of the bf16 q, as in the CPU twin.
+  __shared__ uint32_t warp_largest[kWarps];
+  if constexpr (kDtype == IndexKeyDtype::kFp8) {
+    largest = __reduce_max_sync(0xffffffffu, __vmaxu2(largest, largest >> 16) & 0xffffu);
+    if (lane == 0) warp_largest[warp] = largest;
+  }
   __syncthreads();
+  int q_exponent = 0;
+  if constexpr (kDtype == IndexKeyDtype::kFp8) {
+    largest = max(max(warp_largest[0], warp_largest[1]), max(warp_largest[2], warp_largest[3]));
+    if (largest != 0) q_exponent = min(60, max(-60, static_cast<int>(largest >> 7) - 127 - 14));
+  }
+  if (tid < kHeads)
+    w_smem[tid] = p.weights[token * kHeads + tid] * p.softmax_scale * __int_as_float((127 + q_exponent) << 23);
+  const float q_scale = __int_as_float((127 - q_exponent) << 23);
   // Logical k pairs (2e, 2e + 1) of a chunk are physical neighbours (physical_channel keeps the low bit).
   for (int i = tid; i < kHeads * 16; i += kWarps * 32) {
     const int head = i >> 4, chunk = i & 15;
     uint32_t words[4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) words[e] = q_raw[(head * kHeadDim + physical_channel(8 * chunk + 2 * e)) / 2];
+    for (int e = 0; e < 4; ++e) {
+      words[e] = q_raw[(head * kHeadDim + physical_channel(8 * chunk + 2 * e)) / 2];
+      if constexpr (kDtype == IndexKeyDtype::kFp8) {
+        const __half2 pair = __floats2half2_rn(__uint_as_float(words[e] << 16) * q_scale,
+                                               __uint_as_float(words[e] & 0xffff0000u) * q_scale);
+        words[e] = *reinterpret_cast<const uint32_t*>(&pair);
+      }
+    }
     *reinterpret_cast<uint4*>(q_smem + q_offset(head, chunk)) = make_uint4(words[0], words[1], words[2], words[3]);
   }
   fence_proxy_async_shared();  // q's generic stores before wgmma's async-proxy reads
@@ -302,7 +357,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
 #pragma unroll
       for (int s = 0; s < 8; ++s) {
         uint32_t step[2][4];
-        fragments_of_step<kDtype>(tile, s, step);
+        wgmma_fragments_of_step<kDtype>(tile, s, step);
 #pragma unroll
         for (int m = 0; m < 2; ++m)
 #pragma unroll
@@ -322,16 +377,23 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
         float acc[32];
         wgmma_fence();
 #pragma unroll
-        for (int s = 0; s < 8; ++s)
-          wgmma_m64n64k16_rs(acc, a[m][s],
-                             smem_descriptor(q_base + (s >> 2) * kQBlockBytes + (s & 3) * 32, 16, 1024), s > 0);
+        for (int s = 0; s < 8; ++s) {
+          const uint64_t q_step = smem_descriptor(q_base + (s >> 2) * kQBlockBytes + (s & 3) * 32, 16, 1024);
+          if constexpr (kDtype == IndexKeyDtype::kFp8)
+            wgmma_m64n64k16_rs_f16(acc, a[m][s], q_step, s > 0);
+          else
+            wgmma_m64n64k16_rs(acc, a[m][s], q_step, s > 0);
+        }
         wgmma_commit();
         wgmma_wait<0>();
-        // acc[4j + e]: entry row 16·warp + g + 8·(e / 2) of group m, head 8j + 2t + e % 2.
+        // acc[4j + e]: entry row 16·warp + g + 8·(e / 2) of group m, head 8j + 2t + e % 2. Fused multiply-adds:
+        // fewer instructions than the mma.sync kernel's sum of products (the issue rate is a limit here).
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          part[m][0] += w[j][0] * fmaxf(acc[4 * j], 0.0f) + w[j][1] * fmaxf(acc[4 * j + 1], 0.0f);
-          part[m][1] += w[j][0] * fmaxf(acc[4 * j + 2], 0.0f) + w[j][1] * fmaxf(acc[4 * j + 3], 0.0f);
+          part[m][0] = fmaf(w[j][0], fmaxf(acc[4 * j], 0.0f), part[m][0]);
+          part[m][0] = fmaf(w[j][1], fmaxf(acc[4 * j + 1], 0.0f), part[m][0]);
+          part[m][1] = fmaf(w[j][0], fmaxf(acc[4 * j + 2], 0.0f), part[m][1]);
+          part[m][1] = fmaf(w[j][1], fmaxf(acc[4 * j + 3], 0.0f), part[m][1]);
         }
       }
     }

@@ -75,8 +75,11 @@ TEST_F(CudaIndexerTest, WriterMatchesCpuQuantizerByteForByte) {
 }
 
 void check_scores(IndexKeyDtype dtype, const std::vector<int32_t>& entries,
-                  const std::vector<std::pair<int32_t, int32_t>>& queries, int64_t max_entries, uint32_t seed) {
-  const auto c = testing::make_paged_case(dtype, entries, queries, max_entries, seed);
+                  const std::vector<std::pair<int32_t, int32_t>>& queries, int64_t max_entries, uint32_t seed,
+                  int q_scale_log2 = 0) {
+  auto c = testing::make_paged_case(dtype, entries, queries, max_entries, seed);
+  // q scaled by a power of two (exact in bf16): the FP8 wgmma kernel rescales q per token into f16's range.
+  for (uint16_t& value : c.q) value = f32_to_bf16(std::ldexp(bf16_to_f32(value), q_scale_log2));
   const size_t n = queries.size() * static_cast<size_t>(max_entries);
   std::vector<float> expected(n);
   cpu::indexer_scores_paged(c.params(expected.data()));
@@ -141,6 +144,14 @@ TEST_F(CudaIndexerTest, ScoresMatchCpuTwinDecodeAndPrefill) {
     for (int pos : {0, 3, 4, 255, 256, 259, 307, 310}) queries.push_back({1, pos});
     check_scores(dtype, entries, queries, 2061, dtype == IndexKeyDtype::kFp8 ? 1 : 2);
   }
+}
+
+TEST_F(CudaIndexerTest, ScoresMatchCpuTwinWithLargeAndTinyQueries) {
+  // |q| up to ~2^24 (beyond f16's 65504) and down to ~2^-40 (below f16's subnormals): the FP8 kernel's per-token
+  // power-of-two rescaling keeps every product exact.
+  for (const int q_scale_log2 : {22, -40})
+    for (const IndexKeyDtype dtype : {IndexKeyDtype::kFp8, IndexKeyDtype::kBf16})
+      check_scores(dtype, {300, 129}, {{0, 1203}, {1, 515}, {1, 300}}, 304, 5, q_scale_log2);
 }
 
 TEST_F(CudaIndexerTest, ScoresMatchCpuTwinAt32KEntries) {
