@@ -28,7 +28,7 @@ struct HeadNormRopeParams {
 // x [rows, heads, head_dim] fp32, updated in place; norm_weight: fp32 device [head_dim] or nullptr (unweighted);
 // positions: int32 device [rows]; inv_freq: fp32 device [rope_dim / 2]; x_bf16: device [rows, heads, head_dim]
 // or nullptr — the result rounded to bf16 (round to nearest even), the next kernel's operand.
-// One block per (row, head). CUDA-graph safe (no allocation, no synchronisation).
+// One warp per (row, head), up to 8 heads of a row per block. CUDA-graph safe (no allocation, no synchronisation).
 cudaError_t head_norm_rope(const HeadNormRopeParams& p, float* x, const float* norm_weight, const int32_t* positions,
                            const float* inv_freq, uint16_t* x_bf16, cudaStream_t stream);
 

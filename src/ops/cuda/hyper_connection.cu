@@ -1,6 +1,8 @@
 #include "ops/cuda/hyper_connection.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "ops/cuda/bf16.cuh"
 #include "ops/cuda/launch.cuh"
@@ -118,6 +120,135 @@ __global__ void __launch_bounds__(kThreads) mix_partial_kernel(const float* __re
     for (int w = 0; w < warps; ++w) s += warp_sums[w][i];
     partial[((t0 + t) * splits + split) * NV + v] = s;
   }
+}
+
+// Tensor-core mixes for prefill-sized batches: the same partial sums (layout and meaning) as mix_partial_kernel.
+// mix_partial_kernel reads fn (1.5 MB at V4) from L2 once per 4 tokens: 1.5 GB a call at 4K tokens, ~280 µs,
+// L2-bound (ncu, 2026-12-06). Here Σ h·fn[o] runs on mma.sync m16n8k8 TF32 with 16 tokens of a warp sharing each fn fragment
+// and a CTA's 4 warps sharing it through L1 (fn then crosses L2 once per 64 tokens and split). "3xTF32": each
+// fp32 operand is split into big = tf32(x) and small = tf32(x − big), and small·big + big·small + big·big is
+// accumulated in fp32 (the small·small term, ~2^-22 of a product, is dropped): fp32-class products, unlike one
+// TF32 pass (~2^-11). Measured at 4K tokens (H100): 173 µs a call against 280. Σ h² stays in fp32 FMAs. The k dimension is permuted (A and B agree): in k-step s of a 16-column block, lane
+// position t's logical k t and t + 4 are the columns 4t + 2s and 4t + 2s + 1, so each lane loads float4s.
+constexpr int kTcWarps = 4;
+constexpr int kTcTokens = 16 * kTcWarps;         // tokens of one CTA
+constexpr int64_t kTensorCoreMinTokens = 512;     // below this the split-K kernel above keeps the SMs busier
+constexpr int kTensorCoreMaxSplits = 16;
+
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ void mma_tf32(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// One k-step: A rows g (lo) and g + 8 (hi) at logical k t (a*0) and t + 4 (a*4); B column g of each n-tile.
+template <int NT>
+__device__ __forceinline__ void mma_3xtf32_step(float (&acc)[NT][4], float lo0, float hi0, float lo4, float hi4,
+                                                const float (&b0)[NT], const float (&b4)[NT]) {
+  const uint32_t a_big[4] = {to_tf32(lo0), to_tf32(hi0), to_tf32(lo4), to_tf32(hi4)};
+  const uint32_t a_small[4] = {to_tf32(lo0 - __uint_as_float(a_big[0])), to_tf32(hi0 - __uint_as_float(a_big[1])),
+                               to_tf32(lo4 - __uint_as_float(a_big[2])), to_tf32(hi4 - __uint_as_float(a_big[3]))};
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const uint32_t b_big0 = to_tf32(b0[nt]), b_big4 = to_tf32(b4[nt]);
+    const uint32_t b_small0 = to_tf32(b0[nt] - __uint_as_float(b_big0)),
+                   b_small4 = to_tf32(b4[nt] - __uint_as_float(b_big4));
+    mma_tf32(acc[nt], a_small[0], a_small[1], a_small[2], a_small[3], b_big0, b_big4);
+    mma_tf32(acc[nt], a_big[0], a_big[1], a_big[2], a_big[3], b_small0, b_small4);
+    mma_tf32(acc[nt], a_big[0], a_big[1], a_big[2], a_big[3], b_big0, b_big4);
+  }
+}
+
+// grid (ceil(tokens / kTcTokens), splits), kTcWarps warps; `chunk` columns per split, a multiple of 16, as is
+// width; streams and fn 16-byte aligned.
+template <int NOUT>
+__global__ void __launch_bounds__(32 * kTcWarps) mix_partial_tf32_kernel(const float* __restrict__ streams,
+                                                                        const float* __restrict__ fn, int64_t tokens,
+                                                                        int64_t width, int64_t chunk, int splits,
+                                                                        float* __restrict__ partial) {
+  wait_for_prior_grid();
+  allow_dependents();
+  constexpr int NT = (NOUT + 7) / 8, NV = NOUT + 1;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+  const int split = static_cast<int>(blockIdx.y);
+  const int64_t row_lo = static_cast<int64_t>(blockIdx.x) * kTcTokens + warp * 16 + g, row_hi = row_lo + 8;
+  const bool valid_lo = row_lo < tokens, valid_hi = row_hi < tokens;
+  const float* x_lo = streams + (valid_lo ? row_lo : 0) * width;
+  const float* x_hi = streams + (valid_hi ? row_hi : 0) * width;
+  const float* f[NT];
+  bool valid_f[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    valid_f[nt] = 8 * nt + g < NOUT;
+    f[nt] = fn + (valid_f[nt] ? 8 * nt + g : 0) * width;
+  }
+  // The tensor cores add into their fp32 accumulator without rounding to nearest (the sums are truncated), so a
+  // long chain drifts: one accumulator over a 2,048-column split measured 9e-5 relative error in post. Every
+  // kChain blocks of 16 columns the accumulator is added into `total` (round to nearest) and restarted.
+  constexpr int kChain = 4;
+  float acc[NT][4], total[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[nt][i] = total[nt][i] = 0.0f;
+  float squares_lo = 0.0f, squares_hi = 0.0f;
+  const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  const int64_t begin = split * chunk, end = min(width, begin + chunk);
+  int blocks = 0;
+#pragma unroll 2
+  for (int64_t k = begin + 4 * t; k < end; k += 16) {
+    const float4 lo = valid_lo ? load<4>(x_lo, k / 4) : zero, hi = valid_hi ? load<4>(x_hi, k / 4) : zero;
+    float b[4][NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const float4 v = valid_f[nt] ? load<4>(f[nt], k / 4) : zero;
+      b[0][nt] = v.x;
+      b[1][nt] = v.y;
+      b[2][nt] = v.z;
+      b[3][nt] = v.w;
+    }
+    squares_lo = fma_dot(lo, lo, squares_lo);
+    squares_hi = fma_dot(hi, hi, squares_hi);
+    mma_3xtf32_step<NT>(acc, lo.x, hi.x, lo.y, hi.y, b[0], b[1]);
+    mma_3xtf32_step<NT>(acc, lo.z, hi.z, lo.w, hi.w, b[2], b[3]);
+    if (++blocks == kChain) {  // warp-uniform: every lane runs the same number of blocks
+      blocks = 0;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          total[nt][i] += acc[nt][i];
+          acc[nt][i] = 0.0f;
+        }
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[nt][i] += total[nt][i];
+  // acc[nt][e]: row g (e < 2) or g + 8, output 8·nt + 2t + e % 2.
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int o = 8 * nt + 2 * t + (e & 1);
+      const int64_t row = e < 2 ? row_lo : row_hi;
+      if (o < NOUT && row < tokens) partial[(row * splits + split) * NV + o] = acc[nt][e];
+    }
+  squares_lo += __shfl_xor_sync(kFull, squares_lo, 1);
+  squares_lo += __shfl_xor_sync(kFull, squares_lo, 2);
+  squares_hi += __shfl_xor_sync(kFull, squares_hi, 1);
+  squares_hi += __shfl_xor_sync(kFull, squares_hi, 2);
+  if (t == 0 && valid_lo) partial[(row_lo * splits + split) * NV + NOUT] = squares_lo;
+  if (t == 0 && valid_hi) partial[(row_hi * splits + split) * NV + NOUT] = squares_hi;
 }
 
 // One CTA per token: the mixes from the splits, pre (and for hc_pre post and the Sinkhorn comb), the collapse,
@@ -291,6 +422,18 @@ int mix_splits(int64_t tokens, int64_t vec_cols) {
   return static_cast<int>(std::clamp<int64_t>(splits, 1, kMaxSplits));
 }
 
+// Splits of the tensor-core mix for this batch, or 0 where it does not apply (few tokens, unaligned rows, or
+// DSV4_HC_MIX_KERNEL=simt, read per call, to measure the two). A power of two, up to about 512 CTAs.
+int tensor_core_splits(int64_t tokens, int64_t width, bool vec4) {
+  if (tokens < kTensorCoreMinTokens || !vec4 || width % 16 != 0) return 0;
+  const char* choice = std::getenv("DSV4_HC_MIX_KERNEL");
+  if (choice != nullptr && std::strcmp(choice, "simt") == 0) return 0;
+  const int64_t blocks = (tokens + kTcTokens - 1) / kTcTokens;
+  int splits = 1;
+  while (splits < kTensorCoreMaxSplits && blocks * splits < 512 && width % (32 * splits) == 0) splits *= 2;
+  return splits;
+}
+
 bool valid_params(const HyperConnectionParams& p) {
   return p.tokens >= 0 && p.tokens <= 0x7fffffff && (p.hc == 1 || p.hc == 2 || p.hc == 4) && p.hidden > 0 &&
          p.sinkhorn_iters >= 1 && p.sinkhorn_iters <= 0x7fffffff;
@@ -305,7 +448,8 @@ cudaError_t launch_mix(const HyperConnectionParams& p, const float* streams, con
   const int64_t width = HC * p.hidden;
   const bool vec4 = p.hidden % 4 == 0 && aligned16(streams) && aligned16(fn) && aligned16(collapsed);
   const int64_t vec_cols = vec4 ? width / 4 : width;
-  const int splits = mix_splits(p.tokens, vec_cols);
+  const int tc_splits = tensor_core_splits(p.tokens, width, vec4);
+  const int splits = tc_splits > 0 ? tc_splits : mix_splits(p.tokens, vec_cols);
   const int64_t chunk = (vec_cols + splits - 1) / splits;
   const size_t need = static_cast<size_t>(p.tokens) * splits * (NOUT + 1) * sizeof(float);
   if (workspace == nullptr || workspace_bytes < need) return cudaErrorInvalidValue;
@@ -320,7 +464,12 @@ cudaError_t launch_mix(const HyperConnectionParams& p, const float* streams, con
     launch_dependent(kernel, tokens, kThreads, 0, stream, partial, splits, streams, base, scale, p.hidden,
                      p.hc_eps, p.norm_eps, iters, collapsed, post, comb, fused);
   };
-  if (vec4) {
+  if (tc_splits > 0) {
+    const dim3 grid(static_cast<unsigned>((p.tokens + kTcTokens - 1) / kTcTokens), static_cast<unsigned>(splits));
+    launch_dependent(mix_partial_tf32_kernel<NOUT>, grid, 32 * kTcWarps, 0, stream, streams, fn, p.tokens, width,
+                     width / splits, splits, partial);
+    norm ? finish(finish_kernel<HC, kHead, 4, true>) : finish(finish_kernel<HC, kHead, 4, false>);
+  } else if (vec4) {
     launch_dependent(mix_partial_kernel<NOUT, 4>, mix_grid, mix_threads, 0, stream, streams, fn, p.tokens,
                      width, chunk, splits, partial);
     norm ? finish(finish_kernel<HC, kHead, 4, true>) : finish(finish_kernel<HC, kHead, 4, false>);
@@ -366,8 +515,10 @@ cudaError_t launch_post(const HyperConnectionParams& p, const float* y, const fl
 size_t hc_workspace_bytes(int64_t max_tokens, int64_t hc) {
   // tokens·splits <= min(kMaxSplits·T, T·ceil(kTargetCtas / groups)) <= min(kMaxSplits·T, kTokensPerCta·kTargetCtas + T),
   // which grows with T, so the bound at max_tokens covers every smaller batch; hc_pre's mix is the wider one.
+  // The tensor-core mix (from kTensorCoreMinTokens) uses at most kTensorCoreMaxSplits splits a token.
   const int64_t T = std::max<int64_t>(max_tokens, 0);
-  const int64_t rows = std::min<int64_t>(kMaxSplits * T, int64_t{kTokensPerCta} * kTargetCtas + T);
+  int64_t rows = std::min<int64_t>(kMaxSplits * T, int64_t{kTokensPerCta} * kTargetCtas + T);
+  if (T >= kTensorCoreMinTokens) rows = std::max<int64_t>(rows, kTensorCoreMaxSplits * T);
   return static_cast<size_t>(rows) * static_cast<size_t>((2 + hc) * hc + 1) * sizeof(float);
 }
 

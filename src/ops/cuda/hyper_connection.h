@@ -3,7 +3,9 @@
 //
 // hc_pre / hc_head are two launches: (1) split-K mixes — grid (token groups of 4, column splits), each CTA
 // accumulates Σ h·fn[o] for every mix output o and Σ h² over its slice of the flattened streams, reduced in a
-// fixed order into `workspace`; (2) one CTA per token sums the splits in order, applies the RMS scale
+// fixed order into `workspace` (from 512 tokens: 64-token tiles on the tensor cores, mma.sync TF32 in three passes
+// — "3xTF32", fp32-class products — with the accumulator restarted every 64 columns; DSV4_HC_MIX_KERNEL=simt keeps
+// the first kernel); (2) one CTA per token sums the splits in order, applies the RMS scale
 // (mix = rsqrt(mean h² + norm_eps) · Σ h·fn), then pre / post / Sinkhorn comb (one warp, the CPU's sequential
 // sums) and the collapse Σ_s pre[s]·h[s] (optionally followed by the sublayer's RMSNorm). Deterministic: the same inputs give bit-identical outputs.
 #pragma once

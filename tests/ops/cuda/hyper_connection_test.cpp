@@ -1,6 +1,7 @@
 // The CUDA mHC ops against their CPU twins (ops/cpu/hyper_connection.h hc_pre / hc_post / hc_head) on random
 // inputs: V4-Flash (hc 4, D 4096) and V4-Pro (D 7168) shapes from one token (decode: many K splits) to 1,100
-// (prefill: one split), the tiny preset's D 256, and hc 1 / 2 with widths that take the scalar path; hc_pre and
+// (prefill: the tensor-core mixes, and the split-K kernel on request), the tiny preset's D 256, and hc 1 / 2 with
+// widths that take the scalar path; hc_pre and
 // hc_head with the following RMSNorm fused (against the CPU's hc_pre / hc_head then rms_norm).
 #include <gtest/gtest.h>
 
@@ -96,6 +97,11 @@ void check_pre(const Shape& s) {
 
 TEST_F(CudaHyperConnection, PreMatchesCpuTwinAtV4Shapes) {
   for (const Shape& s : {Shape{1, 4, 4096}, Shape{37, 4, 4096}, Shape{1100, 4, 4096}, Shape{5, 4, 7168}}) check_pre(s);
+  // From 512 tokens the mixes run on the tensor cores (3xTF32); the split-K kernel on request (DSV4_HC_MIX_KERNEL).
+  ::setenv("DSV4_HC_MIX_KERNEL", "simt", 1);
+  check_pre(Shape{1100, 4, 4096});
+  ::unsetenv("DSV4_HC_MIX_KERNEL");
+  check_pre(Shape{515, 2, 2048});
 }
 
 TEST_F(CudaHyperConnection, PreMatchesCpuTwinAtTinyShapes) {
@@ -214,7 +220,8 @@ void check_fused_norm(const Shape& s, bool head, bool weighted) {
 TEST_F(CudaHyperConnection, FusedNormMatchesCpuTwin) {
   for (const bool head : {false, true})
     for (const bool weighted : {false, true})
-      for (const Shape& s : {Shape{1, 4, 4096}, Shape{37, 4, 4096}, Shape{3, 4, 256}, Shape{4, 2, 10}})
+      for (const Shape& s :
+           {Shape{1, 4, 4096}, Shape{37, 4, 4096}, Shape{3, 4, 256}, Shape{4, 2, 10}, Shape{530, 4, 1024}})
         check_fused_norm(s, head, weighted);
 }
 
