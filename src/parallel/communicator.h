@@ -31,6 +31,10 @@ class Communicator {
   virtual void all_to_all_v(const void* send, std::span<const int64_t> send_bytes, void* recv,
                             std::span<const int64_t> recv_bytes) = 0;
 
+  // Blocks until this rank's last all_to_all_v has delivered its receive buffer: a transport that only enqueues
+  // (NCCL, on its own stream) waits for its stream; the in-process group's copies are done when it returns.
+  virtual void synchronize() {}
+
   // Every rank gives size() counts (what it will send to each rank); returns what each rank sends to this one.
   // Host memory on every transport.
   virtual std::vector<int64_t> exchange_counts(std::span<const int64_t> send_counts);

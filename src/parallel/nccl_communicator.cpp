@@ -101,4 +101,9 @@ std::vector<int64_t> NcclCommunicator::exchange_counts(std::span<const int64_t> 
   return received;
 }
 
+void NcclCommunicator::synchronize() {
+  if (!abort_reason_.empty()) throw Error(abort_reason_);
+  check_cuda(cudaStreamSynchronize(stream_), "all-to-all");
+}
+
 }  // namespace dsv4::parallel

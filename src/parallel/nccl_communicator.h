@@ -36,6 +36,7 @@ class NcclCommunicator final : public Communicator {
   void all_to_all_v(const void* send, std::span<const int64_t> send_bytes, void* recv,
                     std::span<const int64_t> recv_bytes) override;
   std::vector<int64_t> exchange_counts(std::span<const int64_t> send_counts) override;
+  void synchronize() override;  // waits for the communicator's stream
   // ncclCommAbort on this rank's communicator; later collectives throw `reason`.
   void abort(const std::string& reason) override;
 

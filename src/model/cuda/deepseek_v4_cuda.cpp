@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <optional>
 
 #include "core/dtype.h"
 #include "core/error.h"
@@ -33,6 +34,8 @@
 #include "ops/cuda/sampling.h"
 #include "ops/cuda/sparse_attention.h"
 #include "ops/cuda/top_k.h"
+#include "parallel/communicator.h"
+#include "parallel/expert_dispatch.h"
 
 namespace dsv4 {
 
@@ -387,6 +390,23 @@ struct DeepseekV4CudaModel::Impl {
   void moe_host_grouped(int64_t layer, const Step& step, const void* x_operand, const int32_t* chosen,
                         const float* weights, float* out);
   std::vector<int32_t> host_chosen, host_moe_index;
+  // One local expert (or the shared expert) over `n` operand rows: w13, the clamped SwiGLU, w2 into `output`.
+  void run_expert(const void* w13, const void* w2, const void* input, int64_t n, float* output);
+  // Sizes run_expert's scratch for up to `n` rows at once, so a sublayer's experts do not grow it one by one.
+  void reserve_expert_scratch(int64_t n) {
+    buffer<float>("moe_gate_up", n * 2 * config.moe_intermediate_size);
+    if (bf16)
+      buffer<uint16_t>("moe_activated_in", n * config.moe_intermediate_size);
+    else
+      buffer<float>("moe_activated", n * config.moe_intermediate_size);
+  }
+  // Expert parallelism (set_expert_parallel): this rank's partition of the routed experts, the others' reached
+  // through `expert_parallel`'s all-to-alls. Host plans (parallel/expert_dispatch.h), device rows.
+  parallel::Communicator* expert_parallel = nullptr;
+  std::optional<parallel::ExpertPartition> expert_partition;
+  void moe_expert_parallel(int64_t layer, const Step& step, const void* x_operand, const int32_t* chosen,
+                           const float* weights, float* out);
+  std::vector<float> host_router_weights;
   // RMSNorm of x in place, returning it as the next GEMM's operand: x itself (kF32), or the bf16 copy in `name`
   // the same kernel writes (kBf16).
   const void* norm_operand(float* x, int64_t rows, int64_t dim, const float* weight, const char* name, cudaStream_t on) {
@@ -738,6 +758,18 @@ Tensor DeepseekV4CudaModel::forward(std::span<const SequenceChunk> batch, Logits
 void DeepseekV4CudaModel::forward_and_sample(std::span<const SequenceChunk> batch,
                                              std::span<const DeviceSampleRow> rows, std::vector<SampleResult>& results) {
   impl_->forward_and_sample(batch, rows, results);
+}
+
+void DeepseekV4CudaModel::set_expert_parallel(parallel::Communicator* communicator) {
+  Impl& m = *impl_;
+  DSV4_CHECK(communicator != nullptr, "set_expert_parallel needs a communicator");
+  for (const LayerDevice& l : m.layers)
+    DSV4_CHECK(l.experts_w13 != nullptr && l.experts_w2 != nullptr && !l.low_bit_experts(),
+               "expert parallelism on the CUDA backend needs bf16 / fp32 routed experts (DSV4_LOW_BIT_EXPERTS=0 "
+               "decodes a low-bit checkpoint's experts at upload)");
+  m.expert_partition.emplace(m.config.n_routed_experts, communicator->size());
+  m.expert_parallel = communicator;
+  m.options.cuda_graphs = false;  // the dispatch plan is made on the host every sublayer
 }
 
 bool cuda_device_available() {
@@ -1447,19 +1479,11 @@ void DeepseekV4CudaModel::Impl::moe_host_grouped(int64_t layer, const Step& step
   const int64_t words = D * static_cast<int64_t>(element) / 4;
   float* gathered = buffer<float>("moe_gathered", rows * words);
   DSV4_CU(cu::gather_rows({rows, words}, static_cast<const float*>(x_operand), index, gathered, stream));
-  float* gate_up = buffer<float>("moe_gate_up", std::max(rows, N) * 2 * I);
-  // The down projection's operand: bf16 straight from the SwiGLU in bf16 mode (one pass instead of an fp32
-  // write, a read and a conversion; the same bits), fp32 otherwise.
-  void* activated = bf16 ? static_cast<void*>(buffer<uint16_t>("moe_activated_in", std::max(rows, N) * I))
-                         : static_cast<void*>(buffer<float>("moe_activated", std::max(rows, N) * I));
   float* expert_rows = buffer<float>("moe_expert_rows", rows * D);
   float* shared_rows = buffer<float>("moe_shared_rows", N * D);
-  auto expert = [&](const void* w13, const void* w2, const void* input, int64_t n, float* output) {
-    gemm->linear({w13, weight_dtype(), 2 * I, D, 0}, input, n, gate_up, stream);
-    const cu::SwigluParams swiglu{n, I, static_cast<float>(c.swiglu_limit)};
-    DSV4_CU(bf16 ? cu::swiglu_clamped_bf16(swiglu, gate_up, static_cast<uint16_t*>(activated), stream)
-                 : cu::swiglu_clamped(swiglu, gate_up, static_cast<float*>(activated), stream));
-    gemm->linear({w2, weight_dtype(), D, I, 0}, activated, n, output, stream);
+  reserve_expert_scratch(std::max(rows, N));
+  const auto expert = [this](const void* w13, const void* w2, const void* input, int64_t n, float* output) {
+    run_expert(w13, w2, input, n, output);
   };
   const size_t w13_bytes = static_cast<size_t>(2 * I * D) * element, w2_bytes = static_cast<size_t>(D * I) * element;
   for (int64_t e = 0; e < E; ++e) {
@@ -1471,6 +1495,147 @@ void DeepseekV4CudaModel::Impl::moe_host_grouped(int64_t layer, const Step& step
   }
   expert(l.shared_w13, l.shared_w2, x_operand, N, shared_rows);
   DSV4_CU(cu::combine_expert_rows({N, K, D}, index + rows, weights, expert_rows, shared_rows, out, stream));
+}
+
+void DeepseekV4CudaModel::Impl::run_expert(const void* w13, const void* w2, const void* input, int64_t n,
+                                           float* output) {
+  const ModelConfig& c = config;
+  const int64_t D = c.hidden_size, I = c.moe_intermediate_size;
+  float* gate_up = buffer<float>("moe_gate_up", n * 2 * I);
+  // The down projection's operand: bf16 straight from the SwiGLU in bf16 mode (one pass instead of an fp32
+  // write, a read and a conversion; the same bits), fp32 otherwise.
+  void* activated = bf16 ? static_cast<void*>(buffer<uint16_t>("moe_activated_in", n * I))
+                         : static_cast<void*>(buffer<float>("moe_activated", n * I));
+  gemm->linear({w13, weight_dtype(), 2 * I, D, 0}, input, n, gate_up, stream);
+  const cu::SwigluParams swiglu{n, I, static_cast<float>(c.swiglu_limit)};
+  DSV4_CU(bf16 ? cu::swiglu_clamped_bf16(swiglu, gate_up, static_cast<uint16_t*>(activated), stream)
+               : cu::swiglu_clamped(swiglu, gate_up, static_cast<float*>(activated), stream));
+  gemm->linear({w2, weight_dtype(), D, I, 0}, activated, n, output, stream);
+}
+
+// The expert-parallel sublayer (docs/parallel.md), the device twin of parallel/expert_parallel_moe.cpp: the plans
+// on the host, the rows in device memory. Every rank calls the same five collectives per sublayer, in this order.
+void DeepseekV4CudaModel::Impl::moe_expert_parallel(int64_t layer, const Step& step, const void* x_operand,
+                                                    const int32_t* chosen, const float* weights, float* out) {
+  const ModelConfig& c = config;
+  const LayerDevice& l = layers[static_cast<size_t>(layer)];
+  parallel::Communicator& comm = *expert_parallel;
+  const parallel::ExpertPartition& partition = *expert_partition;
+  const int64_t N = step.tokens, D = c.hidden_size, K = c.num_experts_per_tok;
+  const int ranks = comm.size();
+  // 1. The router's choices to the host, the dispatch plan (rows grouped by destination rank, then token).
+  host_chosen.resize(static_cast<size_t>(N * K));
+  host_router_weights.resize(static_cast<size_t>(N * K));
+  DSV4_CU(cudaMemcpyAsync(host_chosen.data(), chosen, N * K * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
+  DSV4_CU(cudaMemcpyAsync(host_router_weights.data(), weights, N * K * sizeof(float), cudaMemcpyDeviceToHost, stream));
+  DSV4_CU(cudaStreamSynchronize(stream));
+  const parallel::DispatchPlan plan = parallel::plan_dispatch(host_chosen, host_router_weights, N, K, partition);
+  const int64_t sent = plan.num_rows();
+  // 2. The send rows (the operand rows: bf16 in bf16 mode, moved as fp32 words), their routes and weights.
+  const size_t element = weight_element_bytes();
+  const int64_t words = D * static_cast<int64_t>(element) / 4, row_bytes = words * 4;
+  std::vector<int32_t> send_token(plan.row_token.begin(), plan.row_token.end());
+  int32_t* send_index = buffer<int32_t>("ep_send_index", sent);
+  float* send_rows = buffer<float>("ep_send_rows", sent * words);
+  int32_t* send_routes = buffer<int32_t>("ep_send_routes", sent * K);
+  float* send_weights = buffer<float>("ep_send_weights", sent * K);
+  if (sent > 0) {
+    DSV4_CU(cudaMemcpyAsync(send_index, send_token.data(), sent * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
+    DSV4_CU(cudaMemcpyAsync(send_routes, plan.row_local_expert.data(), sent * K * sizeof(int32_t),
+                            cudaMemcpyHostToDevice, stream));
+    DSV4_CU(cudaMemcpyAsync(send_weights, plan.row_weight.data(), sent * K * sizeof(float), cudaMemcpyHostToDevice,
+                            stream));
+    DSV4_CU(cu::gather_rows({sent, words}, static_cast<const float*>(x_operand), send_index, send_rows, stream));
+  }
+  DSV4_CU(cudaStreamSynchronize(stream));  // the send buffers are complete before any transport reads them
+  // 3. Counts, then rows, routes and weights.
+  const std::vector<int64_t> recv_counts = comm.exchange_counts(plan.send_counts);
+  int64_t received = 0;
+  for (const int64_t n : recv_counts) received += n;
+  const auto bytes = [](const std::vector<int64_t>& counts, int64_t each) {
+    std::vector<int64_t> out(counts.size());
+    for (size_t i = 0; i < counts.size(); ++i) out[i] = counts[i] * each;
+    return out;
+  };
+  float* recv_rows = buffer<float>("ep_recv_rows", received * words);
+  int32_t* recv_routes = buffer<int32_t>("ep_recv_routes", received * K);
+  float* recv_weights = buffer<float>("ep_recv_weights", received * K);
+  comm.all_to_all_v(send_rows, bytes(plan.send_counts, row_bytes), recv_rows, bytes(recv_counts, row_bytes));
+  comm.all_to_all_v(send_routes, bytes(plan.send_counts, K * 4), recv_routes, bytes(recv_counts, K * 4));
+  comm.all_to_all_v(send_weights, bytes(plan.send_counts, K * 4), recv_weights, bytes(recv_counts, K * 4));
+  comm.synchronize();
+  std::vector<int32_t> routes(static_cast<size_t>(received * K));
+  std::vector<float> route_weights(static_cast<size_t>(received * K));
+  if (received > 0) {
+    DSV4_CU(cudaMemcpy(routes.data(), recv_routes, received * K * sizeof(int32_t), cudaMemcpyDeviceToHost));
+    DSV4_CU(cudaMemcpy(route_weights.data(), recv_weights, received * K * sizeof(float), cudaMemcpyDeviceToHost));
+  }
+  // 4. Each local expert over the received rows that chose it (expert-major slots, rows ascending), then each
+  // received row's weighted sum over its routes in route order (combine_expert_rows, no shared term).
+  const int rank = comm.rank();
+  const int64_t num_local = partition.num_local(rank), first = partition.first_expert(rank);
+  const parallel::ExpertWork work = parallel::plan_expert_work(routes, route_weights, received, K, num_local);
+  const int64_t slots_used = work.expert_offsets.back();
+  std::vector<int32_t> host_rows(work.row.begin(), work.row.end());
+  std::vector<int32_t> row_slots(static_cast<size_t>(received * K), -1);
+  {
+    std::vector<int64_t> cursor(work.expert_offsets.begin(), work.expert_offsets.end() - 1);
+    for (int64_t r = 0; r < received; ++r)  // ascending rows: the order plan_expert_work lists them in
+      for (int64_t k = 0; k < K; ++k) {
+        const int32_t e = routes[static_cast<size_t>(r * K + k)];
+        if (e >= 0) row_slots[static_cast<size_t>(r * K + k)] = static_cast<int32_t>(cursor[static_cast<size_t>(e)]++);
+      }
+  }
+  int32_t* work_rows = buffer<int32_t>("ep_work_rows", slots_used);
+  int32_t* slots = buffer<int32_t>("ep_row_slots", received * K);
+  float* work_inputs = buffer<float>("ep_work_inputs", slots_used * words);
+  float* expert_rows = buffer<float>("ep_expert_rows", slots_used * D);
+  float* row_sums = buffer<float>("ep_row_sums", received * D);
+  if (received > 0) {
+    DSV4_CU(cudaMemcpyAsync(slots, row_slots.data(), received * K * sizeof(int32_t), cudaMemcpyHostToDevice, stream));
+    if (slots_used > 0) {
+      DSV4_CU(cudaMemcpyAsync(work_rows, host_rows.data(), slots_used * sizeof(int32_t), cudaMemcpyHostToDevice,
+                              stream));
+      DSV4_CU(cu::gather_rows({slots_used, words}, recv_rows, work_rows, work_inputs, stream));
+    }
+    const size_t w13_bytes = static_cast<size_t>(2 * c.moe_intermediate_size * D) * element,
+                 w2_bytes = static_cast<size_t>(D * c.moe_intermediate_size) * element;
+    reserve_expert_scratch(std::max(slots_used, N));
+    for (int64_t e = 0; e < num_local; ++e) {
+      const int64_t begin = work.expert_offsets[static_cast<size_t>(e)];
+      const int64_t n = work.expert_offsets[static_cast<size_t>(e) + 1] - begin;
+      if (n == 0) continue;
+      run_expert(static_cast<const std::byte*>(l.experts_w13) + (first + e) * w13_bytes,
+                 static_cast<const std::byte*>(l.experts_w2) + (first + e) * w2_bytes,
+                 reinterpret_cast<const std::byte*>(work_inputs) + begin * row_bytes, n, expert_rows + begin * D);
+    }
+    DSV4_CU(cu::combine_expert_rows({received, K, D}, slots, recv_weights, expert_rows, nullptr, row_sums, stream));
+  }
+  DSV4_CU(cudaStreamSynchronize(stream));
+  // 5. The summed rows go back in the order they came; out = the shared expert + the returned rows in rank order
+  // (combine_expert_rows again: weight 1 is exact, a token's rows sit in rank order in the plan).
+  float* returned = buffer<float>("ep_returned", sent * D);
+  comm.all_to_all_v(row_sums, bytes(recv_counts, D * 4), returned, bytes(plan.send_counts, D * 4));
+  comm.synchronize();
+  float* shared_rows = buffer<float>("moe_shared_rows", N * D);
+  run_expert(l.shared_w13, l.shared_w2, x_operand, N, shared_rows);
+  std::vector<int32_t> token_slots(static_cast<size_t>(N * ranks), -1);
+  {
+    std::vector<int32_t> filled(static_cast<size_t>(N), 0);
+    for (int64_t i = 0; i < sent; ++i) {
+      const int64_t t = plan.row_token[static_cast<size_t>(i)];
+      token_slots[static_cast<size_t>(t * ranks + filled[static_cast<size_t>(t)]++)] = static_cast<int32_t>(i);
+    }
+  }
+  const std::vector<float> ones(static_cast<size_t>(N * ranks), 1.0f);
+  int32_t* final_slots = buffer<int32_t>("ep_token_slots", N * ranks);
+  float* final_weights = buffer<float>("ep_token_weights", N * ranks);
+  DSV4_CU(cudaMemcpyAsync(final_slots, token_slots.data(), N * ranks * sizeof(int32_t), cudaMemcpyHostToDevice,
+                          stream));
+  DSV4_CU(cudaMemcpyAsync(final_weights, ones.data(), N * ranks * sizeof(float), cudaMemcpyHostToDevice, stream));
+  DSV4_CU(cu::combine_expert_rows({N, ranks, D}, final_slots, final_weights, returned, shared_rows, out, stream));
+  // The host vectors above must outlive their asynchronous uploads.
+  DSV4_CU(cudaStreamSynchronize(stream));
 }
 
 void DeepseekV4CudaModel::Impl::moe(int64_t layer, const Step& step, const float* x, const void* x_operand,
@@ -1495,9 +1660,11 @@ void DeepseekV4CudaModel::Impl::moe(int64_t layer, const Step& step, const float
   // combine waits for it. Bitwise the fused call's result (MoeSharedExpert). Measured on the 4-layer model:
   // −10 µs a step at batch 1 and 8, but prefill 5 % slower (the two grids contend), hence decode-sized steps.
   // (Low-bit experts: cuBLASLt cannot read them; the grouped kernel decodes them at every size.)
-  const bool host_grouped = N >= host_grouped_moe_min_tokens() && !capturing && !l.low_bit_experts();
+  const bool host_grouped =
+      N >= host_grouped_moe_min_tokens() && !capturing && !l.low_bit_experts() && expert_parallel == nullptr;
   constexpr int64_t kSplitSharedMaxTokens = 64;
-  const bool split_shared = options.shared_expert_stream && N <= kSplitSharedMaxTokens && !host_grouped;
+  const bool split_shared =
+      options.shared_expert_stream && N <= kSplitSharedMaxTokens && !host_grouped && expert_parallel == nullptr;
   float* shared_out = nullptr;
   if (split_shared) {
     DSV4_CU(cudaEventRecord(shared_expert_fork, stream));
@@ -1526,6 +1693,10 @@ void DeepseekV4CudaModel::Impl::moe(int64_t layer, const Step& step, const float
   rp.routed_scaling_factor = static_cast<float>(c.routed_scaling_factor);
   DSV4_CU(cu::route(rp, logits, hash ? nullptr : l.gate_bias, hash ? l.tid2eid : nullptr, step.token_ids, chosen,
                     weights, nullptr, stream));
+  if (expert_parallel != nullptr) {
+    moe_expert_parallel(layer, step, x_operand, chosen, weights, out);
+    return;
+  }
   if (host_grouped) {
     moe_host_grouped(layer, step, x_operand, chosen, weights, out);
     return;

@@ -18,6 +18,9 @@
 #include "model/weights.h"
 
 namespace dsv4 {
+namespace parallel {
+class Communicator;
+}  // namespace parallel
 
 enum class CudaPrecision { kF32, kBf16 };
 
@@ -72,6 +75,16 @@ class DeepseekV4CudaModel final : public ModelBackend {
   // Decode steps replayed from a captured CUDA graph, and captures made (for tests and logs).
   int64_t graph_replays() const;
   int64_t graph_captures() const;
+  // Expert parallelism over the ranks of `communicator` (docs/parallel.md; the CPU model's set_expert_parallel):
+  // this rank runs the routed experts of its partition (parallel::ExpertPartition) for every rank's tokens, and
+  // each MoE sublayer dispatches its own tokens' rows to the experts' owners and combines what comes back (five
+  // collectives: counts, rows, routes, weights, return). Device-memory transports: NCCL
+  // (parallel/nccl_communicator.h) or ranks on one GPU (parallel/device_in_process_group.h). Every rank must run
+  // the same number of steps. Steps then run eagerly (the plan is made on the host: no CUDA graphs), and the
+  // routed experts must be bf16 / fp32 (not a low-bit encoding); every expert stays uploaded (a rank uses its
+  // own). Throws dsv4::Error otherwise, or for more ranks than experts. `communicator` must outlive the model.
+  void set_expert_parallel(parallel::Communicator* communicator);
+
   // Where a step's time goes, averaged over the steps since the last reset: host preparation (metadata, tables,
   // upload), the device time of the forward (events around the graph or the eager launches) and of sampling.
   struct StepProfile {

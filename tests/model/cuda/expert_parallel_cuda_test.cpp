@@ -1,0 +1,181 @@
+// The CUDA model with expert parallelism (DeepseekV4CudaModel::set_expert_parallel, docs/parallel.md): R ranks on
+// ONE GPU exchanging device memory through the device in-process group (NCCL refuses two ranks on one device),
+// one thread, one model and one cache each, every rank serving its own request (its prompt in two chunks, then
+// greedy decode steps, all ranks stepping together). Each rank's logits must equal one model's without expert
+// parallelism for the same request: fp32 mode, to summation order (the routed sum is taken per rank, then in rank
+// order, the shared expert last), with the same greedy tokens; and rows must really cross ranks. Skipped without
+// a GPU.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../test_models.h"
+#include "cache/hybrid_kv_cache_manager.h"
+#include "model/cuda/deepseek_v4_cuda.h"
+#include "model/random_init.h"
+#include "parallel/communicator.h"
+#include "parallel/device_in_process_group.h"
+
+namespace dsv4 {
+namespace {
+
+using testing::random_ids;
+using testing::relative_l2;
+
+int32_t argmax(const std::vector<float>& row) {
+  size_t best = 0;
+  for (size_t i = 1; i < row.size(); ++i)
+    if (row[i] > row[best]) best = i;
+  return static_cast<int32_t>(best);
+}
+
+// Counts the collectives and the bytes received from other ranks: the proof that rows crossed ranks (a model
+// ignoring its communicator would match the reference too).
+class CountingCommunicator final : public parallel::Communicator {
+ public:
+  explicit CountingCommunicator(std::unique_ptr<parallel::Communicator> inner) : inner_(std::move(inner)) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  void all_to_all_v(const void* send, std::span<const int64_t> send_bytes, void* recv,
+                    std::span<const int64_t> recv_bytes) override {
+    for (int s = 0; s < size(); ++s)
+      if (s != rank()) bytes_from_others += recv_bytes[static_cast<size_t>(s)];
+    ++collectives;
+    inner_->all_to_all_v(send, send_bytes, recv, recv_bytes);
+  }
+  void synchronize() override { inner_->synchronize(); }
+  void abort(const std::string& reason) override { inner_->abort(reason); }
+  int64_t collectives = 0, bytes_from_others = 0;
+
+ private:
+  std::unique_ptr<parallel::Communicator> inner_;
+};
+
+// One model with its own cache.
+struct RankModel {
+  RankModel(const ModelConfig& config, const ModelWeights& weights) {
+    CudaModelOptions options;
+    options.precision = CudaPrecision::kF32;
+    model = std::make_unique<DeepseekV4CudaModel>(config, weights, options);
+    PrefixCacheOptions cache_options;
+    cache_options.enabled = false;
+    manager = std::make_unique<HybridKvCacheManager>(
+        CacheLayout::for_model(config, model->kv_storage(), model->index_storage()), int64_t{1} << 28, cache_options);
+    model->bind_cache(*manager);
+  }
+  std::unique_ptr<DeepseekV4CudaModel> model;
+  std::unique_ptr<HybridKvCacheManager> manager;
+};
+
+// Request `id` on `rank`: its prompt in two chunks, then `decode` greedy tokens; every step's last logits.
+std::vector<std::vector<float>> run_request(RankModel& rank, RequestId id, const std::vector<int32_t>& prompt,
+                                            int decode) {
+  if (rank.manager->admit(id, prompt).value_or(-1) != 0) throw std::runtime_error("admission failed");
+  auto state = rank.model->make_state(id);
+  std::vector<int32_t> tokens = prompt;
+  std::vector<std::vector<float>> logits;
+  int64_t done = 0;
+  auto step = [&](int64_t length) {
+    if (!rank.manager->allocate(id, length)) throw std::runtime_error("no cache blocks");
+    const SequenceChunk chunk{state.get(), std::span<const int32_t>(tokens).subspan(static_cast<size_t>(done),
+                                                                                     static_cast<size_t>(length))};
+    logits.push_back(rank.model->forward(std::span(&chunk, 1), LogitsMode::kLastPerSequence).data);
+    done += length;
+    rank.manager->commit(id, tokens, done);
+  };
+  const auto half = static_cast<int64_t>(prompt.size() / 2);
+  step(half);
+  step(static_cast<int64_t>(prompt.size()) - half);
+  for (int i = 0; i < decode; ++i) {
+    tokens.push_back(argmax(logits.back()));
+    step(1);
+  }
+  return logits;
+}
+
+TEST(CudaExpertParallel, RanksOnOneGpuEqualOneModel) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  ModelConfig config = testing::small_config();  // 6 routed experts, top-2, hash and score-routed layers
+  config.moe_intermediate_size = 16;             // the CUDA model's grouped GEMMs need multiples of 8
+  const ModelWeights weights = random_weights(config, 11);
+  const int decode = 5;
+  for (const int R : {1, 2, 3}) {
+    SCOPED_TRACE(std::to_string(R) + " ranks");
+    std::vector<std::vector<int32_t>> prompts;
+    for (int r = 0; r < R; ++r)
+      prompts.push_back(random_ids(11 + 9 * static_cast<size_t>(r), config.vocab_size, 40 + static_cast<uint32_t>(r)));
+    std::vector<std::vector<std::vector<float>>> expected;
+    {
+      RankModel single(config, weights);
+      for (int r = 0; r < R; ++r) expected.push_back(run_request(single, r, prompts[static_cast<size_t>(r)], decode));
+    }
+    std::vector<cudaStream_t> streams(static_cast<size_t>(R));
+    for (cudaStream_t& stream : streams) ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+    const std::unique_ptr<parallel::InProcessGroup> group = parallel::make_device_in_process_group(streams);
+    std::vector<std::unique_ptr<RankModel>> ranks;
+    std::vector<std::unique_ptr<CountingCommunicator>> comms;
+    for (int r = 0; r < R; ++r) {
+      ranks.push_back(std::make_unique<RankModel>(config, weights));
+      comms.push_back(std::make_unique<CountingCommunicator>(group->communicator(r)));
+      ranks.back()->model->set_expert_parallel(comms.back().get());
+    }
+    std::vector<std::vector<std::vector<float>>> actual(static_cast<size_t>(R));
+    std::vector<std::string> errors(static_cast<size_t>(R));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < R; ++r)
+      threads.emplace_back([&, r] {
+        try {
+          if (cudaSetDevice(0) != cudaSuccess) throw std::runtime_error("cudaSetDevice");
+          actual[static_cast<size_t>(r)] =
+              run_request(*ranks[static_cast<size_t>(r)], r, prompts[static_cast<size_t>(r)], decode);
+        } catch (const std::exception& error) {
+          errors[static_cast<size_t>(r)] = error.what();
+          comms[static_cast<size_t>(r)]->abort(error.what());  // release the other ranks
+        }
+      });
+    for (std::thread& thread : threads) thread.join();
+    int64_t crossed = 0;
+    for (const auto& comm : comms) crossed += comm->bytes_from_others;
+    if (R > 1) {
+      EXPECT_GT(crossed, 0) << "no row crossed ranks";
+    }
+    for (int r = 0; r < R; ++r) {
+      const auto& e = expected[static_cast<size_t>(r)];
+      const auto& a = actual[static_cast<size_t>(r)];
+      ASSERT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
+      // 5 collectives (counts, rows, routes, weights, return) per MoE sublayer and step.
+      EXPECT_EQ(comms[static_cast<size_t>(r)]->collectives,
+                5 * config.num_hidden_layers * static_cast<int64_t>(e.size()))
+          << "rank " << r;
+      ASSERT_EQ(a.size(), e.size());
+      for (size_t step = 0; step < e.size(); ++step) {
+        EXPECT_LE(relative_l2(a[step].data(), e[step].data(), e[step].size()), 1e-5) << "rank " << r << ", step " << step;
+        EXPECT_EQ(argmax(a[step]), argmax(e[step])) << "rank " << r << ", step " << step;
+      }
+    }
+    ranks.clear();
+    for (cudaStream_t stream : streams) cudaStreamDestroy(stream);
+  }
+}
+
+TEST(CudaExpertParallel, RefusesMoreRanksThanExpertsAndNoCommunicator) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  ModelConfig config = testing::small_config();
+  config.moe_intermediate_size = 16;
+  const ModelWeights weights = random_weights(config, 12);
+  CudaModelOptions options;
+  options.precision = CudaPrecision::kF32;
+  DeepseekV4CudaModel model(config, weights, options);
+  parallel::InProcessGroup too_many(static_cast<int>(config.n_routed_experts) + 1);
+  const std::unique_ptr<parallel::Communicator> comm = too_many.communicator(0);
+  EXPECT_THROW(model.set_expert_parallel(comm.get()), Error);
+  EXPECT_THROW(model.set_expert_parallel(nullptr), Error);
+}
+
+}  // namespace
+}  // namespace dsv4
