@@ -404,6 +404,7 @@ struct DeepseekV4CudaModel::Impl {
   // through `expert_parallel`'s all-to-alls. Host plans (parallel/expert_dispatch.h), device rows.
   parallel::Communicator* expert_parallel = nullptr;
   std::optional<parallel::ExpertPartition> expert_partition;
+  int64_t uploaded_first_expert = 0;  // global id of the first routed expert on the device (a partition's first)
   void moe_expert_parallel(int64_t layer, const Step& step, const void* x_operand, const int32_t* chosen,
                            const float* weights, float* out);
   std::vector<float> host_router_weights;
@@ -477,6 +478,12 @@ void DeepseekV4CudaModel::open_device(ModelConfig config, const CudaModelOptions
   m.config = std::move(config);
   m.options = options;
   m.bf16 = options.precision == CudaPrecision::kBf16;
+  DSV4_CHECK(options.expert_parallel_size >= 1 && options.expert_parallel_rank >= 0 &&
+                 options.expert_parallel_rank < options.expert_parallel_size &&
+                 options.expert_parallel_size <= std::max<int64_t>(1, m.config.n_routed_experts),
+             "expert parallel rank " + std::to_string(options.expert_parallel_rank) + " of " +
+                 std::to_string(options.expert_parallel_size) + " ranks (" +
+                 std::to_string(m.config.n_routed_experts) + " routed experts)");
   DSV4_CHECK(m.config.hidden_size % 8 == 0 && m.config.moe_intermediate_size % 8 == 0,
              "the CUDA backend needs hidden_size and moe_intermediate_size in multiples of 8 (the grouped expert "
              "GEMM's 16-byte rows), got " + std::to_string(m.config.hidden_size) + " and " +
@@ -592,10 +599,24 @@ void DeepseekV4CudaModel::upload_layer(const LayerWeights& l) {
     DSV4_CU(cudaMemcpy(device, host.data(), host.size() * sizeof(void*), cudaMemcpyHostToDevice));
     return device;
   };
-  const size_t experts = l.experts_w13.size();
+  // Expert parallelism with a partition: only this rank's block of routed experts comes to the device.
+  std::vector<LinearWeight> local_w13, local_w2;
+  if (m.options.expert_parallel_size > 1 && !l.experts_w13.empty()) {
+    const parallel::ExpertPartition partition(static_cast<int64_t>(l.experts_w13.size()),
+                                              m.options.expert_parallel_size);
+    const int64_t first = partition.first_expert(m.options.expert_parallel_rank);
+    const int64_t count = partition.num_local(m.options.expert_parallel_rank);
+    local_w13.assign(l.experts_w13.begin() + first, l.experts_w13.begin() + first + count);
+    local_w2.assign(l.experts_w2.begin() + first, l.experts_w2.begin() + first + count);
+    m.uploaded_first_expert = first;
+  }
+  const bool partitioned = m.options.expert_parallel_size > 1;
+  const std::vector<LinearWeight>& experts_w13 = partitioned ? local_w13 : l.experts_w13;
+  const std::vector<LinearWeight>& experts_w2 = partitioned ? local_w2 : l.experts_w2;
+  const size_t experts = experts_w13.size();
   // Routed experts in a grouped low-bit encoding (the release's MXFP4, or --expert-bits' Q3 / Q2) stay so and
   // are decoded inside the expert GEMM (CudaModelOptions::low_bit_experts, bf16 mode).
-  const WeightEncoding encoding = experts ? l.experts_w13[0].encoding() : WeightEncoding::kF32;
+  const WeightEncoding encoding = experts ? experts_w13[0].encoding() : WeightEncoding::kF32;
   const bool grouped_encoding = encoding == WeightEncoding::kFp4E2M1 || encoding == WeightEncoding::kQ3G32 ||
                                 encoding == WeightEncoding::kQ2G32;
   const auto kernel_can_read = [&](const std::vector<LinearWeight>& weights) {
@@ -608,8 +629,8 @@ void DeepseekV4CudaModel::upload_layer(const LayerWeights& l) {
   };
   d.routed_dtype = m.bf16 ? cu::MoeWeightDtype::kBf16 : cu::MoeWeightDtype::kFp32;
   if (m.bf16 && m.options.low_bit_experts && grouped_encoding && m.config.hidden_size % 32 == 0 &&
-      m.config.moe_intermediate_size % 32 == 0 && kernel_can_read(l.experts_w13) &&
-      kernel_can_read(l.experts_w2))
+      m.config.moe_intermediate_size % 32 == 0 && kernel_can_read(experts_w13) &&
+      kernel_can_read(experts_w2))
     d.routed_dtype = encoding == WeightEncoding::kFp4E2M1 ? cu::MoeWeightDtype::kMxfp4
                      : encoding == WeightEncoding::kQ3G32 ? cu::MoeWeightDtype::kQ3G32
                                                           : cu::MoeWeightDtype::kQ2G32;
@@ -650,18 +671,18 @@ void DeepseekV4CudaModel::upload_layer(const LayerWeights& l) {
       code_table = pointers(codes, code_bytes, weights.size());
       scale_table = pointers(scales, scale_bytes, weights.size());
     };
-    upload_grouped(l.experts_w13, d.experts_w13, d.expert_w13_pointers, d.expert_w13_scale_pointers);
-    upload_grouped(l.experts_w2, d.experts_w2, d.expert_w2_pointers, d.expert_w2_scale_pointers);
+    upload_grouped(experts_w13, d.experts_w13, d.expert_w13_pointers, d.expert_w13_scale_pointers);
+    upload_grouped(experts_w2, d.experts_w2, d.expert_w2_pointers, d.expert_w2_scale_pointers);
   } else {
-    d.experts_w13 = m.upload_stacked(l.experts_w13);
-    d.experts_w2 = m.upload_stacked(l.experts_w2);
+    d.experts_w13 = m.upload_stacked(experts_w13);
+    d.experts_w2 = m.upload_stacked(experts_w2);
     const auto each = [&](const std::vector<LinearWeight>& weights) {
       return weights.empty()
                  ? size_t{0}
                  : static_cast<size_t>(weights[0].rows() * weights[0].cols()) * m.weight_element_bytes();
     };
-    d.expert_w13_pointers = pointers(d.experts_w13, each(l.experts_w13), experts);
-    d.expert_w2_pointers = pointers(d.experts_w2, each(l.experts_w2), experts);
+    d.expert_w13_pointers = pointers(d.experts_w13, each(experts_w13), experts);
+    d.expert_w2_pointers = pointers(d.experts_w2, each(experts_w2), experts);
   }
   d.shared_w13 = m.upload_weight(l.shared_w13);
   d.shared_w2 = m.upload_weight(l.shared_w2);
@@ -767,6 +788,11 @@ void DeepseekV4CudaModel::set_expert_parallel(parallel::Communicator* communicat
     DSV4_CHECK(l.experts_w13 != nullptr && l.experts_w2 != nullptr && !l.low_bit_experts(),
                "expert parallelism on the CUDA backend needs bf16 / fp32 routed experts (DSV4_LOW_BIT_EXPERTS=0 "
                "decodes a low-bit checkpoint's experts at upload)");
+  DSV4_CHECK(m.options.expert_parallel_size == 1 || (communicator->size() == m.options.expert_parallel_size &&
+                                                      communicator->rank() == m.options.expert_parallel_rank),
+             "the model holds rank " + std::to_string(m.options.expert_parallel_rank) + " of " +
+                 std::to_string(m.options.expert_parallel_size) + "'s experts, the communicator is rank " +
+                 std::to_string(communicator->rank()) + " of " + std::to_string(communicator->size()));
   m.expert_partition.emplace(m.config.n_routed_experts, communicator->size());
   m.expert_parallel = communicator;
   m.options.cuda_graphs = false;  // the dispatch plan is made on the host every sublayer
@@ -1605,8 +1631,9 @@ void DeepseekV4CudaModel::Impl::moe_expert_parallel(int64_t layer, const Step& s
       const int64_t begin = work.expert_offsets[static_cast<size_t>(e)];
       const int64_t n = work.expert_offsets[static_cast<size_t>(e) + 1] - begin;
       if (n == 0) continue;
-      run_expert(static_cast<const std::byte*>(l.experts_w13) + (first + e) * w13_bytes,
-                 static_cast<const std::byte*>(l.experts_w2) + (first + e) * w2_bytes,
+      const int64_t stacked = first + e - uploaded_first_expert;  // position in the uploaded stack
+      run_expert(static_cast<const std::byte*>(l.experts_w13) + stacked * w13_bytes,
+                 static_cast<const std::byte*>(l.experts_w2) + stacked * w2_bytes,
                  reinterpret_cast<const std::byte*>(work_inputs) + begin * row_bytes, n, expert_rows + begin * D);
     }
     DSV4_CU(cu::combine_expert_rows({received, K, D}, slots, recv_weights, expert_rows, nullptr, row_sums, stream));
@@ -1697,6 +1724,8 @@ void DeepseekV4CudaModel::Impl::moe(int64_t layer, const Step& step, const float
     moe_expert_parallel(layer, step, x_operand, chosen, weights, out);
     return;
   }
+  DSV4_CHECK(options.expert_parallel_size == 1,
+             "this model holds one rank's partition of the routed experts: it runs only with set_expert_parallel");
   if (host_grouped) {
     moe_host_grouped(layer, step, x_operand, chosen, weights, out);
     return;

@@ -43,6 +43,11 @@ struct CudaModelOptions {
   // grouped expert GEMM (ops/cuda/moe_experts.h); bitwise the same results as decoding them to bf16 at
   // upload, which false does (DSV4_LOW_BIT_EXPERTS=0).
   bool low_bit_experts = true;
+  // Expert parallelism (set_expert_parallel): with expert_parallel_size > 1 only this rank's partition of the
+  // routed experts (parallel::ExpertPartition: contiguous blocks, the first ranks one larger) is uploaded, and
+  // the model then runs only over a group of that size at that rank. 1: every expert.
+  int expert_parallel_size = 1;
+  int expert_parallel_rank = 0;
 };
 
 class DeepseekV4CudaModel final : public ModelBackend {
@@ -81,8 +86,9 @@ class DeepseekV4CudaModel final : public ModelBackend {
   // collectives: counts, rows, routes, weights, return). Device-memory transports: NCCL
   // (parallel/nccl_communicator.h) or ranks on one GPU (parallel/device_in_process_group.h). Every rank must run
   // the same number of steps. Steps then run eagerly (the plan is made on the host: no CUDA graphs), and the
-  // routed experts must be bf16 / fp32 (not a low-bit encoding); every expert stays uploaded (a rank uses its
-  // own). Throws dsv4::Error otherwise, or for more ranks than experts. `communicator` must outlive the model.
+  // routed experts must be bf16 / fp32 (not a low-bit encoding). With CudaModelOptions::expert_parallel_size > 1
+  // the communicator's size and rank must be those options'. Throws dsv4::Error otherwise, or for more ranks than
+  // experts. `communicator` must outlive the model.
   void set_expert_parallel(parallel::Communicator* communicator);
 
   // Where a step's time goes, averaged over the steps since the last reset: host preparation (metadata, tables,

@@ -56,11 +56,13 @@ class CountingCommunicator final : public parallel::Communicator {
   std::unique_ptr<parallel::Communicator> inner_;
 };
 
-// One model with its own cache.
+// One model with its own cache; with ranks > 1 it holds only rank `rank`'s partition of the routed experts.
 struct RankModel {
-  RankModel(const ModelConfig& config, const ModelWeights& weights) {
+  RankModel(const ModelConfig& config, const ModelWeights& weights, int ranks = 1, int rank = 0) {
     CudaModelOptions options;
     options.precision = CudaPrecision::kF32;
+    options.expert_parallel_size = ranks;
+    options.expert_parallel_rank = rank;
     model = std::make_unique<DeepseekV4CudaModel>(config, weights, options);
     PrefixCacheOptions cache_options;
     cache_options.enabled = false;
@@ -119,10 +121,15 @@ TEST(CudaExpertParallel, RanksOnOneGpuEqualOneModel) {
     const std::unique_ptr<parallel::InProcessGroup> group = parallel::make_device_in_process_group(streams);
     std::vector<std::unique_ptr<RankModel>> ranks;
     std::vector<std::unique_ptr<CountingCommunicator>> comms;
+    const int64_t full_bytes = RankModel(config, weights).model->weight_bytes();
     for (int r = 0; r < R; ++r) {
-      ranks.push_back(std::make_unique<RankModel>(config, weights));
+      ranks.push_back(std::make_unique<RankModel>(config, weights, R, r));
       comms.push_back(std::make_unique<CountingCommunicator>(group->communicator(r)));
       ranks.back()->model->set_expert_parallel(comms.back().get());
+      // Only the rank's partition of the routed experts is on the device.
+      if (R > 1) {
+        EXPECT_LT(ranks.back()->model->weight_bytes(), full_bytes) << "rank " << r;
+      }
     }
     std::vector<std::vector<std::vector<float>>> actual(static_cast<size_t>(R));
     std::vector<std::string> errors(static_cast<size_t>(R));
@@ -154,13 +161,32 @@ TEST(CudaExpertParallel, RanksOnOneGpuEqualOneModel) {
           << "rank " << r;
       ASSERT_EQ(a.size(), e.size());
       for (size_t step = 0; step < e.size(); ++step) {
-        EXPECT_LE(relative_l2(a[step].data(), e[step].data(), e[step].size()), 1e-5) << "rank " << r << ", step " << step;
+        EXPECT_LE(relative_l2(a[step].data(), e[step].data(), e[step].size()), 1e-5)
+            << "rank " << r << ", step " << step;
         EXPECT_EQ(argmax(a[step]), argmax(e[step])) << "rank " << r << ", step " << step;
       }
     }
     ranks.clear();
     for (cudaStream_t stream : streams) cudaStreamDestroy(stream);
   }
+}
+
+// A partition-only model refuses a communicator of another size or rank, and refuses to run without one.
+TEST(CudaExpertParallel, APartitionRunsOnlyAtItsRank) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  ModelConfig config = testing::small_config();
+  config.moe_intermediate_size = 16;
+  const ModelWeights weights = random_weights(config, 13);
+  RankModel rank1(config, weights, 2, 1);
+  parallel::InProcessGroup pair(2), triple(3);
+  const std::unique_ptr<parallel::Communicator> wrong_rank = pair.communicator(0), wrong_size = triple.communicator(1);
+  EXPECT_THROW(rank1.model->set_expert_parallel(wrong_rank.get()), Error);
+  EXPECT_THROW(rank1.model->set_expert_parallel(wrong_size.get()), Error);
+  EXPECT_THROW(run_request(rank1, 0, random_ids(6, config.vocab_size, 3), 0), Error);  // no communicator set
+  CudaModelOptions bad;
+  bad.expert_parallel_size = 2;
+  bad.expert_parallel_rank = 2;
+  EXPECT_THROW(DeepseekV4CudaModel(config, weights, bad), Error);
 }
 
 TEST(CudaExpertParallel, RefusesMoreRanksThanExpertsAndNoCommunicator) {
