@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "../parallel/counting_communicator.h"
 #include "core/error.h"
 #include "engine/sampler.h"
 #include "parallel/communicator.h"
@@ -19,31 +20,11 @@
 namespace dsv4 {
 namespace {
 
+using testing::CountingCommunicator;
 using testing::random_ids;
 using testing::random_model;
 using testing::relative_l2;
 using testing::small_config;
-
-// A rank's transport that counts what it received from the other ranks: the test's proof that rows really
-// crossed ranks (a model ignoring its communicator would match the reference too).
-class CountingCommunicator final : public parallel::Communicator {
- public:
-  explicit CountingCommunicator(std::unique_ptr<parallel::Communicator> inner) : inner_(std::move(inner)) {}
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  void all_to_all_v(const void* send, std::span<const int64_t> send_bytes, void* recv,
-                    std::span<const int64_t> recv_bytes) override {
-    for (int s = 0; s < size(); ++s)
-      if (s != rank()) bytes_from_others += recv_bytes[s];
-    ++collectives;
-    inner_->all_to_all_v(send, send_bytes, recv, recv_bytes);
-  }
-  void abort(const std::string& reason) override { inner_->abort(reason); }
-  int64_t collectives = 0, bytes_from_others = 0;
-
- private:
-  std::unique_ptr<parallel::Communicator> inner_;
-};
 
 // One request's steps on `model`: its prompt in two chunks, then `decode` greedy tokens; the logits of every step.
 // Every rank runs the same number of steps, which is all the lockstep of the expert-parallel sublayers needs.

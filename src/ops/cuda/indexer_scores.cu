@@ -121,6 +121,51 @@ __device__ __forceinline__ void fragments_of_step(const KeyTile<kDtype>& tile, i
     }
 }
 
+// What a query token's CTA reads and writes: its request's block table, the visible entries (cached and causal,
+// MODEL.md "Lightning indexer": min(entries, (position + 1) div ratio), clamped to the row), its row of scores.
+struct TokenView {
+  int64_t visible;
+  const int32_t* table;
+  float* out;
+};
+
+__device__ __forceinline__ TokenView token_view(const IndexerScoresParams& p, int64_t token) {
+  const int32_t request = p.token_request[token];
+  const int64_t entries = p.request_entries[request];
+  const int64_t causal = (static_cast<int64_t>(p.token_position[token]) + 1) / p.compress_ratio;
+  int64_t visible = entries < causal ? entries : causal;
+  visible = visible < 0 ? 0 : visible > p.max_entries ? p.max_entries : visible;
+  return {visible, p.block_tables + static_cast<int64_t>(request) * p.block_table_stride,
+          p.scores + token * p.max_entries};
+}
+
+// The head weights of a lane's columns of the MMA tiles: heads 8j + 2t and 8j + 2t + 1 of n-tile j.
+__device__ __forceinline__ void load_head_weights(const float* w_smem, int t, float (&w)[8][2]) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    w[j][0] = w_smem[8 * j + 2 * t];
+    w[j][1] = w_smem[8 * j + 2 * t + 1];
+  }
+}
+
+// part[m][h]: a lane's sums over its heads for its rows of group m, h; the quad (lanes sharing g) adds them up,
+// then lane t writes the score of `row` (its part[t >> 1][t & 1]): the FP8 scale (positive, so it commutes with
+// relu) applied, −inf past the visible entries.
+template <IndexKeyDtype kDtype>
+__device__ __forceinline__ void write_score(float (&part)[2][2], int t, int64_t row, const TokenView& view,
+                                            int64_t max_entries, float scale) {
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      part[m][h] += __shfl_xor_sync(0xffffffffu, part[m][h], 1);
+      part[m][h] += __shfl_xor_sync(0xffffffffu, part[m][h], 2);
+    }
+  const float mine = t == 0 ? part[0][0] : t == 1 ? part[0][1] : t == 2 ? part[1][0] : part[1][1];
+  if (row < max_entries)
+    view.out[row] = row < view.visible ? (kDtype == IndexKeyDtype::kFp8 ? mine * scale : mine) : -INFINITY;
+}
+
 template <IndexKeyDtype kDtype, int kMinBlocks>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
     indexer_scores_kernel(const IndexerScoresParams p, int tiles_per_cta) {
@@ -133,14 +178,10 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   __shared__ float w_smem[kHeads];
   const int64_t token = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
-  const int32_t request = p.token_request[token];
-  const int64_t entries = p.request_entries[request];
-  const int64_t causal = (static_cast<int64_t>(p.token_position[token]) + 1) / p.compress_ratio;
-  int64_t visible = entries < causal ? entries : causal;
-  visible = visible < 0 ? 0 : visible > p.max_entries ? p.max_entries : visible;
-  const int32_t* table = p.block_tables + static_cast<int64_t>(request) * p.block_table_stride;
+  const TokenView view = token_view(p, token);
+  const int64_t visible = view.visible;
+  const int32_t* table = view.table;
   const auto* pool = reinterpret_cast<const unsigned char*>(p.pool);
-  float* out = p.scores + token * p.max_entries;
   const int64_t first_entry = static_cast<int64_t>(blockIdx.x) * tiles_per_cta * kCtaEntries;
 
   // q of the token -> shared memory (16 B per thread per step), head weights too.
@@ -156,11 +197,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   if (threadIdx.x < kHeads) w_smem[threadIdx.x] = p.weights[token * kHeads + threadIdx.x] * p.softmax_scale;
   __syncthreads();
   float w[8][2];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    w[j][0] = w_smem[8 * j + 2 * t];
-    w[j][1] = w_smem[8 * j + 2 * t + 1];
-  }
+  load_head_weights(w_smem, t, w);
   const unsigned char* q_lane = q_smem + g * kQRowBytes + t * 64;  // head g of n-tile 0, channel 32t
 
   KeyTile<kDtype> tile;
@@ -201,19 +238,8 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
           part[m][1] += w[j][0] * fmaxf(acc[m][j][2], 0.0f) + w[j][1] * fmaxf(acc[m][j][3], 0.0f);
         }
     }
-    const float scale = current.scale;
-#pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        part[m][h] += __shfl_xor_sync(0xffffffffu, part[m][h], 1);
-        part[m][h] += __shfl_xor_sync(0xffffffffu, part[m][h], 2);
-      }
-    // Lane t writes row 16·(t>>1) + 8·(t&1) + g; the FP8 scale is positive, so it commutes with relu.
-    const float mine = t == 0 ? part[0][0] : t == 1 ? part[0][1] : t == 2 ? part[1][0] : part[1][1];
-    const int64_t row = entry0 + 16 * (t >> 1) + 8 * (t & 1) + g;
-    if (row < p.max_entries)
-      out[row] = row < visible ? (kDtype == IndexKeyDtype::kFp8 ? mine * scale : mine) : -INFINITY;
+    // Lane t writes row 16·(t>>1) + 8·(t&1) + g.
+    write_score<kDtype>(part, t, entry0 + 16 * (t >> 1) + 8 * (t & 1) + g, view, p.max_entries, current.scale);
   }
 #endif
 }
@@ -283,14 +309,10 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
 
   const int64_t token = blockIdx.y;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
-  const int32_t request = p.token_request[token];
-  const int64_t entries = p.request_entries[request];
-  const int64_t causal = (static_cast<int64_t>(p.token_position[token]) + 1) / p.compress_ratio;
-  int64_t visible = entries < causal ? entries : causal;
-  visible = visible < 0 ? 0 : visible > p.max_entries ? p.max_entries : visible;
-  const int32_t* table = p.block_tables + static_cast<int64_t>(request) * p.block_table_stride;
+  const TokenView view = token_view(p, token);
+  const int64_t visible = view.visible;
+  const int32_t* table = view.table;
   const auto* pool = reinterpret_cast<const unsigned char*>(p.pool);
-  float* out = p.scores + token * p.max_entries;
   const int64_t first_entry = static_cast<int64_t>(blockIdx.x) * tiles_per_cta * kCtaEntries;
 
   // The first keys are in flight while q is staged and permuted.
@@ -340,11 +362,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
   fence_proxy_async_shared();  // q's generic stores before wgmma's async-proxy reads
   __syncthreads();
   float w[8][2];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    w[j][0] = w_smem[8 * j + 2 * t];
-    w[j][1] = w_smem[8 * j + 2 * t + 1];
-  }
+  load_head_weights(w_smem, t, w);
 
   for (int it = 0; it < tiles_per_cta; ++it) {
     const int64_t tile0 = first_entry + static_cast<int64_t>(it) * kCtaEntries;
@@ -397,18 +415,8 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
         }
       }
     }
-#pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        part[m][h] += __shfl_xor_sync(0xffffffffu, part[m][h], 1);
-        part[m][h] += __shfl_xor_sync(0xffffffffu, part[m][h], 2);
-      }
-    // Lane t writes row 64·(t>>1) + 16·warp + 8·(t&1) + g; the FP8 scale is positive, so it commutes with relu.
-    const float mine = t == 0 ? part[0][0] : t == 1 ? part[0][1] : t == 2 ? part[1][0] : part[1][1];
-    const int64_t row = tile0 + 64 * (t >> 1) + 16 * warp + 8 * (t & 1) + g;
-    if (row < p.max_entries)
-      out[row] = row < visible ? (kDtype == IndexKeyDtype::kFp8 ? mine * scale : mine) : -INFINITY;
+    // Lane t writes row 64·(t>>1) + 16·warp + 8·(t&1) + g.
+    write_score<kDtype>(part, t, tile0 + 64 * (t >> 1) + 16 * warp + 8 * (t & 1) + g, view, p.max_entries, scale);
   }
 #else
   __trap();  // not sm_90a code: use_warpgroup_mma (ops/cuda/warpgroup_dispatch.h) never launches it there

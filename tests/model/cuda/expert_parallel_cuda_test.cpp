@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "../test_models.h"
+#include "../../parallel/counting_communicator.h"
 #include "cache/hybrid_kv_cache_manager.h"
 #include "model/cuda/deepseek_v4_cuda.h"
 #include "model/random_init.h"
@@ -24,6 +25,7 @@
 namespace dsv4 {
 namespace {
 
+using testing::CountingCommunicator;
 using testing::random_ids;
 using testing::relative_l2;
 
@@ -33,28 +35,6 @@ int32_t argmax(const std::vector<float>& row) {
     if (row[i] > row[best]) best = i;
   return static_cast<int32_t>(best);
 }
-
-// Counts the collectives and the bytes received from other ranks: the proof that rows crossed ranks (a model
-// ignoring its communicator would match the reference too).
-class CountingCommunicator final : public parallel::Communicator {
- public:
-  explicit CountingCommunicator(std::unique_ptr<parallel::Communicator> inner) : inner_(std::move(inner)) {}
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  void all_to_all_v(const void* send, std::span<const int64_t> send_bytes, void* recv,
-                    std::span<const int64_t> recv_bytes) override {
-    for (int s = 0; s < size(); ++s)
-      if (s != rank()) bytes_from_others += recv_bytes[static_cast<size_t>(s)];
-    ++collectives;
-    inner_->all_to_all_v(send, send_bytes, recv, recv_bytes);
-  }
-  void synchronize() override { inner_->synchronize(); }
-  void abort(const std::string& reason) override { inner_->abort(reason); }
-  int64_t collectives = 0, bytes_from_others = 0;
-
- private:
-  std::unique_ptr<parallel::Communicator> inner_;
-};
 
 // One model with its own cache; with ranks > 1 it holds only rank `rank`'s partition of the routed experts.
 struct RankModel {
