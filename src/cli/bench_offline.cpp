@@ -151,6 +151,11 @@ std::pair<CLI::App*, CLI::App*> add_bench_offline_commands(CLI::App& bench, Benc
       ->capture_default_str();
   throughput_cmd->add_flag("--enable-expert-parallel", throughput.enable_expert_parallel,
                            "split the routed experts over the data-parallel ranks (lockstep; CPU backend)");
+  throughput_cmd
+      ->add_option("--dist-timeout", throughput.dist_timeout,
+                   "seconds a rank may wait in a collective for the others before the group aborts and its requests fail (a rank died or hangs; SGLang's flag)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   return {latency_cmd, throughput_cmd};
 }
 
@@ -229,7 +234,7 @@ int bench_throughput(const BenchOfflineOptions& o) {
   DSV4_CHECK(o.num_prompts >= 1, "--num-prompts must be >= 1");
   Setup setup = make_setup(o);
   const std::unique_ptr<ServingEngine> engine =
-      make_serving_engine(setup.loaded, setup.engine, o.data_parallel_size, o.enable_expert_parallel);
+      make_serving_engine(setup.loaded, setup.engine, o.data_parallel_size, o.enable_expert_parallel, o.dist_timeout);
   std::mt19937_64 rng(o.seed);
   const int64_t vocab = setup.loaded.backend->config().vocab_size;
   const auto prompts = random_prompts(o.num_prompts, o.input_len, vocab, rng);

@@ -194,7 +194,8 @@ int generate(const GenerateOptions& options) {
   engine_config.enable_prefix_caching = !options.no_prefix_caching;
   engine_config.checkpoint_interval = options.prefix_checkpoint_interval;
   const std::unique_ptr<ServingEngine> serving =
-      make_serving_engine(loaded, engine_config, options.data_parallel_size, options.enable_expert_parallel);
+      make_serving_engine(loaded, engine_config, options.data_parallel_size, options.enable_expert_parallel,
+                          options.dist_timeout);
   ServingEngine& engine = *serving;
 
   SamplingParams params;

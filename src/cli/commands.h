@@ -46,6 +46,7 @@ struct GenerateOptions {
   int64_t prefix_checkpoint_interval = 1024;
   int data_parallel_size = 1;  // DataParallelEngine ranks (CPU); the n samples spread over them
   bool enable_expert_parallel = false;  // the routed experts split over the data-parallel ranks (CPU)
+  double dist_timeout = 600;            // seconds a rank's collective may wait (parallel/deadline_communicator.h)
 };
 int generate(const GenerateOptions& options);
 

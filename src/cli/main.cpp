@@ -77,6 +77,11 @@ int main(int argc, char** argv) {
   generate_cmd->add_flag("--enable-expert-parallel", gen.enable_expert_parallel,
                          "split the routed experts over the data-parallel ranks, which then step in lockstep "
                          "(CPU backend; docs/parallel.md)");
+  generate_cmd
+      ->add_option("--dist-timeout", gen.dist_timeout,
+                   "seconds a rank may wait in a collective for the others before the group aborts and its requests fail (a rank died or hangs; SGLang's flag)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
 
   dsv4::cli::PlanOptions plan;
   auto* plan_cmd = app.add_subcommand("plan", "KV-cache bytes per request and how many requests fit");

@@ -2,6 +2,7 @@
 // tokenizer for text in and out.
 #include "cli/model_loading.h"
 
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <vector>
@@ -9,6 +10,7 @@
 #include "core/error.h"
 #include "engine/data_parallel_engine.h"
 #include "model/random_init.h"
+#include "parallel/deadline_communicator.h"
 #ifdef DSV4_HAVE_CUDA
 #include "model/cuda/deepseek_v4_cuda.h"
 #include "model/cuda/device_expert_requantizer.h"
@@ -169,10 +171,11 @@ namespace {
 // model is a copy of the loaded one that keeps only its own experts (copied and trimmed one at a time, so the
 // peak is the loaded model plus one copy); rank 0 runs the loaded model itself, trimmed last.
 std::unique_ptr<ServingEngine> make_expert_parallel_engine(LoadedBackend& loaded, const EngineConfig& config,
-                                                           int ranks) {
+                                                           int ranks, double dist_timeout_seconds) {
   DSV4_CHECK(!loaded.on_cuda && loaded.cpu_model,
-             "--enable-expert-parallel runs on the CPU backend: the GPU's expert-parallel sublayer (NCCL all-to-all "
-             "of device rows) is not built yet");
+             "--enable-expert-parallel runs on the CPU backend: the CUDA model's expert-parallel sublayer exists "
+             "(docs/parallel.md), but one process per GPU (the launcher) does not yet");
+  DSV4_CHECK(dist_timeout_seconds > 0, "--dist-timeout must be positive");
   DSV4_CHECK(ranks <= loaded.cpu_model->config().n_routed_experts,
              "--data-parallel-size " + std::to_string(ranks) + " with --enable-expert-parallel: more ranks than the " +
                  std::to_string(loaded.cpu_model->config().n_routed_experts) + " routed experts");
@@ -180,7 +183,10 @@ std::unique_ptr<ServingEngine> make_expert_parallel_engine(LoadedBackend& loaded
   loaded.expert_communicators.clear();
   loaded.extra_rank_models.clear();
   loaded.extra_rank_backends.clear();
-  for (int r = 0; r < ranks; ++r) loaded.expert_communicators.push_back(loaded.expert_group->communicator(r));
+  const auto deadline = std::chrono::milliseconds(static_cast<int64_t>(dist_timeout_seconds * 1000));
+  for (int r = 0; r < ranks; ++r)
+    loaded.expert_communicators.push_back(
+        std::make_unique<parallel::DeadlineCommunicator>(loaded.expert_group->communicator(r), deadline));
   std::vector<ModelBackend*> backends{loaded.backend.get()};
   for (int r = 1; r < ranks; ++r) {
     auto model = std::make_unique<DeepseekV4Model>(*loaded.cpu_model);
@@ -199,10 +205,12 @@ std::unique_ptr<ServingEngine> make_expert_parallel_engine(LoadedBackend& loaded
 }  // namespace
 
 std::unique_ptr<ServingEngine> make_serving_engine(LoadedBackend& loaded, const EngineConfig& config,
-                                                   int data_parallel_size, bool expert_parallel) {
+                                                   int data_parallel_size, bool expert_parallel,
+                                                   double dist_timeout_seconds) {
   DSV4_CHECK(data_parallel_size >= 1,
              "--data-parallel-size " + std::to_string(data_parallel_size) + ": must be >= 1");
-  if (expert_parallel && data_parallel_size > 1) return make_expert_parallel_engine(loaded, config, data_parallel_size);
+  if (expert_parallel && data_parallel_size > 1)
+    return make_expert_parallel_engine(loaded, config, data_parallel_size, dist_timeout_seconds);
   if (data_parallel_size == 1) return std::make_unique<Engine>(*loaded.backend, config);
   DSV4_CHECK(!loaded.on_cuda && loaded.cpu_model,
              "--data-parallel-size " + std::to_string(data_parallel_size) +

@@ -74,9 +74,13 @@ LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& o
 // is not driven from one process yet).
 // expert_parallel (vLLM's --enable-expert-parallel): the routed experts split over the ranks
 // (DeepseekV4Model::set_expert_parallel over one in-process group, each rank keeping only its partition), the
-// ranks stepping in lockstep. CPU backend and hf numerics only.
+// ranks stepping in lockstep. CPU backend and hf numerics only. Each rank's collectives run under a deadline of
+// dist_timeout_seconds (parallel/deadline_communicator.h, SGLang's --dist-timeout): a rank that hangs makes the
+// others fail their requests with that error instead of waiting for ever.
+constexpr double kDefaultDistTimeoutSeconds = 600;
 std::unique_ptr<ServingEngine> make_serving_engine(LoadedBackend& loaded, const EngineConfig& config,
-                                                   int data_parallel_size, bool expert_parallel = false);
+                                                   int data_parallel_size, bool expert_parallel = false,
+                                                   double dist_timeout_seconds = kDefaultDistTimeoutSeconds);
 
 // The tokenizer for text in/out: `explicit_path`, else the model directory's tokenizer.json, else the DeepSeek
 // tokenizer that scripts/setup.sh installs next to this checkout. Throws dsv4::Error when none is found.

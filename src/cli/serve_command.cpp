@@ -53,6 +53,10 @@ CLI::App* add_serve_command(CLI::App& app, ServeOptions& o) {
   cmd->add_flag("--enable-expert-parallel", o.enable_expert_parallel,
                 "split the routed experts over the data-parallel ranks, which then step in lockstep (CPU "
                 "backend; docs/parallel.md)");
+  cmd->add_option("--dist-timeout", o.dist_timeout,
+                  "seconds a rank may wait in a collective for the others before the group aborts and its requests fail (a rank died or hangs; SGLang's flag)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   return cmd;
 }
 
@@ -80,7 +84,8 @@ int serve(const ServeOptions& options) {
   server::ServiceOptions service_options;
   service_options.max_queued_jobs = options.max_queued_requests;
   server::EngineService service(make_serving_engine(loaded, engine, options.data_parallel_size,
-                                                   options.enable_expert_parallel), tokenizer,
+                                                   options.enable_expert_parallel, options.dist_timeout),
+                                tokenizer,
                                 service_options, metrics);
 
   server::HttpServerOptions http;

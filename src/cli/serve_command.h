@@ -35,6 +35,7 @@ struct ServeOptions {
   int data_parallel_size =
       1;  // ranks of data-parallel attention (engine/data_parallel_engine.h); CPU only for now
   bool enable_expert_parallel = false;  // the routed experts split over those ranks (docs/parallel.md)
+  double dist_timeout = 600;            // seconds a rank's collective may wait (parallel/deadline_communicator.h)
 };
 
 // Adds the `serve` subcommand to `app`; the returned options are filled when it is parsed.

@@ -116,13 +116,15 @@ fi
 # others, which can move a sampled token of the flat random model, but not its clear argmax.)
 "$dsv4" generate --ids 5,6,7,8 --max-tokens 8 -n 4 --temperature 0 | grep '^\[' | sort >"$work/greedy1"
 expect_success "generate --enable-expert-parallel" "$dsv4" generate --ids 5,6,7,8 --max-tokens 8 -n 4 --temperature 0 \
-  --data-parallel-size 3 --enable-expert-parallel
+  --data-parallel-size 3 --enable-expert-parallel --dist-timeout 120
 if ! grep '^\[' "$work/out" | sort | cmp -s - "$work/greedy1" || [ ! -s "$work/greedy1" ]; then
   echo "FAIL generate --enable-expert-parallel differs from one engine"; failures=$((failures + 1))
 fi
 expect_failure "more expert-parallel ranks than experts" "more ranks than the" "$dsv4" generate --ids 1,2 \
   --data-parallel-size 64 --enable-expert-parallel
 expect_failure "data-parallel size 0" "data-parallel-size" "$dsv4" generate --ids 1,2 --data-parallel-size 0
+expect_failure "collective deadline 0" "dist-timeout" "$dsv4" generate --ids 1,2 --data-parallel-size 2 \
+  --enable-expert-parallel --dist-timeout 0
 expect_failure "bad checkpoint interval" "multiple of 256" "$dsv4" generate --ids 1,2 --prefix-checkpoint-interval 1000
 expect_failure "pool too small" "holds no page" "$dsv4" generate --ids 1,2 --kv-cache-gib 0.0001
 expect_failure "too long for the model" "max_model_len" "$dsv4" generate --model "$work/model" --ids 1,2 --max-tokens 2000000

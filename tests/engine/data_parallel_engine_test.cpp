@@ -7,8 +7,11 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <map>
+#include <mutex>
 #include <random>
 #include <set>
 #include <thread>
@@ -16,6 +19,7 @@
 #include "../model/test_models.h"
 #include "core/error.h"
 #include "parallel/communicator.h"
+#include "parallel/deadline_communicator.h"
 
 namespace dsv4 {
 namespace {
@@ -457,6 +461,112 @@ TEST(DataParallelEngine, AFailingExpertParallelRankFailsTheGroupWithoutAHang) {
     EXPECT_NE(got.error.find("injected fault in forward 4"), std::string::npos) << "request " << i << ": " << got.error;
   }
   for (int r = 0; r < num_ranks; ++r) {
+    EXPECT_TRUE(engine.rank_failed(r)) << "rank " << r;
+    EXPECT_EQ(engine.rank_stats(r).used_bytes, 0) << "rank " << r << " still holds blocks";
+  }
+  EXPECT_THROW(engine.add_request(cases[0].prompt, cases[0].params), Error);
+}
+
+// Not a model: the real CPU backend, except that the `hang_at`-th forward blocks until release() — a rank that
+// stops answering without an exception, as a deadlocked rank or a killed peer process looks to the others.
+class HangingBackend final : public ModelBackend {
+ public:
+  HangingBackend(DeepseekV4Model& model, int64_t hang_at) : inner_(model), hang_at_(hang_at) {}
+  const ModelConfig& config() const override { return inner_.config(); }
+  const char* device_name() const override { return inner_.device_name(); }
+  KvStorage kv_storage() const override { return inner_.kv_storage(); }
+  IndexStorage index_storage() const override { return inner_.index_storage(); }
+  void bind_cache(const HybridKvCacheManager& manager) override { inner_.bind_cache(manager); }
+  std::unique_ptr<SequenceState> make_state(RequestId id) override { return inner_.make_state(id); }
+  void copy_blocks(std::span<const BlockCopy> copies) override { inner_.copy_blocks(copies); }
+  Tensor forward(std::span<const SequenceChunk> batch, LogitsMode mode) override {
+    if (++forwards_ == hang_at_) {
+      std::unique_lock lock(mutex_);
+      hanging_ = true;
+      released_cv_.wait(lock, [&] { return released_; });
+    }
+    return inner_.forward(batch, mode);
+  }
+  void abort_collectives(const std::string& reason) override { inner_.abort_collectives(reason); }
+  bool hanging() {
+    std::lock_guard lock(mutex_);
+    return hanging_ && !released_;
+  }
+  void release() {
+    {
+      std::lock_guard lock(mutex_);
+      released_ = true;
+    }
+    released_cv_.notify_all();
+  }
+
+ private:
+  CpuModelBackend inner_;
+  int64_t hang_at_ = 0;
+  std::atomic<int64_t> forwards_{0};
+  std::mutex mutex_;
+  std::condition_variable released_cv_;
+  bool hanging_ = false, released_ = false;
+};
+
+// A lockstep expert-parallel rank that hangs in its forward: the other rank waits for it in a collective until
+// its deadline (DeadlineCommunicator, the CLI's --dist-timeout) aborts the group, so that rank's requests fail
+// with the deadline's error instead of waiting for ever. Released later, the hung rank meets the aborted group
+// at its next collective and fails too. Every request finishes aborted, every block goes back.
+TEST(DataParallelEngine, AHungExpertParallelRankFailsTheGroupOnTheDeadline) {
+  const ModelConfig config = small_config();
+  const std::vector<Case> cases = mixed_cases(config.vocab_size, 74, 4);
+  parallel::InProcessGroup group(2);
+  std::vector<std::unique_ptr<parallel::Communicator>> communicators;
+  std::vector<std::unique_ptr<DeepseekV4Model>> models;
+  for (int r = 0; r < 2; ++r) {
+    communicators.push_back(std::make_unique<parallel::DeadlineCommunicator>(group.communicator(r),
+                                                                             std::chrono::milliseconds(300)));
+    models.push_back(std::make_unique<DeepseekV4Model>(random_model(config, 41)));
+    models.back()->set_expert_parallel(communicators.back().get());
+  }
+  CpuModelBackend rank0(*models[0]);
+  HangingBackend rank1(*models[1], /*hang_at=*/4);
+  DataParallelEngine engine({&rank0, &rank1}, engine_config(), {}, /*lockstep=*/true);
+  std::map<RequestId, Outcome> outcomes;
+  std::vector<RequestId> ids;
+  std::vector<int> ranks;
+  for (const Case& c : cases) {
+    ids.push_back(engine.add_request(c.prompt, c.params));
+    ranks.push_back(engine.rank_of(ids.back()));
+  }
+  ASSERT_GT(std::count(ranks.begin(), ranks.end(), 0), 0) << "nothing was routed to rank 0";
+  ASSERT_GT(std::count(ranks.begin(), ranks.end(), 1), 0) << "nothing was routed to rank 1";
+  auto collect = [&] {
+    for (const RequestOutput& output : engine.step()) {
+      Outcome& outcome = outcomes[output.id];
+      if (output.finished) outcome.finished = true, outcome.status = output.status, outcome.error = output.error;
+    }
+  };
+  auto rank0_done = [&] {
+    for (size_t i = 0; i < ids.size(); ++i)
+      if (ranks[i] == 0 && !outcomes[ids[i]].finished) return false;
+    return true;
+  };
+  const auto limit = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!rank0_done() && std::chrono::steady_clock::now() < limit) collect();
+  ASSERT_TRUE(rank0_done()) << "rank 0 still waits for the hung rank: no deadline";
+  EXPECT_TRUE(rank1.hanging());
+  EXPECT_TRUE(engine.rank_failed(0));
+  for (size_t i = 0; i < ids.size(); ++i)
+    if (ranks[i] == 0) {
+      EXPECT_EQ(outcomes[ids[i]].status, RequestStatus::kFinishedAborted) << "request " << i;
+      EXPECT_NE(outcomes[ids[i]].error.find("--dist-timeout"), std::string::npos) << outcomes[ids[i]].error;
+    }
+  rank1.release();
+  drain(engine, outcomes, std::chrono::seconds(60));
+  for (size_t i = 0; i < ids.size(); ++i) {
+    EXPECT_TRUE(outcomes[ids[i]].finished) << "request " << i;
+    EXPECT_EQ(outcomes[ids[i]].status, RequestStatus::kFinishedAborted) << "request " << i;
+    EXPECT_NE(outcomes[ids[i]].error.find("--dist-timeout"), std::string::npos)
+        << "request " << i << ": " << outcomes[ids[i]].error;
+  }
+  for (int r = 0; r < 2; ++r) {
     EXPECT_TRUE(engine.rank_failed(r)) << "rank " << r;
     EXPECT_EQ(engine.rank_stats(r).used_bytes, 0) << "rank " << r << " still holds blocks";
   }

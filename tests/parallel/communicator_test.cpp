@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "parallel/deadline_communicator.h"
 
 namespace dsv4::parallel {
 namespace {
@@ -168,6 +169,64 @@ TEST(InProcessGroup, RejectsBadSizesAndRanks) {
   InProcessGroup single(1);
   auto comm = single.communicator(0);
   EXPECT_THROW(comm->exchange_counts(std::vector<int64_t>{1, 2}), Error);
+}
+
+// A peer that never joins (dead or hung): the waiting rank's watchdog aborts the group after the deadline, so the
+// collective throws an error that says why instead of waiting for ever; later collectives throw at once.
+TEST(DeadlineCommunicator, ACollectiveAPeerNeverJoinsThrowsAfterTheDeadline) {
+  InProcessGroup group(2);
+  DeadlineCommunicator rank0(group.communicator(0), std::chrono::milliseconds(200));
+  const std::unique_ptr<Communicator> rank1 = group.communicator(1);  // never calls a collective
+  const std::vector<int64_t> counts = {3, 5};
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    rank0.exchange_counts(counts);
+    ADD_FAILURE() << "the collective returned without its peer";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("--dist-timeout"), std::string::npos) << error.what();
+    EXPECT_NE(std::string(error.what()).find("rank 0"), std::string::npos) << error.what();
+  }
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_GE(waited, 0.19);
+  EXPECT_LT(waited, 10.0);
+  EXPECT_THROW(rank0.exchange_counts(counts), Error);
+  EXPECT_THROW(rank1->exchange_counts(counts), Error);  // the whole group is aborted
+}
+
+// Only time inside a collective counts: idle gaps longer than the deadline between collectives do not fire, and
+// collectives that complete in time move their bytes as the bare transport does.
+TEST(DeadlineCommunicator, CollectivesWithinTheDeadlineDoNotFire) {
+  const int n = 3;
+  InProcessGroup group(n);
+  std::vector<std::unique_ptr<DeadlineCommunicator>> ranks;
+  for (int r = 0; r < n; ++r)
+    ranks.push_back(std::make_unique<DeadlineCommunicator>(group.communicator(r), std::chrono::milliseconds(500)));
+  std::vector<std::string> errors(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        for (int round = 0; round < 40; ++round) {
+          std::vector<int64_t> counts(n);
+          for (int d = 0; d < n; ++d) counts[d] = 10 * r + d + round;
+          const std::vector<int64_t> received = ranks[r]->exchange_counts(counts);
+          for (int s = 0; s < n; ++s)
+            if (received[s] != 10 * s + r + round) throw Error("round " + std::to_string(round) + ": wrong count");
+          ranks[r]->synchronize();
+          if (round % 20 == 19) std::this_thread::sleep_for(std::chrono::milliseconds(600));  // idle, not waiting
+        }
+      } catch (const std::exception& error) {
+        errors[r] = error.what();
+      }
+    });
+  for (std::thread& thread : threads) thread.join();
+  for (int r = 0; r < n; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
+TEST(DeadlineCommunicator, RejectsNoTransportAndNoDeadline) {
+  InProcessGroup group(1);
+  EXPECT_THROW(DeadlineCommunicator(nullptr, std::chrono::milliseconds(10)), Error);
+  EXPECT_THROW(DeadlineCommunicator(group.communicator(0), std::chrono::milliseconds(0)), Error);
 }
 
 }  // namespace
