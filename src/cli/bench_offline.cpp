@@ -66,6 +66,8 @@ Setup make_setup(const BenchOfflineOptions& o) {
   backend.load_format = o.load_format;
   backend.expert_bits = o.expert_bits;
   backend.dummy_seed = o.seed;
+  backend.expert_parallel_ranks = o.enable_expert_parallel ? o.data_parallel_size : 1;
+  backend.dist_timeout_seconds = o.dist_timeout;
   const auto load_start = std::chrono::steady_clock::now();
   Setup setup{load_backend(o.model_dir, backend), {}};
   // The load time is part of what a dummy-weight run of a large config costs (model/cuda/device_random_weights.h).
@@ -150,7 +152,8 @@ std::pair<CLI::App*, CLI::App*> add_bench_offline_commands(CLI::App& bench, Benc
       ->check(CLI::Range(1, 64))
       ->capture_default_str();
   throughput_cmd->add_flag("--enable-expert-parallel", throughput.enable_expert_parallel,
-                           "split the routed experts over the data-parallel ranks (lockstep; CPU backend)");
+                           "split the routed experts over the data-parallel ranks (lockstep; CPU, or CUDA: a "
+                           "GPU per rank through NCCL, else ranks sharing one GPU)");
   throughput_cmd
       ->add_option("--dist-timeout", throughput.dist_timeout,
                    "seconds a rank may wait in a collective for the others before the group aborts and its requests fail (a rank died or hangs; SGLang's flag)")

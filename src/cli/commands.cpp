@@ -167,6 +167,8 @@ int generate(const GenerateOptions& options) {
   backend_options.load_format = options.load_format;
   backend_options.expert_bits = options.expert_bits;
   backend_options.dummy_seed = options.seed.value_or(0);
+  backend_options.expert_parallel_ranks = options.enable_expert_parallel ? options.data_parallel_size : 1;
+  backend_options.dist_timeout_seconds = options.dist_timeout;
   LoadedBackend loaded = load_backend(options.model_dir, backend_options);
   ModelBackend& model = *loaded.backend;
   DSV4_CHECK(options.ids.empty() != options.prompt.empty(), "generate: give exactly one of --ids or --prompt");

@@ -76,7 +76,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 64));
   generate_cmd->add_flag("--enable-expert-parallel", gen.enable_expert_parallel,
                          "split the routed experts over the data-parallel ranks, which then step in lockstep "
-                         "(CPU backend; docs/parallel.md)");
+                         "(CPU; CUDA: a GPU per rank through NCCL, else ranks sharing one GPU; docs/parallel.md)");
   generate_cmd
       ->add_option("--dist-timeout", gen.dist_timeout,
                    "seconds a rank may wait in a collective for the others before the group aborts and its requests fail (a rank died or hangs; SGLang's flag)")

@@ -3,6 +3,7 @@
 #include "cli/model_loading.h"
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <vector>
@@ -13,6 +14,10 @@
 #include "parallel/deadline_communicator.h"
 #ifdef DSV4_HAVE_CUDA
 #include "model/cuda/deepseek_v4_cuda.h"
+#include "parallel/device_in_process_group.h"
+#ifdef DSV4_HAVE_NCCL
+#include "parallel/nccl_communicator.h"
+#endif
 #include "model/cuda/device_expert_requantizer.h"
 #include "model/cuda/device_random_weights.h"
 #endif
@@ -66,6 +71,88 @@ bool parse_fp8_kv_cache(const std::string& kv_cache_dtype) {
              "--kv-cache-dtype '" + d + "': expected auto, bf16 or fp8 (fp8_e4m3)");
   return d == "fp8" || d == "fp8_e4m3";
 }
+
+#ifdef DSV4_HAVE_CUDA
+namespace {
+
+// --enable-expert-parallel on CUDA (BackendOptions::expert_parallel_ranks): one model per rank holding its
+// partition of the routed experts, on its own GPU through NCCL where there are enough, else all on one GPU through
+// the device in-process group; every rank's transport under the --dist-timeout deadline.
+template <typename MakeSource>
+void load_expert_parallel_ranks(LoadedBackend& loaded, const ModelConfig& config, CudaModelOptions cuda_options,
+                                const BackendOptions& options, const MakeSource& make_source) {
+  const int ranks = options.expert_parallel_ranks;
+  DSV4_CHECK(ranks <= config.n_routed_experts, "--data-parallel-size " + std::to_string(ranks) +
+                                                   " with --enable-expert-parallel: more ranks than the " +
+                                                   std::to_string(config.n_routed_experts) + " routed experts");
+  DSV4_CHECK(options.dist_timeout_seconds > 0, "--dist-timeout must be positive");
+  int visible = 0;
+  DSV4_CHECK(cudaGetDeviceCount(&visible) == cudaSuccess, "cannot count the CUDA devices");
+  const int base = cuda_options.device;
+#ifdef DSV4_HAVE_NCCL
+  const bool gpu_per_rank = visible - base >= ranks;
+#else
+  const bool gpu_per_rank = false;  // this build has no NCCL: the ranks share one GPU
+#endif
+  if (!gpu_per_rank)
+    std::fprintf(stderr,
+                 "dsv4: %d expert-parallel ranks share cuda:%d (%d device(s) visible from it%s): a test setup, "
+                 "each rank with 1/%d of the KV cache\n",
+                 ranks, base, visible - base,
+#ifdef DSV4_HAVE_NCCL
+                 "",
+#else
+                 ", no NCCL in this build",
+#endif
+                 ranks);
+  // The expert-parallel sublayer reads bf16 / fp32 experts (DeepseekV4CudaModel::set_expert_parallel).
+  cuda_options.low_bit_experts = false;
+  std::vector<int> devices;
+  std::vector<std::unique_ptr<DeepseekV4CudaModel>> models;
+  for (int r = 0; r < ranks; ++r) {
+    CudaModelOptions rank_options = cuda_options;
+    rank_options.device = gpu_per_rank ? base + r : base;
+    rank_options.expert_parallel_size = ranks;
+    rank_options.expert_parallel_rank = r;
+    devices.push_back(rank_options.device);
+    models.push_back(std::make_unique<DeepseekV4CudaModel>(config, *make_source(rank_options.device), rank_options));
+  }
+  std::vector<std::unique_ptr<parallel::Communicator>> transports;
+  if (gpu_per_rank) {
+#ifdef DSV4_HAVE_NCCL
+    for (auto& nccl : parallel::NcclCommunicator::for_devices(devices)) transports.push_back(std::move(nccl));
+#endif
+  } else {
+    // One stream per rank on the shared device; the group copies and waits on them.
+    DSV4_CHECK(cudaSetDevice(base) == cudaSuccess, "cannot use cuda:" + std::to_string(base));
+    auto streams = std::shared_ptr<std::vector<cudaStream_t>>(new std::vector<cudaStream_t>(), [](auto* held) {
+      for (cudaStream_t stream : *held) cudaStreamDestroy(stream);
+      delete held;
+    });
+    for (int r = 0; r < ranks; ++r) {
+      cudaStream_t stream = nullptr;
+      DSV4_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess, "cannot create a stream");
+      streams->push_back(stream);
+    }
+    loaded.expert_group = parallel::make_device_in_process_group(*streams);
+    loaded.transport_resources = streams;
+    for (int r = 0; r < ranks; ++r) transports.push_back(loaded.expert_group->communicator(r));
+  }
+  const auto deadline = std::chrono::milliseconds(static_cast<int64_t>(options.dist_timeout_seconds * 1000));
+  loaded.expert_communicators.clear();
+  for (int r = 0; r < ranks; ++r) {
+    loaded.expert_communicators.push_back(
+        std::make_unique<parallel::DeadlineCommunicator>(std::move(transports[static_cast<size_t>(r)]), deadline));
+    models[static_cast<size_t>(r)]->set_expert_parallel(loaded.expert_communicators.back().get());
+  }
+  loaded.ranks_per_device = gpu_per_rank ? 1 : ranks;
+  loaded.backend = std::move(models[0]);
+  loaded.extra_rank_backends.clear();
+  for (int r = 1; r < ranks; ++r) loaded.extra_rank_backends.push_back(std::move(models[static_cast<size_t>(r)]));
+}
+
+}  // namespace
+#endif
 
 LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& options) {
   const std::string& device = options.device;
@@ -133,18 +220,24 @@ LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& o
   // V4-Flash's size (model/cuda/device_random_weights.h).
   // --expert-bits is requantized there too: the host pass takes ~26 minutes of 16 cores for V4-Flash
   // (model/cuda/device_expert_requantizer.h).
-  std::unique_ptr<ModelWeightSource> source;
-  if (options.load_format == "dummy") {
-    source = std::make_unique<DeviceRandomWeightSource>(config, options.dummy_seed, expert_encoding,
-                                                        cuda_options.device);
-  } else {
-    source = weight_source(config, model_dir, options.load_format, options.dummy_seed);
-    if (expert_encoding)
-      source = std::make_unique<DeviceRequantizedExpertsSource>(std::move(source), *expert_encoding,
-                                                                cuda_options.device);
-  }
-  loaded.backend = std::make_unique<DeepseekV4CudaModel>(std::move(config), *source, cuda_options);
+  const auto make_source = [&](int on_device) {
+    std::unique_ptr<ModelWeightSource> source;
+    if (options.load_format == "dummy") {
+      source = std::make_unique<DeviceRandomWeightSource>(config, options.dummy_seed, expert_encoding, on_device);
+    } else {
+      source = weight_source(config, model_dir, options.load_format, options.dummy_seed);
+      if (expert_encoding)
+        source = std::make_unique<DeviceRequantizedExpertsSource>(std::move(source), *expert_encoding, on_device);
+    }
+    return source;
+  };
   loaded.on_cuda = true;
+  if (options.expert_parallel_ranks > 1) {
+    load_expert_parallel_ranks(loaded, config, cuda_options, options, make_source);
+    return loaded;
+  }
+  loaded.backend = std::make_unique<DeepseekV4CudaModel>(std::move(config), *make_source(cuda_options.device),
+                                                         cuda_options);
 #endif
   return loaded;
 }
@@ -153,8 +246,10 @@ int64_t LoadedBackend::cache_bytes(int64_t requested_bytes, bool explicitly_requ
                                    int64_t max_batched_tokens) const {
 #ifdef DSV4_HAVE_CUDA
   if (on_cuda && !explicitly_requested) {
+    // Ranks sharing a device split what is left of it (each with a step's activations of its own).
     const int64_t bytes = static_cast<const DeepseekV4CudaModel&>(*backend).cache_bytes_for_utilization(
-        gpu_memory_utilization, max_batched_tokens);
+                              gpu_memory_utilization, max_batched_tokens * ranks_per_device) /
+                          ranks_per_device;
     DSV4_CHECK(bytes > 0, "no device memory is left for the KV cache at --gpu-memory-utilization " +
                               std::to_string(gpu_memory_utilization));
     return bytes;
@@ -172,9 +267,16 @@ namespace {
 // peak is the loaded model plus one copy); rank 0 runs the loaded model itself, trimmed last.
 std::unique_ptr<ServingEngine> make_expert_parallel_engine(LoadedBackend& loaded, const EngineConfig& config,
                                                            int ranks, double dist_timeout_seconds) {
-  DSV4_CHECK(!loaded.on_cuda && loaded.cpu_model,
-             "--enable-expert-parallel runs on the CPU backend: the CUDA model's expert-parallel sublayer exists "
-             "(docs/parallel.md), but one process per GPU (the launcher) does not yet");
+  if (loaded.on_cuda) {  // the ranks were loaded and connected by load_backend (expert_parallel_ranks)
+    DSV4_CHECK(static_cast<int>(loaded.extra_rank_backends.size()) + 1 == ranks,
+               "--enable-expert-parallel on CUDA: the backend was loaded for " +
+                   std::to_string(loaded.extra_rank_backends.size() + 1) + " ranks, not " + std::to_string(ranks));
+    std::vector<ModelBackend*> backends{loaded.backend.get()};
+    for (auto& backend : loaded.extra_rank_backends) backends.push_back(backend.get());
+    return std::make_unique<DataParallelEngine>(std::move(backends), config, DataParallelRouterConfig{},
+                                                /*lockstep=*/true);
+  }
+  DSV4_CHECK(loaded.cpu_model != nullptr, "--enable-expert-parallel: no CPU model loaded");
   DSV4_CHECK(dist_timeout_seconds > 0, "--dist-timeout must be positive");
   DSV4_CHECK(ranks <= loaded.cpu_model->config().n_routed_experts,
              "--data-parallel-size " + std::to_string(ranks) + " with --enable-expert-parallel: more ranks than the " +

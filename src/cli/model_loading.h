@@ -40,6 +40,13 @@ struct BackendOptions {
   // ("fp8_e4m3"): DeepSeek's FP8 main K=V entries (ModelConfig::fp8_kv_cache; 584 bytes an entry on CUDA
   // against bf16's 1024, simulated in fp32 on the CPU).
   std::string kv_cache_dtype = "auto";
+  // CUDA expert parallelism (--data-parallel-size N --enable-expert-parallel on a CUDA device): N models, each
+  // holding its partition of the routed experts, connected at load. Rank r runs on device base + r through NCCL
+  // (one thread per GPU in this process, NcclCommunicator::for_devices) when that many GPUs are visible, else every
+  // rank shares the base device through the device in-process group (a test setup, not a speed-up). Each rank's
+  // collectives run under the --dist-timeout deadline.
+  int expert_parallel_ranks = 1;
+  double dist_timeout_seconds = 600;
 };
 
 // --kv-cache-dtype (vLLM's flag): "auto" / "bf16" give false, "fp8" / "fp8_e4m3" true (ModelConfig::fp8_kv_cache:
@@ -60,6 +67,10 @@ struct LoadedBackend {
   // that connects the ranks' MoE sublayers.
   std::vector<std::unique_ptr<ModelBackend>> extra_rank_backends;
   std::vector<std::unique_ptr<DeepseekV4Model>> extra_rank_models;
+  // CUDA expert parallelism: device resources of the transport (the device in-process group's streams; declared
+  // first so they go last), and how many ranks share one device (their KV caches split its memory).
+  std::shared_ptr<void> transport_resources;
+  int ranks_per_device = 1;
   std::unique_ptr<parallel::InProcessGroup> expert_group;
   std::vector<std::unique_ptr<parallel::Communicator>> expert_communicators;
 };

@@ -51,8 +51,8 @@ CLI::App* add_serve_command(CLI::App& app, ServeOptions& o) {
          "--kv-cache-gib, requests routed by prefix-cache affinity and load (CPU backend)")
       ->check(CLI::Range(1, 64));
   cmd->add_flag("--enable-expert-parallel", o.enable_expert_parallel,
-                "split the routed experts over the data-parallel ranks, which then step in lockstep (CPU "
-                "backend; docs/parallel.md)");
+                "split the routed experts over the data-parallel ranks, which then step in lockstep (CPU; "
+                "CUDA: a GPU per rank through NCCL, else ranks sharing one GPU; docs/parallel.md)");
   cmd->add_option("--dist-timeout", o.dist_timeout,
                   "seconds a rank may wait in a collective for the others before the group aborts and its requests fail (a rank died or hangs; SGLang's flag)")
       ->check(CLI::PositiveNumber)
@@ -68,6 +68,8 @@ int serve(const ServeOptions& options) {
   backend_options.gpu_memory_utilization = options.gpu_memory_utilization;
   backend_options.load_format = options.load_format;
   backend_options.expert_bits = options.expert_bits;
+  backend_options.expert_parallel_ranks = options.enable_expert_parallel ? options.data_parallel_size : 1;
+  backend_options.dist_timeout_seconds = options.dist_timeout;
   LoadedBackend loaded = load_backend(options.model_dir, backend_options);
   ModelBackend& model = *loaded.backend;
   const Tokenizer tokenizer = load_tokenizer(options.tokenizer_path, options.model_dir);

@@ -211,6 +211,7 @@ struct DeepseekV4CudaModel::Impl {
   size_t device_meta_capacity = 0;
 
   ~Impl() {
+    cudaSetDevice(options.device);  // the model's memory, streams and events, whatever thread ends it
     for (cudaEvent_t e : {forward_start, forward_end, sampling_end})
       if (e) cudaEventDestroy(e);
     for (auto& [key, graph] : graphs)
@@ -730,6 +731,7 @@ DeepseekV4CudaModel::StepProfile DeepseekV4CudaModel::step_profile() const {
 void DeepseekV4CudaModel::reset_step_profile() { impl_->profile = {}; }
 
 int64_t DeepseekV4CudaModel::cache_bytes_for_utilization(double utilization, int64_t max_tokens) const {
+  DSV4_CU(cudaSetDevice(impl_->options.device));  // cudaMemGetInfo reports the current device
   size_t free_bytes = 0, total_bytes = 0;
   DSV4_CU(cudaMemGetInfo(&free_bytes, &total_bytes));
   const ModelConfig& c = impl_->config;
@@ -745,6 +747,7 @@ int64_t DeepseekV4CudaModel::cache_bytes_for_utilization(double utilization, int
 
 void DeepseekV4CudaModel::bind_cache(const HybridKvCacheManager& manager) {
   Impl& m = *impl_;
+  DSV4_CU(cudaSetDevice(m.options.device));
   m.manager = &manager;
   m.arena_bytes = manager.pool().num_pages() * manager.pool().page_bytes();
   void* arena = nullptr;
@@ -763,6 +766,7 @@ std::unique_ptr<SequenceState> DeepseekV4CudaModel::make_state(RequestId id) {
 
 void DeepseekV4CudaModel::copy_blocks(std::span<const BlockCopy> copies) {
   Impl& m = *impl_;
+  DSV4_CU(cudaSetDevice(m.options.device));
   for (const BlockCopy& copy : copies) {
     DSV4_CHECK(copy.src_offset >= 0 && copy.dst_offset >= 0 && copy.src_offset + copy.bytes <= m.arena_bytes &&
                    copy.dst_offset + copy.bytes <= m.arena_bytes,
@@ -772,12 +776,16 @@ void DeepseekV4CudaModel::copy_blocks(std::span<const BlockCopy> copies) {
   }
 }
 
+// Every entry point that touches the device makes the model's device current first: the data-parallel engine
+// drives each rank's model from its own thread, and ranks of one process may sit on different GPUs.
 Tensor DeepseekV4CudaModel::forward(std::span<const SequenceChunk> batch, LogitsMode mode) {
+  DSV4_CU(cudaSetDevice(impl_->options.device));
   return impl_->forward(batch, mode);
 }
 
 void DeepseekV4CudaModel::forward_and_sample(std::span<const SequenceChunk> batch,
                                              std::span<const DeviceSampleRow> rows, std::vector<SampleResult>& results) {
+  DSV4_CU(cudaSetDevice(impl_->options.device));
   impl_->forward_and_sample(batch, rows, results);
 }
 
