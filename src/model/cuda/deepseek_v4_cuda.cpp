@@ -373,6 +373,7 @@ struct DeepseekV4CudaModel::Impl {
 
   // ---- the forward ----
   Tensor forward(std::span<const SequenceChunk> batch, LogitsMode mode);
+  Tensor forward_empty();
   void forward_and_sample(std::span<const SequenceChunk> batch, std::span<const DeviceSampleRow> rows,
                           std::vector<SampleResult>& results);
   // The step (eager or a graph replay) without waiting: the device logits [R, vocab]; advances the states.
@@ -780,12 +781,18 @@ void DeepseekV4CudaModel::copy_blocks(std::span<const BlockCopy> copies) {
 // drives each rank's model from its own thread, and ranks of one process may sit on different GPUs.
 Tensor DeepseekV4CudaModel::forward(std::span<const SequenceChunk> batch, LogitsMode mode) {
   DSV4_CU(cudaSetDevice(impl_->options.device));
+  if (batch.empty()) return impl_->forward_empty();
   return impl_->forward(batch, mode);
 }
 
 void DeepseekV4CudaModel::forward_and_sample(std::span<const SequenceChunk> batch,
                                              std::span<const DeviceSampleRow> rows, std::vector<SampleResult>& results) {
   DSV4_CU(cudaSetDevice(impl_->options.device));
+  if (batch.empty()) {
+    impl_->forward_empty();
+    results.clear();
+    return;
+  }
   impl_->forward_and_sample(batch, rows, results);
 }
 
@@ -1036,6 +1043,18 @@ float* DeepseekV4CudaModel::Impl::device_logits(std::span<const SequenceChunk> b
   DSV4_CU(cudaEventRecord(forward_end, stream));
   for (size_t r = 0; r < batch.size(); ++r) batch[r].state->set_num_tokens(step.start[r] + step.length[r]);
   return logits_device;
+}
+
+// An empty batch: a data-parallel rank with nothing scheduled this step (EngineConfig::forward_every_step). With
+// expert parallelism it still takes part in every MoE sublayer's collectives and serves the rows the other ranks
+// send to its experts (the CPU model does the same); otherwise there is nothing to run.
+Tensor DeepseekV4CudaModel::Impl::forward_empty() {
+  if (expert_parallel != nullptr) {
+    const Step step{};  // no tokens
+    for (int64_t layer = 0; layer < config.num_hidden_layers; ++layer)
+      moe_expert_parallel(layer, step, nullptr, nullptr, nullptr, nullptr);
+  }
+  return Tensor({0, config.vocab_size});
 }
 
 Tensor DeepseekV4CudaModel::Impl::forward(std::span<const SequenceChunk> batch, LogitsMode mode) {
@@ -1560,8 +1579,11 @@ void DeepseekV4CudaModel::Impl::moe_expert_parallel(int64_t layer, const Step& s
   // 1. The router's choices to the host, the dispatch plan (rows grouped by destination rank, then token).
   host_chosen.resize(static_cast<size_t>(N * K));
   host_router_weights.resize(static_cast<size_t>(N * K));
-  DSV4_CU(cudaMemcpyAsync(host_chosen.data(), chosen, N * K * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
-  DSV4_CU(cudaMemcpyAsync(host_router_weights.data(), weights, N * K * sizeof(float), cudaMemcpyDeviceToHost, stream));
+  if (N > 0) {  // none on an idle rank (forward_empty), which still serves the other ranks' rows
+    DSV4_CU(cudaMemcpyAsync(host_chosen.data(), chosen, N * K * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
+    DSV4_CU(cudaMemcpyAsync(host_router_weights.data(), weights, N * K * sizeof(float), cudaMemcpyDeviceToHost,
+                            stream));
+  }
   DSV4_CU(cudaStreamSynchronize(stream));
   const parallel::DispatchPlan plan = parallel::plan_dispatch(host_chosen, host_router_weights, N, K, partition);
   const int64_t sent = plan.num_rows();
@@ -1652,6 +1674,7 @@ void DeepseekV4CudaModel::Impl::moe_expert_parallel(int64_t layer, const Step& s
   float* returned = buffer<float>("ep_returned", sent * D);
   comm.all_to_all_v(row_sums, bytes(recv_counts, D * 4), returned, bytes(plan.send_counts, D * 4));
   comm.synchronize();
+  if (N == 0) return;
   float* shared_rows = buffer<float>("moe_shared_rows", N * D);
   run_expert(l.shared_w13, l.shared_w2, x_operand, N, shared_rows);
   std::vector<int32_t> token_slots(static_cast<size_t>(N * ranks), -1);

@@ -151,6 +151,76 @@ TEST(CudaExpertParallel, RanksOnOneGpuEqualOneModel) {
   }
 }
 
+// A rank with nothing scheduled still takes part: an empty batch (the engine's forward_every_step) runs every MoE
+// sublayer's collectives and serves the rows the other rank sends to its experts. Rank 0 serves a request for 10
+// steps while rank 1 idles for its first 4 and serves a shorter one after; both equal one model's logits.
+TEST(CudaExpertParallel, AnIdleRankServesTheOtherWithAnEmptyBatch) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  ModelConfig config = testing::small_config();
+  config.moe_intermediate_size = 16;
+  const ModelWeights weights = random_weights(config, 14);
+  const std::vector<int32_t> prompt0 = random_ids(12, config.vocab_size, 51);
+  const std::vector<int32_t> prompt1 = random_ids(5, config.vocab_size, 52);
+  const int decode0 = 8, decode1 = 4, idle1 = 4;  // rank 0: 2 + 8 steps; rank 1: 4 idle + 2 + 4
+  std::vector<std::vector<float>> expected0, expected1;
+  {
+    RankModel single(config, weights);
+    expected0 = run_request(single, 0, prompt0, decode0);
+    expected1 = run_request(single, 1, prompt1, decode1);
+  }
+  std::vector<cudaStream_t> streams(2);
+  for (cudaStream_t& stream : streams) ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  const std::unique_ptr<parallel::InProcessGroup> group = parallel::make_device_in_process_group(streams);
+  std::vector<std::unique_ptr<RankModel>> ranks;
+  std::vector<std::unique_ptr<CountingCommunicator>> comms;
+  for (int r = 0; r < 2; ++r) {
+    ranks.push_back(std::make_unique<RankModel>(config, weights, 2, r));
+    comms.push_back(std::make_unique<CountingCommunicator>(group->communicator(r)));
+    ranks.back()->model->set_expert_parallel(comms.back().get());
+  }
+  std::vector<std::vector<float>> actual0, actual1;
+  std::string error0, error1;
+  std::thread rank0([&] {
+    try {
+      if (cudaSetDevice(0) != cudaSuccess) throw std::runtime_error("cudaSetDevice");
+      actual0 = run_request(*ranks[0], 0, prompt0, decode0);
+    } catch (const std::exception& error) {
+      error0 = error.what();
+      comms[0]->abort(error.what());
+    }
+  });
+  std::thread rank1([&] {
+    try {
+      if (cudaSetDevice(0) != cudaSuccess) throw std::runtime_error("cudaSetDevice");
+      for (int i = 0; i < idle1; ++i) {
+        const Tensor empty = ranks[1]->model->forward({}, LogitsMode::kLastPerSequence);
+        if (empty.numel() != 0) throw std::runtime_error("an empty batch returned logits");
+      }
+      actual1 = run_request(*ranks[1], 1, prompt1, decode1);
+    } catch (const std::exception& error) {
+      error1 = error.what();
+      comms[1]->abort(error.what());
+    }
+  });
+  rank0.join();
+  rank1.join();
+  ASSERT_EQ(error0, "");
+  ASSERT_EQ(error1, "");
+  EXPECT_GT(comms[0]->bytes_from_others + comms[1]->bytes_from_others, 0);
+  // Every step of both ranks ran the 5 collectives of every MoE sublayer, the idle ones included.
+  EXPECT_EQ(comms[1]->collectives, 5 * config.num_hidden_layers * (idle1 + static_cast<int64_t>(expected1.size())));
+  for (const auto& [actual, expected] : {std::pair{&actual0, &expected0}, std::pair{&actual1, &expected1}}) {
+    ASSERT_EQ(actual->size(), expected->size());
+    for (size_t step = 0; step < expected->size(); ++step) {
+      EXPECT_LE(relative_l2((*actual)[step].data(), (*expected)[step].data(), (*expected)[step].size()), 1e-5)
+          << "step " << step;
+      EXPECT_EQ(argmax((*actual)[step]), argmax((*expected)[step])) << "step " << step;
+    }
+  }
+  ranks.clear();
+  for (cudaStream_t stream : streams) cudaStreamDestroy(stream);
+}
+
 // A partition-only model refuses a communicator of another size or rank, and refuses to run without one.
 TEST(CudaExpertParallel, APartitionRunsOnlyAtItsRank) {
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
