@@ -25,8 +25,9 @@
 // when none has, all of them sleep until a request or an abort arrives anywhere. A rank that fails leaves the
 // gate and aborts its backend's collectives (ModelBackend::abort_collectives): the other ranks, waiting for it
 // in a collective of the same step, then fail too, with an error naming it, instead of hanging — with the
-// experts split, no rank can serve without the failed one's. (A rank that hangs instead of throwing, or another
-// process's NCCL peer, still needs the abort-on-deadline of docs/parallel.md.)
+// experts split, no rank can serve without the failed one's. A rank that hangs instead of throwing is caught by
+// its peers' collective deadline (parallel/deadline_communicator.h, the CLI's --dist-timeout): they abort the
+// group and fail the same way.
 #pragma once
 #include <chrono>
 #include <condition_variable>
