@@ -13,6 +13,7 @@
 #include "cache/planner.h"
 #include "cli/commands.h"
 #include "cli/model_loading.h"
+#include "cli/parallel_options.h"
 #include "core/error.h"
 #include "engine/engine.h"
 #ifdef DSV4_HAVE_CUDA
@@ -154,11 +155,7 @@ std::pair<CLI::App*, CLI::App*> add_bench_offline_commands(CLI::App& bench, Benc
   throughput_cmd->add_flag("--enable-expert-parallel", throughput.enable_expert_parallel,
                            "split the routed experts over the data-parallel ranks (lockstep; CPU, or CUDA: a "
                            "GPU per rank through NCCL, else ranks sharing one GPU)");
-  throughput_cmd
-      ->add_option("--dist-timeout", throughput.dist_timeout,
-                   "seconds a rank may wait in a collective for the others before the group aborts and its requests fail (a rank died or hangs; SGLang's flag)")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
+  add_dist_timeout_option(throughput_cmd, throughput.dist_timeout);
   return {latency_cmd, throughput_cmd};
 }
 

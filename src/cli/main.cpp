@@ -5,6 +5,7 @@
 #include "cli/bench_command.h"
 #include "cli/bench_offline.h"
 #include "cli/commands.h"
+#include "cli/parallel_options.h"
 #include "cli/serve_command.h"
 #include "core/error.h"
 #include "tokenizer/tokenize_command.h"
@@ -77,11 +78,7 @@ int main(int argc, char** argv) {
   generate_cmd->add_flag("--enable-expert-parallel", gen.enable_expert_parallel,
                          "split the routed experts over the data-parallel ranks, which then step in lockstep "
                          "(CPU; CUDA: a GPU per rank through NCCL, else ranks sharing one GPU; docs/parallel.md)");
-  generate_cmd
-      ->add_option("--dist-timeout", gen.dist_timeout,
-                   "seconds a rank may wait in a collective for the others before the group aborts and its requests fail (a rank died or hangs; SGLang's flag)")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
+  dsv4::cli::add_dist_timeout_option(generate_cmd, gen.dist_timeout);
 
   dsv4::cli::PlanOptions plan;
   auto* plan_cmd = app.add_subcommand("plan", "KV-cache bytes per request and how many requests fit");

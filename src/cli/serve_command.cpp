@@ -5,6 +5,7 @@
 #include <cstdlib>
 
 #include "cli/model_loading.h"
+#include "cli/parallel_options.h"
 #include "core/error.h"
 #include "server/engine_service.h"
 #include "server/http_server.h"
@@ -53,10 +54,7 @@ CLI::App* add_serve_command(CLI::App& app, ServeOptions& o) {
   cmd->add_flag("--enable-expert-parallel", o.enable_expert_parallel,
                 "split the routed experts over the data-parallel ranks, which then step in lockstep (CPU; "
                 "CUDA: a GPU per rank through NCCL, else ranks sharing one GPU; docs/parallel.md)");
-  cmd->add_option("--dist-timeout", o.dist_timeout,
-                  "seconds a rank may wait in a collective for the others before the group aborts and its requests fail (a rank died or hangs; SGLang's flag)")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
+  add_dist_timeout_option(cmd, o.dist_timeout);
   return cmd;
 }
 

@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "../model/test_models.h"
+#include "fault_injecting_backends.h"
 #include "core/error.h"
 #include "parallel/communicator.h"
 #include "parallel/deadline_communicator.h"
@@ -24,6 +25,8 @@
 namespace dsv4 {
 namespace {
 
+using testing::FaultInjectingBackend;
+using testing::HangingBackend;
 using testing::random_model;
 using testing::small_config;
 
@@ -125,31 +128,6 @@ RankBackends cpu_backends(DeepseekV4Model& model, int ranks) {
   for (int r = 0; r < ranks; ++r) backends.owned.push_back(std::make_unique<CpuModelBackend>(model));
   return backends;
 }
-
-// A fault injector, not a model: every call goes to the real CPU backend, except that the `fail_at`-th
-// forward (counting from 1) throws, as a device error or a failed kernel would.
-class FaultInjectingBackend final : public ModelBackend {
- public:
-  FaultInjectingBackend(DeepseekV4Model& model, int64_t fail_at) : inner_(model), fail_at_(fail_at) {}
-  const ModelConfig& config() const override { return inner_.config(); }
-  const char* device_name() const override { return inner_.device_name(); }
-  KvStorage kv_storage() const override { return inner_.kv_storage(); }
-  IndexStorage index_storage() const override { return inner_.index_storage(); }
-  void bind_cache(const HybridKvCacheManager& manager) override { inner_.bind_cache(manager); }
-  std::unique_ptr<SequenceState> make_state(RequestId id) override { return inner_.make_state(id); }
-  void copy_blocks(std::span<const BlockCopy> copies) override { inner_.copy_blocks(copies); }
-  Tensor forward(std::span<const SequenceChunk> batch, LogitsMode mode) override {
-    if (++forwards_ == fail_at_) throw Error("injected fault in forward " + std::to_string(forwards_));
-    return inner_.forward(batch, mode);
-  }
-  void abort_collectives(const std::string& reason) override { inner_.abort_collectives(reason); }
-  int64_t forwards() const { return forwards_; }
-
- private:
-  CpuModelBackend inner_;
-  int64_t fail_at_ = 0;
-  int64_t forwards_ = 0;
-};
 
 // Adds `cases` to a DP engine in waves (so later requests are routed with the prefix events of earlier ones),
 // recording each one's rank at submission.
@@ -466,48 +444,6 @@ TEST(DataParallelEngine, AFailingExpertParallelRankFailsTheGroupWithoutAHang) {
   }
   EXPECT_THROW(engine.add_request(cases[0].prompt, cases[0].params), Error);
 }
-
-// Not a model: the real CPU backend, except that the `hang_at`-th forward blocks until release() — a rank that
-// stops answering without an exception, as a deadlocked rank or a killed peer process looks to the others.
-class HangingBackend final : public ModelBackend {
- public:
-  HangingBackend(DeepseekV4Model& model, int64_t hang_at) : inner_(model), hang_at_(hang_at) {}
-  const ModelConfig& config() const override { return inner_.config(); }
-  const char* device_name() const override { return inner_.device_name(); }
-  KvStorage kv_storage() const override { return inner_.kv_storage(); }
-  IndexStorage index_storage() const override { return inner_.index_storage(); }
-  void bind_cache(const HybridKvCacheManager& manager) override { inner_.bind_cache(manager); }
-  std::unique_ptr<SequenceState> make_state(RequestId id) override { return inner_.make_state(id); }
-  void copy_blocks(std::span<const BlockCopy> copies) override { inner_.copy_blocks(copies); }
-  Tensor forward(std::span<const SequenceChunk> batch, LogitsMode mode) override {
-    if (++forwards_ == hang_at_) {
-      std::unique_lock lock(mutex_);
-      hanging_ = true;
-      released_cv_.wait(lock, [&] { return released_; });
-    }
-    return inner_.forward(batch, mode);
-  }
-  void abort_collectives(const std::string& reason) override { inner_.abort_collectives(reason); }
-  bool hanging() {
-    std::lock_guard lock(mutex_);
-    return hanging_ && !released_;
-  }
-  void release() {
-    {
-      std::lock_guard lock(mutex_);
-      released_ = true;
-    }
-    released_cv_.notify_all();
-  }
-
- private:
-  CpuModelBackend inner_;
-  int64_t hang_at_ = 0;
-  std::atomic<int64_t> forwards_{0};
-  std::mutex mutex_;
-  std::condition_variable released_cv_;
-  bool hanging_ = false, released_ = false;
-};
 
 // A lockstep expert-parallel rank that hangs in its forward: the other rank waits for it in a collective until
 // its deadline (DeadlineCommunicator, the CLI's --dist-timeout) aborts the group, so that rank's requests fail

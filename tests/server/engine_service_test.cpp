@@ -11,6 +11,7 @@
 #include <mutex>
 #include <random>
 
+#include "../engine/fault_injecting_backends.h"
 #include "../model/test_models.h"
 #include "../tokenizer/deepseek_tokenizer.h"
 #include "engine/data_parallel_engine.h"
@@ -18,6 +19,7 @@
 namespace dsv4::server {
 namespace {
 
+using dsv4::testing::FaultInjectingBackend;
 using dsv4::testing::random_ids;
 using dsv4::testing::random_model;
 using dsv4::testing::small_config;
@@ -189,27 +191,6 @@ TEST(EngineService, DataParallelEngineStreamsWhatASingleEngineComputes) {
   const int64_t one_pool = Engine(model, small_engine()).stats().pool_bytes;
   EXPECT_EQ(metrics.engine().pool_bytes, 3 * one_pool);
 }
-
-// A fault injector for one rank (the model is real): the `fail_at`-th forward throws, as a device error would.
-class FaultInjectingBackend final : public ModelBackend {
- public:
-  FaultInjectingBackend(DeepseekV4Model& model, int64_t fail_at) : inner_(model), fail_at_(fail_at) {}
-  const ModelConfig& config() const override { return inner_.config(); }
-  const char* device_name() const override { return inner_.device_name(); }
-  KvStorage kv_storage() const override { return inner_.kv_storage(); }
-  IndexStorage index_storage() const override { return inner_.index_storage(); }
-  void bind_cache(const HybridKvCacheManager& manager) override { inner_.bind_cache(manager); }
-  std::unique_ptr<SequenceState> make_state(RequestId id) override { return inner_.make_state(id); }
-  void copy_blocks(std::span<const BlockCopy> copies) override { inner_.copy_blocks(copies); }
-  Tensor forward(std::span<const SequenceChunk> batch, LogitsMode mode) override {
-    if (++forwards_ == fail_at_) throw Error("injected device fault");
-    return inner_.forward(batch, mode);
-  }
-
- private:
-  CpuModelBackend inner_;
-  int64_t fail_at_ = 0, forwards_ = 0;
-};
 
 // A rank failing under the server: every job still finishes (none hangs); the failed rank's choices end with
 // finish_reason "abort" and an HTTP 500 error naming the engine failure, are counted as errors, every other
