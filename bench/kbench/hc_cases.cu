@@ -1,0 +1,157 @@
+// kbench suite "hc": the small per-layer ops of a V4-Flash layer that a prefill pays in bandwidth (docs/PERF.md
+// "HF on the same H100, and the prefill's small ops"): mHC hc_pre (the mixes and the collapse with the sublayer's
+// RMSNorm fused; from 512 tokens the tensor-core mixes, and the split-K kernel beside them via DSV4_HC_MIX_KERNEL),
+// hc_post, and the per-head norm + RoPE of q (ops/cuda/head_norm_rope). Random N(0, 1) inputs (fn scaled as the
+// tests draw it), L2 flushed; bytes are the unique bytes read and written.
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "kbench.h"
+#include "ops/cuda/device.h"
+#include "ops/cuda/head_norm_rope.h"
+#include "ops/cuda/hyper_connection.h"
+#include "ops/cuda/random_fill.h"
+
+namespace dsv4::kbench {
+namespace {
+
+#define HC_CUDA_OK(call)                                                                               \
+  do {                                                                                                 \
+    const cudaError_t status_ = (call);                                                                \
+    if (status_ != cudaSuccess) {                                                                      \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(status_)); \
+      std::abort();                                                                                    \
+    }                                                                                                  \
+  } while (0)
+
+constexpr int64_t kHc = 4, kHidden = 4096;         // V4-Flash
+constexpr int64_t kHeads = 64, kHeadDim = 512, kRopeDim = 64;
+
+// A device buffer of `count` floats drawn N(0, scale²) (or uniform in [lo, lo + scale) for `uniform`).
+float* random_floats(int64_t count, uint64_t seed, double scale = 1.0, bool uniform = false, double lo = 0.0) {
+  float* p = nullptr;
+  HC_CUDA_OK(cudaMalloc(&p, static_cast<size_t>(std::max<int64_t>(count, 1)) * sizeof(float)));
+  RandomFill fill;
+  fill.kind = uniform ? RandomFill::Kind::kUniform : RandomFill::Kind::kNormal;
+  fill.start = seed;
+  fill.offset = lo;
+  fill.scale = scale;
+  HC_CUDA_OK(ops::cuda::fill_random(fill, p, count, nullptr));
+  return p;
+}
+
+std::string shape(const char* what, int64_t tokens) { return std::string(what) + " t=" + std::to_string(tokens); }
+
+CaseResult hc_pre_case(int64_t tokens, const char* mix_kernel, int iterations) {
+  const int64_t width = kHc * kHidden, mixes = (2 + kHc) * kHc;
+  float* streams = random_floats(tokens * width, 1);
+  float* fn = random_floats(mixes * width, 2, 0.02);
+  float* base = random_floats(mixes, 3, 0.5);
+  float* scale = random_floats(3, 4, 1.5, /*uniform=*/true, 0.5);
+  float* norm_weight = random_floats(kHidden, 5, 1.0, true, 0.5);
+  float *collapsed = nullptr, *post = nullptr, *comb = nullptr;
+  uint16_t* bf16 = nullptr;
+  HC_CUDA_OK(cudaMalloc(&collapsed, tokens * kHidden * sizeof(float)));
+  HC_CUDA_OK(cudaMalloc(&bf16, tokens * kHidden * sizeof(uint16_t)));
+  HC_CUDA_OK(cudaMalloc(&post, tokens * kHc * sizeof(float)));
+  HC_CUDA_OK(cudaMalloc(&comb, tokens * kHc * kHc * sizeof(float)));
+  const size_t workspace_bytes = ops::cuda::hc_workspace_bytes(tokens, kHc);
+  void* workspace = nullptr;
+  HC_CUDA_OK(cudaMalloc(&workspace, workspace_bytes));
+  const ops::cuda::HyperConnectionParams p{tokens, kHc, kHidden, 20, 1e-6f, 1e-6f};
+  const ops::cuda::CollapseNorm norm{norm_weight, 1e-6f, bf16};
+  if (mix_kernel != nullptr)
+    setenv("DSV4_HC_MIX_KERNEL", mix_kernel, 1);
+  else
+    unsetenv("DSV4_HC_MIX_KERNEL");
+  const double us = time_kernel_us(
+      [&] {
+        HC_CUDA_OK(ops::cuda::hc_pre(p, streams, fn, base, scale, collapsed, post, comb, workspace, workspace_bytes,
+                                     nullptr, &norm));
+      },
+      iterations);
+  unsetenv("DSV4_HC_MIX_KERNEL");
+  CaseResult r;
+  r.name = shape(mix_kernel ? "hc_pre (split-K mixes)" : "hc_pre", tokens);
+  r.microseconds = us;
+  r.flops = 2.0 * tokens * width * (mixes + 1);
+  // The streams twice (the mixes, then the collapse), fn, the collapsed row in fp32 and bf16.
+  r.bytes = 2.0 * tokens * width * 4 + mixes * width * 4.0 + tokens * kHidden * 6.0;
+  r.note = "streams read twice";
+  for (void* ptr : {static_cast<void*>(streams), static_cast<void*>(fn), static_cast<void*>(base),
+                    static_cast<void*>(scale), static_cast<void*>(norm_weight), static_cast<void*>(collapsed),
+                    static_cast<void*>(bf16), static_cast<void*>(post), static_cast<void*>(comb), workspace})
+    cudaFree(ptr);
+  return r;
+}
+
+CaseResult hc_post_case(int64_t tokens, int iterations) {
+  const int64_t width = kHc * kHidden;
+  float* y = random_floats(tokens * kHidden, 11);
+  float* streams = random_floats(tokens * width, 12);
+  float* post = random_floats(tokens * kHc, 13, 2.0, true, 0.0);
+  float* comb = random_floats(tokens * kHc * kHc, 14, 1.0, true, 0.0);
+  float* out = nullptr;
+  HC_CUDA_OK(cudaMalloc(&out, tokens * width * sizeof(float)));
+  const ops::cuda::HyperConnectionParams p{tokens, kHc, kHidden, 20, 1e-6f, 1e-6f};
+  const double us =
+      time_kernel_us([&] { HC_CUDA_OK(ops::cuda::hc_post(p, y, streams, post, comb, out, nullptr)); }, iterations);
+  CaseResult r;
+  r.name = shape("hc_post", tokens);
+  r.microseconds = us;
+  r.bytes = tokens * kHidden * 4.0 + 2.0 * tokens * width * 4;
+  for (void* ptr : {static_cast<void*>(y), static_cast<void*>(streams), static_cast<void*>(post),
+                    static_cast<void*>(comb), static_cast<void*>(out)})
+    cudaFree(ptr);
+  return r;
+}
+
+CaseResult q_norm_rope_case(int64_t tokens, int iterations) {
+  float* q = random_floats(tokens * kHeads * kHeadDim, 21);
+  float* inv_freq = random_floats(kRopeDim / 2, 22, 1.0, true, 0.0);
+  std::vector<int32_t> host_positions(static_cast<size_t>(tokens));
+  for (int64_t t = 0; t < tokens; ++t) host_positions[static_cast<size_t>(t)] = static_cast<int32_t>(t);
+  int32_t* positions = nullptr;
+  uint16_t* bf16 = nullptr;
+  HC_CUDA_OK(cudaMalloc(&positions, tokens * sizeof(int32_t)));
+  HC_CUDA_OK(cudaMemcpy(positions, host_positions.data(), tokens * sizeof(int32_t), cudaMemcpyHostToDevice));
+  HC_CUDA_OK(cudaMalloc(&bf16, tokens * kHeads * kHeadDim * sizeof(uint16_t)));
+  // The tuned attention reads only the bf16 q: no fp32 write-back (the model's call at V4 shapes).
+  const ops::cuda::HeadNormRopeParams p{tokens, kHeads, kHeadDim, kRopeDim, true, 1e-6f, 1.0f, /*keep_fp32=*/false};
+  const double us = time_kernel_us(
+      [&] { HC_CUDA_OK(ops::cuda::head_norm_rope(p, q, nullptr, positions, inv_freq, bf16, nullptr)); }, iterations);
+  CaseResult r;
+  r.name = shape("q norm + rope (64 x 512)", tokens);
+  r.microseconds = us;
+  r.bytes = tokens * kHeads * kHeadDim * 6.0;
+  for (void* ptr : {static_cast<void*>(q), static_cast<void*>(inv_freq), static_cast<void*>(positions),
+                    static_cast<void*>(bf16)})
+    cudaFree(ptr);
+  return r;
+}
+
+std::vector<CaseResult> hc_suite(const Ceilings&, const Options& options) {
+  std::vector<CaseResult> results;
+  if (ops::cuda::list_devices().empty()) return results;
+  const int iterations = options.quick ? 5 : 20;
+  const std::vector<int64_t> token_counts =
+      options.quick ? std::vector<int64_t>{1, 1024} : std::vector<int64_t>{1, 32, 128, 1024, 4096};
+  for (const int64_t tokens : token_counts) {
+    if (options.wants(shape("hc_pre", tokens))) results.push_back(hc_pre_case(tokens, nullptr, iterations));
+    if (tokens >= 512 && options.wants(shape("hc_pre (split-K mixes)", tokens)))
+      results.push_back(hc_pre_case(tokens, "simt", iterations));
+    if (options.wants(shape("hc_post", tokens))) results.push_back(hc_post_case(tokens, iterations));
+    if (options.wants(shape("q norm + rope (64 x 512)", tokens)))
+      results.push_back(q_norm_rope_case(tokens, iterations));
+  }
+  return results;
+}
+
+const bool registered = register_suite("hc", hc_suite);
+
+}  // namespace
+}  // namespace dsv4::kbench
