@@ -1,7 +1,7 @@
-// The CUDA model with expert parallelism (DeepseekV4CudaModel::set_expert_parallel, docs/parallel.md): R ranks on
-// ONE GPU exchanging device memory through the device in-process group (NCCL refuses two ranks on one device),
-// one thread, one model and one cache each, every rank serving its own request (its prompt in two chunks, then
-// greedy decode steps, all ranks stepping together). Each rank's logits must equal one model's without expert
+// The CUDA model with expert parallelism (DeepseekV4CudaModel::set_expert_parallel, docs/parallel.md): 1 to 4
+// ranks on ONE GPU exchanging device memory through the device in-process group (NCCL refuses two ranks on one
+// device), one thread, one model and one cache each, every rank serving its own request (its prompt in two chunks,
+// then greedy decode steps, all ranks stepping together). Each rank's logits must equal one model's without expert
 // parallelism for the same request: fp32 mode, to summation order (the routed sum is taken per rank, then in rank
 // order, the shared expert last), with the same greedy tokens; and rows must really cross ranks. Skipped without
 // a GPU.
@@ -86,7 +86,7 @@ TEST(CudaExpertParallel, RanksOnOneGpuEqualOneModel) {
   config.moe_intermediate_size = 16;             // the CUDA model's grouped GEMMs need multiples of 8
   const ModelWeights weights = random_weights(config, 11);
   const int decode = 5;
-  for (const int R : {1, 2, 3}) {
+  for (const int R : {1, 2, 3, 4}) {
     SCOPED_TRACE(std::to_string(R) + " ranks");
     std::vector<std::vector<int32_t>> prompts;
     for (int r = 0; r < R; ++r)
