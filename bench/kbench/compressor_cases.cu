@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "../../tests/ops/cuda/cuda_ok.h"
 #include "kbench.h"
 #include "ops/cuda/compressor.h"
 #include "ops/cuda/device.h"
@@ -22,15 +23,6 @@ namespace dsv4::kbench {
 namespace {
 
 using ops::cuda::CompressorEntryFormat;
-
-#define COMPRESSOR_CUDA_OK(call)                                                                       \
-  do {                                                                                                 \
-    const cudaError_t status_ = (call);                                                                \
-    if (status_ != cudaSuccess) {                                                                      \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(status_)); \
-      std::abort();                                                                                    \
-    }                                                                                                  \
-  } while (0)
 
 // Uniform floats in [lo, hi) from an integer hash of the index.
 __global__ void fill_uniform(float* out, size_t n, uint32_t seed, float lo, float hi) {
@@ -47,17 +39,17 @@ __global__ void fill_uniform(float* out, size_t n, uint32_t seed, float lo, floa
 
 float* device_uniform(size_t n, uint32_t seed, float lo, float hi) {
   float* p = nullptr;
-  COMPRESSOR_CUDA_OK(cudaMalloc(&p, std::max<size_t>(1, n) * sizeof(float)));
+  DSV4_CUDA_OK(cudaMalloc(&p, std::max<size_t>(1, n) * sizeof(float)));
   fill_uniform<<<256, 256>>>(p, n, seed, lo, hi);
-  COMPRESSOR_CUDA_OK(cudaGetLastError());
+  DSV4_CUDA_OK(cudaGetLastError());
   return p;
 }
 
 template <typename T>
 T* device_copy(const std::vector<T>& host) {
   T* p = nullptr;
-  COMPRESSOR_CUDA_OK(cudaMalloc(&p, std::max<size_t>(1, host.size()) * sizeof(T)));
-  COMPRESSOR_CUDA_OK(cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  DSV4_CUDA_OK(cudaMalloc(&p, std::max<size_t>(1, host.size()) * sizeof(T)));
+  DSV4_CUDA_OK(cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
   return p;
 }
 
@@ -118,8 +110,8 @@ CaseResult run_case(const CompressorCase& c, int iterations) {
   }
   std::byte* history = nullptr;
   const int64_t history_bytes = std::max(1, history_blocks) * region;
-  COMPRESSOR_CUDA_OK(cudaMalloc(&history, history_bytes));
-  COMPRESSOR_CUDA_OK(cudaMemset(history, 0, history_bytes));
+  DSV4_CUDA_OK(cudaMalloc(&history, history_bytes));
+  DSV4_CUDA_OK(cudaMemset(history, 0, history_bytes));
   const int64_t state_entry = 2 * int64_t{slots} * width * 4;
   float* state = device_uniform(static_cast<size_t>(R) * state_entry / 4, 7, -2.0f, 2.0f);
   std::vector<int32_t> state_table(R);
@@ -169,18 +161,18 @@ CaseResult run_case(const CompressorCase& c, int iterations) {
   p.history.block_table = d_history_table;
   p.history.block_table_stride = stride;
 
-  auto launch = [&] { COMPRESSOR_CUDA_OK(ops::cuda::compressor_step(p, nullptr)); };
+  auto launch = [&] { DSV4_CUDA_OK(ops::cuda::compressor_step(p, nullptr)); };
   // Warm the clock up (the host set-up idles the GPU), as the attention suite does.
   cudaEvent_t start, stop;
-  COMPRESSOR_CUDA_OK(cudaEventCreate(&start));
-  COMPRESSOR_CUDA_OK(cudaEventCreate(&stop));
+  DSV4_CUDA_OK(cudaEventCreate(&start));
+  DSV4_CUDA_OK(cudaEventCreate(&stop));
   for (float busy_ms = 0; busy_ms < 50.0f;) {
-    COMPRESSOR_CUDA_OK(cudaEventRecord(start));
+    DSV4_CUDA_OK(cudaEventRecord(start));
     for (int i = 0; i < 50; ++i) launch();
-    COMPRESSOR_CUDA_OK(cudaEventRecord(stop));
-    COMPRESSOR_CUDA_OK(cudaEventSynchronize(stop));
+    DSV4_CUDA_OK(cudaEventRecord(stop));
+    DSV4_CUDA_OK(cudaEventSynchronize(stop));
     float ms = 0;
-    COMPRESSOR_CUDA_OK(cudaEventElapsedTime(&ms, start, stop));
+    DSV4_CUDA_OK(cudaEventElapsedTime(&ms, start, stop));
     busy_ms += ms;
   }
   cudaEventDestroy(start);

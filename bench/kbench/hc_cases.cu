@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "../../tests/ops/cuda/cuda_ok.h"
 #include "kbench.h"
 #include "ops/cuda/device.h"
 #include "ops/cuda/head_norm_rope.h"
@@ -19,28 +20,19 @@
 namespace dsv4::kbench {
 namespace {
 
-#define HC_CUDA_OK(call)                                                                               \
-  do {                                                                                                 \
-    const cudaError_t status_ = (call);                                                                \
-    if (status_ != cudaSuccess) {                                                                      \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(status_)); \
-      std::abort();                                                                                    \
-    }                                                                                                  \
-  } while (0)
-
 constexpr int64_t kHc = 4, kHidden = 4096;         // V4-Flash
 constexpr int64_t kHeads = 64, kHeadDim = 512, kRopeDim = 64;
 
 // A device buffer of `count` floats drawn N(0, scale²) (or uniform in [lo, lo + scale) for `uniform`).
 float* random_floats(int64_t count, uint64_t seed, double scale = 1.0, bool uniform = false, double lo = 0.0) {
   float* p = nullptr;
-  HC_CUDA_OK(cudaMalloc(&p, static_cast<size_t>(std::max<int64_t>(count, 1)) * sizeof(float)));
+  DSV4_CUDA_OK(cudaMalloc(&p, static_cast<size_t>(std::max<int64_t>(count, 1)) * sizeof(float)));
   RandomFill fill;
   fill.kind = uniform ? RandomFill::Kind::kUniform : RandomFill::Kind::kNormal;
   fill.start = seed;
   fill.offset = lo;
   fill.scale = scale;
-  HC_CUDA_OK(ops::cuda::fill_random(fill, p, count, nullptr));
+  DSV4_CUDA_OK(ops::cuda::fill_random(fill, p, count, nullptr));
   return p;
 }
 
@@ -55,13 +47,13 @@ CaseResult hc_pre_case(int64_t tokens, const char* mix_kernel, int iterations) {
   float* norm_weight = random_floats(kHidden, 5, 1.0, true, 0.5);
   float *collapsed = nullptr, *post = nullptr, *comb = nullptr;
   uint16_t* bf16 = nullptr;
-  HC_CUDA_OK(cudaMalloc(&collapsed, tokens * kHidden * sizeof(float)));
-  HC_CUDA_OK(cudaMalloc(&bf16, tokens * kHidden * sizeof(uint16_t)));
-  HC_CUDA_OK(cudaMalloc(&post, tokens * kHc * sizeof(float)));
-  HC_CUDA_OK(cudaMalloc(&comb, tokens * kHc * kHc * sizeof(float)));
+  DSV4_CUDA_OK(cudaMalloc(&collapsed, tokens * kHidden * sizeof(float)));
+  DSV4_CUDA_OK(cudaMalloc(&bf16, tokens * kHidden * sizeof(uint16_t)));
+  DSV4_CUDA_OK(cudaMalloc(&post, tokens * kHc * sizeof(float)));
+  DSV4_CUDA_OK(cudaMalloc(&comb, tokens * kHc * kHc * sizeof(float)));
   const size_t workspace_bytes = ops::cuda::hc_workspace_bytes(tokens, kHc);
   void* workspace = nullptr;
-  HC_CUDA_OK(cudaMalloc(&workspace, workspace_bytes));
+  DSV4_CUDA_OK(cudaMalloc(&workspace, workspace_bytes));
   const ops::cuda::HyperConnectionParams p{tokens, kHc, kHidden, 20, 1e-6f, 1e-6f};
   const ops::cuda::CollapseNorm norm{norm_weight, 1e-6f, bf16};
   if (mix_kernel != nullptr)
@@ -70,7 +62,7 @@ CaseResult hc_pre_case(int64_t tokens, const char* mix_kernel, int iterations) {
     unsetenv("DSV4_HC_MIX_KERNEL");
   const double us = time_kernel_us(
       [&] {
-        HC_CUDA_OK(ops::cuda::hc_pre(p, streams, fn, base, scale, collapsed, post, comb, workspace, workspace_bytes,
+        DSV4_CUDA_OK(ops::cuda::hc_pre(p, streams, fn, base, scale, collapsed, post, comb, workspace, workspace_bytes,
                                      nullptr, &norm));
       },
       iterations);
@@ -96,10 +88,10 @@ CaseResult hc_post_case(int64_t tokens, int iterations) {
   float* post = random_floats(tokens * kHc, 13, 2.0, true, 0.0);
   float* comb = random_floats(tokens * kHc * kHc, 14, 1.0, true, 0.0);
   float* out = nullptr;
-  HC_CUDA_OK(cudaMalloc(&out, tokens * width * sizeof(float)));
+  DSV4_CUDA_OK(cudaMalloc(&out, tokens * width * sizeof(float)));
   const ops::cuda::HyperConnectionParams p{tokens, kHc, kHidden, 20, 1e-6f, 1e-6f};
   const double us =
-      time_kernel_us([&] { HC_CUDA_OK(ops::cuda::hc_post(p, y, streams, post, comb, out, nullptr)); }, iterations);
+      time_kernel_us([&] { DSV4_CUDA_OK(ops::cuda::hc_post(p, y, streams, post, comb, out, nullptr)); }, iterations);
   CaseResult r;
   r.name = shape("hc_post", tokens);
   r.microseconds = us;
@@ -117,13 +109,13 @@ CaseResult q_norm_rope_case(int64_t tokens, int iterations) {
   for (int64_t t = 0; t < tokens; ++t) host_positions[static_cast<size_t>(t)] = static_cast<int32_t>(t);
   int32_t* positions = nullptr;
   uint16_t* bf16 = nullptr;
-  HC_CUDA_OK(cudaMalloc(&positions, tokens * sizeof(int32_t)));
-  HC_CUDA_OK(cudaMemcpy(positions, host_positions.data(), tokens * sizeof(int32_t), cudaMemcpyHostToDevice));
-  HC_CUDA_OK(cudaMalloc(&bf16, tokens * kHeads * kHeadDim * sizeof(uint16_t)));
+  DSV4_CUDA_OK(cudaMalloc(&positions, tokens * sizeof(int32_t)));
+  DSV4_CUDA_OK(cudaMemcpy(positions, host_positions.data(), tokens * sizeof(int32_t), cudaMemcpyHostToDevice));
+  DSV4_CUDA_OK(cudaMalloc(&bf16, tokens * kHeads * kHeadDim * sizeof(uint16_t)));
   // The tuned attention reads only the bf16 q: no fp32 write-back (the model's call at V4 shapes).
   const ops::cuda::HeadNormRopeParams p{tokens, kHeads, kHeadDim, kRopeDim, true, 1e-6f, 1.0f, /*keep_fp32=*/false};
   const double us = time_kernel_us(
-      [&] { HC_CUDA_OK(ops::cuda::head_norm_rope(p, q, nullptr, positions, inv_freq, bf16, nullptr)); }, iterations);
+      [&] { DSV4_CUDA_OK(ops::cuda::head_norm_rope(p, q, nullptr, positions, inv_freq, bf16, nullptr)); }, iterations);
   CaseResult r;
   r.name = shape("q norm + rope (64 x 512)", tokens);
   r.microseconds = us;

@@ -72,6 +72,25 @@ bool parse_fp8_kv_cache(const std::string& kv_cache_dtype) {
   return d == "fp8" || d == "fp8_e4m3";
 }
 
+namespace {
+
+// What --data-parallel-size N --enable-expert-parallel needs on either backend, refused with the flags' names.
+void check_expert_parallel_ranks(int ranks, int64_t routed_experts, double dist_timeout_seconds) {
+  DSV4_CHECK(ranks <= routed_experts, "--data-parallel-size " + std::to_string(ranks) +
+                                          " with --enable-expert-parallel: more ranks than the " +
+                                          std::to_string(routed_experts) + " routed experts");
+  DSV4_CHECK(dist_timeout_seconds > 0, "--dist-timeout must be positive");
+}
+
+// A rank's transport under the --dist-timeout deadline (parallel/deadline_communicator.h).
+std::unique_ptr<parallel::Communicator> under_deadline(std::unique_ptr<parallel::Communicator> transport,
+                                                       double dist_timeout_seconds) {
+  return std::make_unique<parallel::DeadlineCommunicator>(
+      std::move(transport), std::chrono::milliseconds(static_cast<int64_t>(dist_timeout_seconds * 1000)));
+}
+
+}  // namespace
+
 #ifdef DSV4_HAVE_CUDA
 namespace {
 
@@ -82,29 +101,22 @@ template <typename MakeSource>
 void load_expert_parallel_ranks(LoadedBackend& loaded, const ModelConfig& config, CudaModelOptions cuda_options,
                                 const BackendOptions& options, const MakeSource& make_source) {
   const int ranks = options.expert_parallel_ranks;
-  DSV4_CHECK(ranks <= config.n_routed_experts, "--data-parallel-size " + std::to_string(ranks) +
-                                                   " with --enable-expert-parallel: more ranks than the " +
-                                                   std::to_string(config.n_routed_experts) + " routed experts");
-  DSV4_CHECK(options.dist_timeout_seconds > 0, "--dist-timeout must be positive");
+  check_expert_parallel_ranks(ranks, config.n_routed_experts, options.dist_timeout_seconds);
   int visible = 0;
   DSV4_CHECK(cudaGetDeviceCount(&visible) == cudaSuccess, "cannot count the CUDA devices");
   const int base = cuda_options.device;
 #ifdef DSV4_HAVE_NCCL
   const bool gpu_per_rank = visible - base >= ranks;
+  const char* why_shared = "";
 #else
   const bool gpu_per_rank = false;  // this build has no NCCL: the ranks share one GPU
+  const char* why_shared = ", no NCCL in this build";
 #endif
   if (!gpu_per_rank)
     std::fprintf(stderr,
                  "dsv4: %d expert-parallel ranks share cuda:%d (%d device(s) visible from it%s): a test setup, "
                  "each rank with 1/%d of the KV cache\n",
-                 ranks, base, visible - base,
-#ifdef DSV4_HAVE_NCCL
-                 "",
-#else
-                 ", no NCCL in this build",
-#endif
-                 ranks);
+                 ranks, base, visible - base, why_shared, ranks);
   // The expert-parallel sublayer reads bf16 / fp32 experts (DeepseekV4CudaModel::set_expert_parallel).
   cuda_options.low_bit_experts = false;
   std::vector<int> devices;
@@ -138,11 +150,10 @@ void load_expert_parallel_ranks(LoadedBackend& loaded, const ModelConfig& config
     loaded.transport_resources = streams;
     for (int r = 0; r < ranks; ++r) transports.push_back(loaded.expert_group->communicator(r));
   }
-  const auto deadline = std::chrono::milliseconds(static_cast<int64_t>(options.dist_timeout_seconds * 1000));
   loaded.expert_communicators.clear();
   for (int r = 0; r < ranks; ++r) {
     loaded.expert_communicators.push_back(
-        std::make_unique<parallel::DeadlineCommunicator>(std::move(transports[static_cast<size_t>(r)]), deadline));
+        under_deadline(std::move(transports[static_cast<size_t>(r)]), options.dist_timeout_seconds));
     models[static_cast<size_t>(r)]->set_expert_parallel(loaded.expert_communicators.back().get());
   }
   loaded.ranks_per_device = gpu_per_rank ? 1 : ranks;
@@ -262,44 +273,37 @@ int64_t LoadedBackend::cache_bytes(int64_t requested_bytes, bool explicitly_requ
 
 namespace {
 
-// N lockstep ranks whose models split the routed experts over one in-process group (docs/parallel.md). Each rank
-// model is a copy of the loaded one that keeps only its own experts (copied and trimmed one at a time, so the
-// peak is the loaded model plus one copy); rank 0 runs the loaded model itself, trimmed last.
+// N lockstep ranks whose models split the routed experts (docs/parallel.md). On CUDA load_backend made and connected
+// them. On the CPU they share one in-process group here: each rank model is a copy of the loaded one that keeps
+// only its own experts (copied and trimmed one at a time, so the peak is the loaded model plus one copy); rank 0
+// runs the loaded model itself, trimmed last.
 std::unique_ptr<ServingEngine> make_expert_parallel_engine(LoadedBackend& loaded, const EngineConfig& config,
                                                            int ranks, double dist_timeout_seconds) {
   if (loaded.on_cuda) {  // the ranks were loaded and connected by load_backend (expert_parallel_ranks)
     DSV4_CHECK(static_cast<int>(loaded.extra_rank_backends.size()) + 1 == ranks,
                "--enable-expert-parallel on CUDA: the backend was loaded for " +
                    std::to_string(loaded.extra_rank_backends.size() + 1) + " ranks, not " + std::to_string(ranks));
-    std::vector<ModelBackend*> backends{loaded.backend.get()};
-    for (auto& backend : loaded.extra_rank_backends) backends.push_back(backend.get());
-    return std::make_unique<DataParallelEngine>(std::move(backends), config, DataParallelRouterConfig{},
-                                                /*lockstep=*/true);
+  } else {
+    DSV4_CHECK(loaded.cpu_model != nullptr, "--enable-expert-parallel: no CPU model loaded");
+    check_expert_parallel_ranks(ranks, loaded.cpu_model->config().n_routed_experts, dist_timeout_seconds);
+    loaded.expert_group = std::make_unique<parallel::InProcessGroup>(ranks);
+    loaded.expert_communicators.clear();
+    loaded.extra_rank_models.clear();
+    loaded.extra_rank_backends.clear();
+    for (int r = 0; r < ranks; ++r)
+      loaded.expert_communicators.push_back(under_deadline(loaded.expert_group->communicator(r), dist_timeout_seconds));
+    for (int r = 1; r < ranks; ++r) {
+      auto model = std::make_unique<DeepseekV4Model>(*loaded.cpu_model);
+      model->set_expert_parallel(loaded.expert_communicators[static_cast<size_t>(r)].get());
+      model->drop_remote_experts();
+      loaded.extra_rank_backends.push_back(std::make_unique<CpuModelBackend>(*model));
+      loaded.extra_rank_models.push_back(std::move(model));
+    }
+    loaded.cpu_model->set_expert_parallel(loaded.expert_communicators[0].get());
+    loaded.cpu_model->drop_remote_experts();
   }
-  DSV4_CHECK(loaded.cpu_model != nullptr, "--enable-expert-parallel: no CPU model loaded");
-  DSV4_CHECK(dist_timeout_seconds > 0, "--dist-timeout must be positive");
-  DSV4_CHECK(ranks <= loaded.cpu_model->config().n_routed_experts,
-             "--data-parallel-size " + std::to_string(ranks) + " with --enable-expert-parallel: more ranks than the " +
-                 std::to_string(loaded.cpu_model->config().n_routed_experts) + " routed experts");
-  loaded.expert_group = std::make_unique<parallel::InProcessGroup>(ranks);
-  loaded.expert_communicators.clear();
-  loaded.extra_rank_models.clear();
-  loaded.extra_rank_backends.clear();
-  const auto deadline = std::chrono::milliseconds(static_cast<int64_t>(dist_timeout_seconds * 1000));
-  for (int r = 0; r < ranks; ++r)
-    loaded.expert_communicators.push_back(
-        std::make_unique<parallel::DeadlineCommunicator>(loaded.expert_group->communicator(r), deadline));
   std::vector<ModelBackend*> backends{loaded.backend.get()};
-  for (int r = 1; r < ranks; ++r) {
-    auto model = std::make_unique<DeepseekV4Model>(*loaded.cpu_model);
-    model->set_expert_parallel(loaded.expert_communicators[static_cast<size_t>(r)].get());
-    model->drop_remote_experts();
-    loaded.extra_rank_backends.push_back(std::make_unique<CpuModelBackend>(*model));
-    loaded.extra_rank_models.push_back(std::move(model));
-    backends.push_back(loaded.extra_rank_backends.back().get());
-  }
-  loaded.cpu_model->set_expert_parallel(loaded.expert_communicators[0].get());
-  loaded.cpu_model->drop_remote_experts();
+  for (auto& backend : loaded.extra_rank_backends) backends.push_back(backend.get());
   return std::make_unique<DataParallelEngine>(std::move(backends), config, DataParallelRouterConfig{},
                                               /*lockstep=*/true);
 }

@@ -12,6 +12,7 @@
 #include <limits>
 #include <map>
 #include <optional>
+#include <span>
 
 #include "core/dtype.h"
 #include "core/error.h"
@@ -338,7 +339,7 @@ struct DeepseekV4CudaModel::Impl {
       upload_as_weight(tensors[i].ptr(), each, base + i * each * weight_element_bytes());
     return base;
   }
-  void* upload_stacked(const std::vector<LinearWeight>& weights) {
+  void* upload_stacked(std::span<const LinearWeight> weights) {
     if (weights.empty()) return nullptr;
     const auto each = static_cast<size_t>(weights[0].rows() * weights[0].cols());
     auto* base =
@@ -406,7 +407,6 @@ struct DeepseekV4CudaModel::Impl {
   // through `expert_parallel`'s all-to-alls. Host plans (parallel/expert_dispatch.h), device rows.
   parallel::Communicator* expert_parallel = nullptr;
   std::optional<parallel::ExpertPartition> expert_partition;
-  int64_t uploaded_first_expert = 0;  // global id of the first routed expert on the device (a partition's first)
   void moe_expert_parallel(int64_t layer, const Step& step, const void* x_operand, const int32_t* chosen,
                            const float* weights, float* out);
   std::vector<float> host_router_weights;
@@ -602,26 +602,22 @@ void DeepseekV4CudaModel::upload_layer(const LayerWeights& l) {
     return device;
   };
   // Expert parallelism with a partition: only this rank's block of routed experts comes to the device.
-  std::vector<LinearWeight> local_w13, local_w2;
+  std::span<const LinearWeight> experts_w13 = l.experts_w13, experts_w2 = l.experts_w2;
   if (m.options.expert_parallel_size > 1 && !l.experts_w13.empty()) {
     const parallel::ExpertPartition partition(static_cast<int64_t>(l.experts_w13.size()),
                                               m.options.expert_parallel_size);
-    const int64_t first = partition.first_expert(m.options.expert_parallel_rank);
-    const int64_t count = partition.num_local(m.options.expert_parallel_rank);
-    local_w13.assign(l.experts_w13.begin() + first, l.experts_w13.begin() + first + count);
-    local_w2.assign(l.experts_w2.begin() + first, l.experts_w2.begin() + first + count);
-    m.uploaded_first_expert = first;
+    const auto first = static_cast<size_t>(partition.first_expert(m.options.expert_parallel_rank));
+    const auto count = static_cast<size_t>(partition.num_local(m.options.expert_parallel_rank));
+    experts_w13 = experts_w13.subspan(first, count);
+    experts_w2 = experts_w2.subspan(first, count);
   }
-  const bool partitioned = m.options.expert_parallel_size > 1;
-  const std::vector<LinearWeight>& experts_w13 = partitioned ? local_w13 : l.experts_w13;
-  const std::vector<LinearWeight>& experts_w2 = partitioned ? local_w2 : l.experts_w2;
   const size_t experts = experts_w13.size();
   // Routed experts in a grouped low-bit encoding (the release's MXFP4, or --expert-bits' Q3 / Q2) stay so and
   // are decoded inside the expert GEMM (CudaModelOptions::low_bit_experts, bf16 mode).
   const WeightEncoding encoding = experts ? experts_w13[0].encoding() : WeightEncoding::kF32;
   const bool grouped_encoding = encoding == WeightEncoding::kFp4E2M1 || encoding == WeightEncoding::kQ3G32 ||
                                 encoding == WeightEncoding::kQ2G32;
-  const auto kernel_can_read = [&](const std::vector<LinearWeight>& weights) {
+  const auto kernel_can_read = [&](std::span<const LinearWeight> weights) {
     return std::all_of(weights.begin(), weights.end(), [&](const LinearWeight& w) {
       if (w.encoding() != encoding) return false;
       return encoding == WeightEncoding::kFp4E2M1
@@ -639,7 +635,7 @@ void DeepseekV4CudaModel::upload_layer(const LayerWeights& l) {
   if (d.low_bit_experts()) {
     // Codes and scales rearranged for the kernel (ops/cuda/moe_experts.h moe_kernel_codes, *_tile_scales).
     const int bits = encoding == WeightEncoding::kFp4E2M1 ? 4 : encoding == WeightEncoding::kQ3G32 ? 3 : 2;
-    auto upload_grouped = [&](const std::vector<LinearWeight>& weights, void*& codes,
+    auto upload_grouped = [&](std::span<const LinearWeight> weights, void*& codes,
                               const void* const*& code_table, const void* const*& scale_table) {
       const int64_t rows = weights[0].rows(), cols = weights[0].cols();
       const size_t code_bytes = cu::moe_kernel_code_bytes(bits, rows, cols);
@@ -678,7 +674,7 @@ void DeepseekV4CudaModel::upload_layer(const LayerWeights& l) {
   } else {
     d.experts_w13 = m.upload_stacked(experts_w13);
     d.experts_w2 = m.upload_stacked(experts_w2);
-    const auto each = [&](const std::vector<LinearWeight>& weights) {
+    const auto each = [&](std::span<const LinearWeight> weights) {
       return weights.empty()
                  ? size_t{0}
                  : static_cast<size_t>(weights[0].rows() * weights[0].cols()) * m.weight_element_bytes();
@@ -1535,18 +1531,15 @@ void DeepseekV4CudaModel::Impl::moe_host_grouped(int64_t layer, const Step& step
   float* expert_rows = buffer<float>("moe_expert_rows", rows * D);
   float* shared_rows = buffer<float>("moe_shared_rows", N * D);
   reserve_expert_scratch(std::max(rows, N));
-  const auto expert = [this](const void* w13, const void* w2, const void* input, int64_t n, float* output) {
-    run_expert(w13, w2, input, n, output);
-  };
   const size_t w13_bytes = static_cast<size_t>(2 * I * D) * element, w2_bytes = static_cast<size_t>(D * I) * element;
   for (int64_t e = 0; e < E; ++e) {
     const int64_t n = offset[e + 1] - offset[e];
     if (n == 0) continue;
-    expert(static_cast<const std::byte*>(l.experts_w13) + e * w13_bytes,
-           static_cast<const std::byte*>(l.experts_w2) + e * w2_bytes,
-           reinterpret_cast<const std::byte*>(gathered) + offset[e] * words * 4, n, expert_rows + offset[e] * D);
+    run_expert(static_cast<const std::byte*>(l.experts_w13) + e * w13_bytes,
+               static_cast<const std::byte*>(l.experts_w2) + e * w2_bytes,
+               reinterpret_cast<const std::byte*>(gathered) + offset[e] * words * 4, n, expert_rows + offset[e] * D);
   }
-  expert(l.shared_w13, l.shared_w2, x_operand, N, shared_rows);
+  run_expert(l.shared_w13, l.shared_w2, x_operand, N, shared_rows);
   DSV4_CU(cu::combine_expert_rows({N, K, D}, index + rows, weights, expert_rows, shared_rows, out, stream));
 }
 
@@ -1661,7 +1654,8 @@ void DeepseekV4CudaModel::Impl::moe_expert_parallel(int64_t layer, const Step& s
       const int64_t begin = work.expert_offsets[static_cast<size_t>(e)];
       const int64_t n = work.expert_offsets[static_cast<size_t>(e) + 1] - begin;
       if (n == 0) continue;
-      const int64_t stacked = first + e - uploaded_first_expert;  // position in the uploaded stack
+      // Position in the uploaded stack: a partitioned model holds only its own experts (upload_layer).
+      const int64_t stacked = options.expert_parallel_size > 1 ? e : first + e;
       run_expert(static_cast<const std::byte*>(l.experts_w13) + stacked * w13_bytes,
                  static_cast<const std::byte*>(l.experts_w2) + stacked * w2_bytes,
                  reinterpret_cast<const std::byte*>(work_inputs) + begin * row_bytes, n, expert_rows + begin * D);

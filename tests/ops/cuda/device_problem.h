@@ -7,17 +7,9 @@
 #include <cuda_runtime.h>
 
 #include "../sparse_attention_problem.h"
+#include "cuda_ok.h"
 
 namespace dsv4::testing {
-
-#define DSV4_CUDA_OK(call)                                                                       \
-  do {                                                                                           \
-    const cudaError_t status_ = (call);                                                          \
-    if (status_ != cudaSuccess) {                                                                \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(status_)); \
-      std::abort();                                                                              \
-    }                                                                                            \
-  } while (0)
 
 template <typename T>
 T* to_device(const std::vector<T>& host) {
