@@ -1,7 +1,7 @@
 // kbench suite "hc": the small per-layer ops of a V4-Flash layer that a prefill pays in bandwidth (docs/PERF.md
 // "HF on the same H100, and the prefill's small ops"): mHC hc_pre (the mixes and the collapse with the sublayer's
 // RMSNorm fused; from 512 tokens the tensor-core mixes, and the split-K kernel beside them via DSV4_HC_MIX_KERNEL),
-// hc_post, and the per-head norm + RoPE of q (ops/cuda/head_norm_rope). Random N(0, 1) inputs (fn scaled as the
+// hc_post, hc_post fused with the next hc_pre (from 512 tokens, beside the two calls), and the per-head norm + RoPE of q (ops/cuda/head_norm_rope). Random N(0, 1) inputs (fn scaled as the
 // tests draw it), L2 flushed; bytes are the unique bytes read and written.
 #include <cuda_runtime.h>
 
@@ -102,6 +102,55 @@ CaseResult hc_post_case(int64_t tokens, int iterations) {
   return r;
 }
 
+// hc_post then the next hc_pre (norm fused), as the model calls them between sublayers: one kernel for the new
+// streams and their mixes from 512 tokens, or the two calls (`fused` false: DSV4_HC_POST_MIX=0).
+CaseResult hc_post_pre_case(int64_t tokens, bool fused, int iterations) {
+  const int64_t width = kHc * kHidden, mixes = (2 + kHc) * kHc;
+  float* y = random_floats(tokens * kHidden, 31);
+  float* streams = random_floats(tokens * width, 32);
+  float* post = random_floats(tokens * kHc, 33, 2.0, true, 0.0);
+  float* comb = random_floats(tokens * kHc * kHc, 34, 1.0, true, 0.0);
+  float* fn = random_floats(mixes * width, 35, 0.02);
+  float* base = random_floats(mixes, 36, 0.5);
+  float* scale = random_floats(3, 37, 1.5, /*uniform=*/true, 0.5);
+  float* norm_weight = random_floats(kHidden, 38, 1.0, true, 0.5);
+  float *out = nullptr, *collapsed = nullptr, *next_post = nullptr, *next_comb = nullptr;
+  uint16_t* bf16 = nullptr;
+  DSV4_CUDA_OK(cudaMalloc(&out, tokens * width * sizeof(float)));
+  DSV4_CUDA_OK(cudaMalloc(&collapsed, tokens * kHidden * sizeof(float)));
+  DSV4_CUDA_OK(cudaMalloc(&bf16, tokens * kHidden * sizeof(uint16_t)));
+  DSV4_CUDA_OK(cudaMalloc(&next_post, tokens * kHc * sizeof(float)));
+  DSV4_CUDA_OK(cudaMalloc(&next_comb, tokens * kHc * kHc * sizeof(float)));
+  const size_t workspace_bytes = ops::cuda::hc_workspace_bytes(tokens, kHc);
+  void* workspace = nullptr;
+  DSV4_CUDA_OK(cudaMalloc(&workspace, workspace_bytes));
+  const ops::cuda::HyperConnectionParams p{tokens, kHc, kHidden, 20, 1e-6f, 1e-6f};
+  const ops::cuda::CollapseNorm norm{norm_weight, 1e-6f, bf16};
+  if (!fused) setenv("DSV4_HC_POST_MIX", "0", 1);
+  const double us = time_kernel_us(
+      [&] {
+        DSV4_CUDA_OK(ops::cuda::hc_post_pre(p, y, streams, post, comb, out, fn, base, scale, collapsed, next_post,
+                                          next_comb, workspace, workspace_bytes, nullptr, &norm));
+      },
+      iterations);
+  unsetenv("DSV4_HC_POST_MIX");
+  CaseResult r;
+  r.name = shape(fused ? "hc_post + hc_pre" : "hc_post + hc_pre (two calls)", tokens);
+  r.microseconds = us;
+  r.flops = 2.0 * tokens * width * (mixes + 1);
+  // What one kernel must move: y and the old streams read, the new streams written and read back by the
+  // collapse, fn, the collapsed row in fp32 and bf16.
+  r.bytes = tokens * kHidden * 4.0 + 3.0 * tokens * width * 4 + mixes * width * 4.0 + tokens * kHidden * 6.0;
+  r.note = fused ? "" : "the new streams read twice";
+  for (void* ptr : {static_cast<void*>(y), static_cast<void*>(streams), static_cast<void*>(post),
+                    static_cast<void*>(comb), static_cast<void*>(fn), static_cast<void*>(base),
+                    static_cast<void*>(scale), static_cast<void*>(norm_weight), static_cast<void*>(out),
+                    static_cast<void*>(collapsed), static_cast<void*>(bf16), static_cast<void*>(next_post),
+                    static_cast<void*>(next_comb), workspace})
+    cudaFree(ptr);
+  return r;
+}
+
 CaseResult q_norm_rope_case(int64_t tokens, int iterations) {
   float* q = random_floats(tokens * kHeads * kHeadDim, 21);
   float* inv_freq = random_floats(kRopeDim / 2, 22, 1.0, true, 0.0);
@@ -137,6 +186,10 @@ std::vector<CaseResult> hc_suite(const Ceilings&, const Options& options) {
     if (tokens >= 512 && options.wants(shape("hc_pre (split-K mixes)", tokens)))
       results.push_back(hc_pre_case(tokens, "simt", iterations));
     if (options.wants(shape("hc_post", tokens))) results.push_back(hc_post_case(tokens, iterations));
+    if (tokens >= 512 && options.wants(shape("hc_post + hc_pre", tokens)))
+      results.push_back(hc_post_pre_case(tokens, true, iterations));
+    if (tokens >= 512 && options.wants(shape("hc_post + hc_pre (two calls)", tokens)))
+      results.push_back(hc_post_pre_case(tokens, false, iterations));
     if (options.wants(shape("q norm + rope (64 x 512)", tokens)))
       results.push_back(q_norm_rope_case(tokens, iterations));
   }

@@ -251,6 +251,130 @@ __global__ void __launch_bounds__(32 * kTcWarps) mix_partial_tf32_kernel(const f
   if (t == 0 && valid_hi) partial[(row_hi * splits + split) * NV + NOUT] = squares_hi;
 }
 
+// hc_post fused with the next sublayer's tensor-core mixes (prefill): the streams hc_post writes are the A operand
+// of mix_partial_tf32_kernel as they are made, so the next hc_pre reads them once (its collapse) instead of twice.
+// At 4K tokens and V4-Flash widths the streams are 268 MB, one pass ≈ 90 µs on an H100, 7 boundaries a 4-layer
+// prefill. grid (ceil(tokens / kTcTokens), splits over the hidden columns), kTcWarps warps; a warp's 16 tokens and
+// a lane's 4 columns as in mix_partial_tf32_kernel. Split `split` sums the flattened columns {k·D + d : d in its
+// `chunk` hidden columns, every stream k}; partial has mix_partial_kernel's layout, so finish_kernel reads it
+// unchanged. The new streams are hc_post_kernel's bit for bit (the same operations in the same order).
+// D and chunk multiples of 16; y, streams, out and fn 16-byte aligned.
+template <int HC>
+__global__ void __launch_bounds__(32 * kTcWarps) post_mix_tf32_kernel(
+    const float* __restrict__ y, const float* __restrict__ streams, const float* __restrict__ post,
+    const float* __restrict__ comb, float* __restrict__ out, const float* __restrict__ fn, int64_t tokens, int64_t D,
+    int64_t chunk, int splits, float* __restrict__ partial) {
+  wait_for_prior_grid();
+  allow_dependents();
+  constexpr int NOUT = (2 + HC) * HC, NT = (NOUT + 7) / 8, NV = NOUT + 1;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+  const int split = static_cast<int>(blockIdx.y);
+  const int64_t width = HC * D;
+  const int64_t row_lo = static_cast<int64_t>(blockIdx.x) * kTcTokens + warp * 16 + g, row_hi = row_lo + 8;
+  const bool valid_lo = row_lo < tokens, valid_hi = row_hi < tokens;
+  const int64_t safe_lo = valid_lo ? row_lo : 0, safe_hi = valid_hi ? row_hi : 0;
+  // hc_post's weights of the two rows (zero for a row past the batch: its new streams are zero, never stored).
+  float w_lo[HC], w_hi[HC], c_lo[HC][HC], c_hi[HC][HC];
+#pragma unroll
+  for (int k = 0; k < HC; ++k) {
+    w_lo[k] = valid_lo ? post[safe_lo * HC + k] : 0.0f;
+    w_hi[k] = valid_hi ? post[safe_hi * HC + k] : 0.0f;
+  }
+#pragma unroll
+  for (int j = 0; j < HC; ++j)
+#pragma unroll
+    for (int k = 0; k < HC; ++k) {
+      c_lo[j][k] = valid_lo ? comb[(safe_lo * HC + j) * HC + k] : 0.0f;
+      c_hi[j][k] = valid_hi ? comb[(safe_hi * HC + j) * HC + k] : 0.0f;
+    }
+  const float* f[NT];
+  bool valid_f[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    valid_f[nt] = 8 * nt + g < NOUT;
+    f[nt] = fn + (valid_f[nt] ? 8 * nt + g : 0) * width;
+  }
+  // The accumulator restarted every 64 flattened columns, as in mix_partial_tf32_kernel (truncating sums).
+  constexpr int kChainBlocks = 4;
+  float acc[NT][4], total[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[nt][i] = total[nt][i] = 0.0f;
+  float squares_lo = 0.0f, squares_hi = 0.0f;
+  const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  const float* y_lo = y + safe_lo * D;
+  const float* y_hi = y + safe_hi * D;
+  const float* h_lo = streams + safe_lo * width;
+  const float* h_hi = streams + safe_hi * width;
+  float* out_lo = out + safe_lo * width;
+  float* out_hi = out + safe_hi * width;
+  const int64_t begin = split * chunk, end = min(D, begin + chunk);
+  int blocks = 0;
+  for (int64_t d = begin + 4 * t; d < end; d += 16) {
+    const int64_t v = d / 4;
+    const float4 ylo = valid_lo ? load<4>(y_lo, v) : zero, yhi = valid_hi ? load<4>(y_hi, v) : zero;
+    float4 hlo[HC], hhi[HC];
+#pragma unroll
+    for (int j = 0; j < HC; ++j) {
+      hlo[j] = valid_lo ? load<4>(h_lo + j * D, v) : zero;
+      hhi[j] = valid_hi ? load<4>(h_hi + j * D, v) : zero;
+    }
+#pragma unroll
+    for (int k = 0; k < HC; ++k) {
+      float4 lo = scale_rn(w_lo[k], ylo), hi = scale_rn(w_hi[k], yhi);
+#pragma unroll
+      for (int j = 0; j < HC; ++j) {
+        lo = axpy_rn(lo, c_lo[j][k], hlo[j]);
+        hi = axpy_rn(hi, c_hi[j][k], hhi[j]);
+      }
+      if (valid_lo) store<4>(out_lo + k * D, v, lo);
+      if (valid_hi) store<4>(out_hi + k * D, v, hi);
+      float b[4][NT];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const float4 fv = valid_f[nt] ? load<4>(f[nt] + k * D, v) : zero;
+        b[0][nt] = fv.x;
+        b[1][nt] = fv.y;
+        b[2][nt] = fv.z;
+        b[3][nt] = fv.w;
+      }
+      squares_lo = fma_dot(lo, lo, squares_lo);
+      squares_hi = fma_dot(hi, hi, squares_hi);
+      mma_3xtf32_step<NT>(acc, lo.x, hi.x, lo.y, hi.y, b[0], b[1]);
+      mma_3xtf32_step<NT>(acc, lo.z, hi.z, lo.w, hi.w, b[2], b[3]);
+      if (++blocks == kChainBlocks) {  // warp-uniform
+        blocks = 0;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            total[nt][i] += acc[nt][i];
+            acc[nt][i] = 0.0f;
+          }
+      }
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[nt][i] += total[nt][i];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int o = 8 * nt + 2 * t + (e & 1);
+      const int64_t row = e < 2 ? row_lo : row_hi;
+      if (o < NOUT && row < tokens) partial[(row * splits + split) * NV + o] = acc[nt][e];
+    }
+  squares_lo += __shfl_xor_sync(kFull, squares_lo, 1);
+  squares_lo += __shfl_xor_sync(kFull, squares_lo, 2);
+  squares_hi += __shfl_xor_sync(kFull, squares_hi, 1);
+  squares_hi += __shfl_xor_sync(kFull, squares_hi, 2);
+  if (t == 0 && valid_lo) partial[(row_lo * splits + split) * NV + NOUT] = squares_lo;
+  if (t == 0 && valid_hi) partial[(row_hi * splits + split) * NV + NOUT] = squares_hi;
+}
+
 // One CTA per token: the mixes from the splits, pre (and for hc_pre post and the Sinkhorn comb), the collapse,
 // and, when `norm_weight_or_flag` is set (kNorm), the sublayer's RMSNorm of the collapsed row with its bf16 copy.
 template <int HC, bool kHead, int VEC, bool kNorm>
@@ -439,6 +563,17 @@ bool valid_params(const HyperConnectionParams& p) {
          p.sinkhorn_iters >= 1 && p.sinkhorn_iters <= 0x7fffffff;
 }
 
+// finish_kernel over the partial sums of `splits` splits: one CTA a token.
+template <int HC, bool kHead, int VEC>
+void launch_finish(const HyperConnectionParams& p, const float* partial, int splits, const float* streams,
+                   const float* base, const float* scale, float* collapsed, float* post, float* comb,
+                   const CollapseNorm* norm, cudaStream_t stream) {
+  const CollapseNorm fused = norm ? *norm : CollapseNorm{};
+  const auto kernel = norm ? finish_kernel<HC, kHead, VEC, true> : finish_kernel<HC, kHead, VEC, false>;
+  launch_dependent(kernel, static_cast<unsigned>(p.tokens), kThreads, 0, stream, partial, splits, streams, base, scale,
+                   p.hidden, p.hc_eps, p.norm_eps, static_cast<int>(p.sinkhorn_iters), collapsed, post, comb, fused);
+}
+
 // The mix kernel then the finish kernel, for hc_pre (kHead false) and hc_head.
 template <int HC, bool kHead>
 cudaError_t launch_mix(const HyperConnectionParams& p, const float* streams, const float* fn, const float* base,
@@ -457,26 +592,19 @@ cudaError_t launch_mix(const HyperConnectionParams& p, const float* streams, con
   const dim3 mix_grid(static_cast<unsigned>((p.tokens + kTokensPerCta - 1) / kTokensPerCta),
                       static_cast<unsigned>(splits));
   const auto mix_threads = static_cast<unsigned>(std::min<int64_t>(kThreads, (chunk + 31) / 32 * 32));
-  const auto tokens = static_cast<unsigned>(p.tokens);
-  const auto iters = static_cast<int>(p.sinkhorn_iters);
-  const CollapseNorm fused = norm ? *norm : CollapseNorm{};
-  auto finish = [&](auto kernel) {
-    launch_dependent(kernel, tokens, kThreads, 0, stream, partial, splits, streams, base, scale, p.hidden,
-                     p.hc_eps, p.norm_eps, iters, collapsed, post, comb, fused);
-  };
   if (tc_splits > 0) {
     const dim3 grid(static_cast<unsigned>((p.tokens + kTcTokens - 1) / kTcTokens), static_cast<unsigned>(splits));
     launch_dependent(mix_partial_tf32_kernel<NOUT>, grid, 32 * kTcWarps, 0, stream, streams, fn, p.tokens, width,
                      width / splits, splits, partial);
-    norm ? finish(finish_kernel<HC, kHead, 4, true>) : finish(finish_kernel<HC, kHead, 4, false>);
+    launch_finish<HC, kHead, 4>(p, partial, splits, streams, base, scale, collapsed, post, comb, norm, stream);
   } else if (vec4) {
     launch_dependent(mix_partial_kernel<NOUT, 4>, mix_grid, mix_threads, 0, stream, streams, fn, p.tokens,
                      width, chunk, splits, partial);
-    norm ? finish(finish_kernel<HC, kHead, 4, true>) : finish(finish_kernel<HC, kHead, 4, false>);
+    launch_finish<HC, kHead, 4>(p, partial, splits, streams, base, scale, collapsed, post, comb, norm, stream);
   } else {
     launch_dependent(mix_partial_kernel<NOUT, 1>, mix_grid, mix_threads, 0, stream, streams, fn, p.tokens,
                      width, chunk, splits, partial);
-    norm ? finish(finish_kernel<HC, kHead, 1, true>) : finish(finish_kernel<HC, kHead, 1, false>);
+    launch_finish<HC, kHead, 1>(p, partial, splits, streams, base, scale, collapsed, post, comb, norm, stream);
   }
   return cudaGetLastError();
 }
@@ -510,6 +638,43 @@ cudaError_t launch_post(const HyperConnectionParams& p, const float* y, const fl
   return cudaGetLastError();
 }
 
+// Splits over the hidden columns of post_mix_tf32_kernel, or 0 where it does not apply (the conditions of the
+// tensor-core mix, rows and fn 16-byte aligned, or DSV4_HC_POST_MIX=0, read per call, to measure the two). Up to
+// about 512 CTAs, as tensor_core_splits, each split a multiple of 16 hidden columns.
+int post_mix_splits(const HyperConnectionParams& p, const float* y, const float* streams, const float* out,
+                    const float* fn) {
+  const bool vec4 = p.hidden % 16 == 0 && aligned16(y) && aligned16(streams) && aligned16(out) && aligned16(fn);
+  if (tensor_core_splits(p.tokens, p.hc * p.hidden, vec4) == 0) return 0;
+  const char* choice = std::getenv("DSV4_HC_POST_MIX");
+  if (choice != nullptr && std::strcmp(choice, "0") == 0) return 0;
+  const int64_t blocks = (p.tokens + kTcTokens - 1) / kTcTokens;
+  int splits = 1;
+  while (splits < kTensorCoreMaxSplits && blocks * splits < 512 && p.hidden % (32 * splits) == 0) splits *= 2;
+  return splits;
+}
+
+template <int HC>
+cudaError_t launch_post_pre(const HyperConnectionParams& p, const float* y, const float* streams, const float* post,
+                            const float* comb, float* out, const float* fn, const float* base, const float* scale,
+                            float* collapsed, float* next_post, float* next_comb, void* workspace,
+                            size_t workspace_bytes, const CollapseNorm* norm, cudaStream_t stream) {
+  const int splits = post_mix_splits(p, y, streams, out, fn);
+  constexpr int NOUT = (2 + HC) * HC;
+  const size_t need = static_cast<size_t>(p.tokens) * splits * (NOUT + 1) * sizeof(float);
+  if (splits == 0 || workspace == nullptr || workspace_bytes < need) {  // hc_post, then hc_pre on its output
+    const cudaError_t posted = launch_post<HC>(p, y, streams, post, comb, out, stream);
+    if (posted != cudaSuccess) return posted;
+    return dispatch_mix<false>(p, out, fn, base, scale, collapsed, next_post, next_comb, workspace, workspace_bytes,
+                               norm, stream);
+  }
+  auto* partial = static_cast<float*>(workspace);
+  const dim3 grid(static_cast<unsigned>((p.tokens + kTcTokens - 1) / kTcTokens), static_cast<unsigned>(splits));
+  launch_dependent(post_mix_tf32_kernel<HC>, grid, 32 * kTcWarps, 0, stream, y, streams, post, comb, out, fn,
+                   p.tokens, p.hidden, p.hidden / splits, splits, partial);
+  launch_finish<HC, false, 4>(p, partial, splits, out, base, scale, collapsed, next_post, next_comb, norm, stream);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 size_t hc_workspace_bytes(int64_t max_tokens, int64_t hc) {
@@ -534,6 +699,21 @@ cudaError_t hc_head(const HyperConnectionParams& p, const float* streams, const 
                     const CollapseNorm* norm) {
   return dispatch_mix<true>(p, streams, fn, base, scale, out, nullptr, nullptr, workspace, workspace_bytes, norm,
                             stream);
+}
+
+cudaError_t hc_post_pre(const HyperConnectionParams& p, const float* y, const float* streams, const float* post,
+                        const float* comb, float* out, const float* fn, const float* base, const float* scale,
+                        float* collapsed, float* next_post, float* next_comb, void* workspace, size_t workspace_bytes,
+                        cudaStream_t stream, const CollapseNorm* norm) {
+  if (!valid_params(p)) return cudaErrorInvalidValue;
+  if (p.tokens == 0) return cudaSuccess;
+  if (norm && norm->bf16 && reinterpret_cast<uintptr_t>(norm->bf16) % 2 != 0) return cudaErrorInvalidValue;
+  switch (p.hc) {
+    case 1: return launch_post_pre<1>(p, y, streams, post, comb, out, fn, base, scale, collapsed, next_post, next_comb, workspace, workspace_bytes, norm, stream);
+    case 2: return launch_post_pre<2>(p, y, streams, post, comb, out, fn, base, scale, collapsed, next_post, next_comb, workspace, workspace_bytes, norm, stream);
+    case 4: return launch_post_pre<4>(p, y, streams, post, comb, out, fn, base, scale, collapsed, next_post, next_comb, workspace, workspace_bytes, norm, stream);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 cudaError_t hc_post(const HyperConnectionParams& p, const float* y, const float* streams, const float* post,

@@ -51,6 +51,15 @@ cudaError_t hc_pre(const HyperConnectionParams& p, const float* streams, const f
 cudaError_t hc_post(const HyperConnectionParams& p, const float* y, const float* streams, const float* post,
                     const float* comb, float* out, cudaStream_t stream);
 
+// hc_post, then the next sublayer's hc_pre on its output `out` (the same results as the two calls; `out` bitwise
+// hc_post's). From 512 tokens, where the mixes run on the tensor cores, one kernel makes the new streams and
+// their mix partial sums together, so the streams are read once fewer (DSV4_HC_POST_MIX=0: the two calls, to
+// measure). post / comb are read before next_post / next_comb are written, which may alias them.
+cudaError_t hc_post_pre(const HyperConnectionParams& p, const float* y, const float* streams, const float* post,
+                        const float* comb, float* out, const float* fn, const float* base, const float* scale,
+                        float* collapsed, float* next_post, float* next_comb, void* workspace, size_t workspace_bytes,
+                        cudaStream_t stream, const CollapseNorm* norm = nullptr);
+
 // Final collapse: out[t] = Σ_s (σ(mix[s]·scale[0] + base[s]) + hc_eps)·h[t, s], mix = rms(h)·fnᵀ.
 // fn [hc, hc·D], base [hc], scale [1]; out [tokens, D].
 cudaError_t hc_head(const HyperConnectionParams& p, const float* streams, const float* fn, const float* base,

@@ -2,7 +2,8 @@
 // inputs: V4-Flash (hc 4, D 4096) and V4-Pro (D 7168) shapes from one token (decode: many K splits) to 1,100
 // (prefill: the tensor-core mixes, and the split-K kernel on request), the tiny preset's D 256, and hc 1 / 2 with
 // widths that take the scalar path; hc_pre and
-// hc_head with the following RMSNorm fused (against the CPU's hc_pre / hc_head then rms_norm).
+// hc_head with the following RMSNorm fused (against the CPU's hc_pre / hc_head then rms_norm); hc_post fused with the
+// next hc_pre (against the CPU's hc_post then hc_pre).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -223,6 +224,65 @@ TEST_F(CudaHyperConnection, FusedNormMatchesCpuTwin) {
       for (const Shape& s :
            {Shape{1, 4, 4096}, Shape{37, 4, 4096}, Shape{3, 4, 256}, Shape{4, 2, 10}, Shape{530, 4, 1024}})
         check_fused_norm(s, head, weighted);
+}
+
+// hc_post_pre (a sublayer's hc_post, then the next sublayer's hc_pre with its norm fused) against the CPU's hc_post
+// then hc_pre then rms_norm, with post / comb overwritten in place as the model passes them: the new streams are
+// hc_post's bit for bit; the mixes, from 512 tokens made beside the new streams in one kernel, within the bounds of
+// check_pre. Also with DSV4_HC_POST_MIX=0 (the two calls).
+void check_post_pre(const Shape& s) {
+  SCOPED_TRACE(::testing::Message() << s.tokens << " tokens, hc " << s.hc << ", D " << s.hidden);
+  const int64_t mix = (2 + s.hc) * s.hc;
+  const Inputs in = random_inputs(s, mix, 3, static_cast<uint32_t>(s.tokens * 29 + s.hidden + s.hc));
+  std::mt19937 rng(static_cast<uint32_t>(s.tokens + 5 * s.hidden));
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> uniform(0.0f, 1.0f);
+  std::vector<float> y(static_cast<size_t>(s.tokens * s.hidden)), post(static_cast<size_t>(s.tokens * s.hc)),
+      comb(static_cast<size_t>(s.tokens * s.hc * s.hc)), weight(static_cast<size_t>(s.hidden));
+  for (auto& v : y) v = normal(rng);
+  for (auto& v : post) v = 2.0f * uniform(rng);
+  for (auto& v : comb) v = 0.5f * uniform(rng);
+  for (auto& v : weight) v = 1.0f + 0.1f * normal(rng);
+  const cpu::HyperConnectionParams cp{s.hc, s.hidden, 20, 1e-6f, 1e-6f};
+  std::vector<float> next_streams(in.streams.size()), collapsed(y.size()), next_post(post.size()),
+      next_comb(comb.size());
+  cpu::hc_post(cp, y.data(), in.streams.data(), s.tokens, post.data(), comb.data(), next_streams.data());
+  cpu::hc_pre(cp, next_streams.data(), s.tokens, in.fn.data(), in.base.data(), in.scale.data(), collapsed.data(),
+              next_post.data(), next_comb.data());
+  cpu::rms_norm(collapsed.data(), s.tokens, s.hidden, s.hidden, weight.data(), 1e-6f, collapsed.data());
+
+  const HyperConnectionParams p{s.tokens, s.hc, s.hidden, 20, 1e-6f, 1e-6f};
+  DeviceArray<float> d_y(y), d_streams(in.streams), d_fn(in.fn), d_base(in.base), d_scale(in.scale), d_weight(weight);
+  DeviceArray<float> d_post_alone(post), d_comb_alone(comb), d_out_alone(next_streams.size());
+  ASSERT_EQ(hc_post(p, d_y.get(), d_streams.get(), d_post_alone.get(), d_comb_alone.get(), d_out_alone.get(), nullptr),
+            cudaSuccess);
+  const std::vector<float> post_alone = d_out_alone.download();
+  const size_t bytes = hc_workspace_bytes(s.tokens, s.hc);
+  DeviceArray<uint8_t> workspace(bytes);
+  for (const bool fused : {true, false}) {
+    SCOPED_TRACE(fused ? "one kernel where it applies" : "DSV4_HC_POST_MIX=0");
+    if (!fused) ::setenv("DSV4_HC_POST_MIX", "0", 1);
+    DeviceArray<float> d_post(post), d_comb(comb), d_out(next_streams.size()), d_collapsed(collapsed.size());
+    DeviceArray<uint16_t> d_bf16(collapsed.size());
+    const CollapseNorm norm{d_weight.get(), 1e-6f, d_bf16.get()};
+    ASSERT_EQ(hc_post_pre(p, d_y.get(), d_streams.get(), d_post.get(), d_comb.get(), d_out.get(), d_fn.get(),
+                          d_base.get(), d_scale.get(), d_collapsed.get(), d_post.get(), d_comb.get(), workspace.get(),
+                          bytes, nullptr, &norm),
+              cudaSuccess);
+    ::unsetenv("DSV4_HC_POST_MIX");
+    EXPECT_TRUE(bitwise_equal(d_out.download(), post_alone)) << "the new streams are not hc_post's";
+    const std::vector<float> actual_post = d_post.download(), actual_comb = d_comb.download();
+    EXPECT_LE(rel_l2(d_collapsed.download(), collapsed), 1e-5);
+    EXPECT_LE(max_rel(actual_post, next_post), 1e-5);
+    EXPECT_LE(max_rel(actual_comb, next_comb), 2e-5);
+    EXPECT_LE(rel_l2(actual_comb, next_comb), 1e-5);
+  }
+}
+
+TEST_F(CudaHyperConnection, PostPreMatchesCpuPostThenPre) {
+  for (const Shape& s : {Shape{1100, 4, 4096}, Shape{600, 4, 7168}, Shape{515, 2, 2048}, Shape{37, 4, 4096},
+                         Shape{3, 4, 256}, Shape{4, 2, 10}})
+    check_post_pre(s);
 }
 
 TEST_F(CudaHyperConnection, WorkspaceBoundHoldsForEveryBatchAndIsChecked) {
