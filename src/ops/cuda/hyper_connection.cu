@@ -259,8 +259,8 @@ __global__ void __launch_bounds__(32 * kTcWarps) mix_partial_tf32_kernel(const f
 // `chunk` hidden columns, every stream k}; partial has mix_partial_kernel's layout, so finish_kernel reads it
 // unchanged. The new streams are hc_post_kernel's bit for bit (the same operations in the same order).
 // D and chunk multiples of 16; y, streams, out and fn 16-byte aligned.
-template <int HC>
-__global__ void __launch_bounds__(32 * kTcWarps) post_mix_tf32_kernel(
+template <int HC, int kMinBlocks>
+__global__ void __launch_bounds__(32 * kTcWarps, kMinBlocks) post_mix_tf32_kernel(
     const float* __restrict__ y, const float* __restrict__ streams, const float* __restrict__ post,
     const float* __restrict__ comb, float* __restrict__ out, const float* __restrict__ fn, int64_t tokens, int64_t D,
     int64_t chunk, int splits, float* __restrict__ partial) {
@@ -273,20 +273,20 @@ __global__ void __launch_bounds__(32 * kTcWarps) post_mix_tf32_kernel(
   const int64_t row_lo = static_cast<int64_t>(blockIdx.x) * kTcTokens + warp * 16 + g, row_hi = row_lo + 8;
   const bool valid_lo = row_lo < tokens, valid_hi = row_hi < tokens;
   const int64_t safe_lo = valid_lo ? row_lo : 0, safe_hi = valid_hi ? row_hi : 0;
-  // hc_post's weights of the two rows (zero for a row past the batch: its new streams are zero, never stored).
-  float w_lo[HC], w_hi[HC], c_lo[HC][HC], c_hi[HC][HC];
-#pragma unroll
-  for (int k = 0; k < HC; ++k) {
-    w_lo[k] = valid_lo ? post[safe_lo * HC + k] : 0.0f;
-    w_hi[k] = valid_hi ? post[safe_hi * HC + k] : 0.0f;
+  // hc_post's weights of the CTA's rows in shared memory (in registers they cost 40 a thread and a third of the
+  // occupancy): per row, post[k] then comb[j][k] (HC + HC² floats; zero for a row past the batch, whose new
+  // streams are zero and never stored). Rows g = 0..7 of a warp land in distinct banks (stride HC + HC²).
+  constexpr int kRowWeights = HC + HC * HC;
+  __shared__ float weights[kTcTokens * kRowWeights];
+  const int64_t first_row = static_cast<int64_t>(blockIdx.x) * kTcTokens;
+  for (int i = threadIdx.x; i < kTcTokens * kRowWeights; i += 32 * kTcWarps) {
+    const int64_t row = first_row + i / kRowWeights;
+    const int e = i % kRowWeights;
+    weights[i] = row >= tokens ? 0.0f : e < HC ? post[row * HC + e] : comb[row * HC * HC + (e - HC)];
   }
-#pragma unroll
-  for (int j = 0; j < HC; ++j)
-#pragma unroll
-    for (int k = 0; k < HC; ++k) {
-      c_lo[j][k] = valid_lo ? comb[(safe_lo * HC + j) * HC + k] : 0.0f;
-      c_hi[j][k] = valid_hi ? comb[(safe_hi * HC + j) * HC + k] : 0.0f;
-    }
+  __syncthreads();
+  const float* weights_lo = weights + (warp * 16 + g) * kRowWeights;
+  const float* weights_hi = weights_lo + 8 * kRowWeights;
   const float* f[NT];
   bool valid_f[NT];
 #pragma unroll
@@ -294,8 +294,9 @@ __global__ void __launch_bounds__(32 * kTcWarps) post_mix_tf32_kernel(
     valid_f[nt] = 8 * nt + g < NOUT;
     f[nt] = fn + (valid_f[nt] ? 8 * nt + g : 0) * width;
   }
-  // The accumulator restarted every 64 flattened columns, as in mix_partial_tf32_kernel (truncating sums).
-  constexpr int kChainBlocks = 4;
+  // The accumulator restarted every 32 flattened columns (mix_partial_tf32_kernel: 64; measured here at 64, post
+  // was 1.09e-5 off the CPU's against the 1e-5 both kernels are held to).
+  constexpr int kChainBlocks = 2;
   float acc[NT][4], total[NT][4];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
@@ -320,13 +321,15 @@ __global__ void __launch_bounds__(32 * kTcWarps) post_mix_tf32_kernel(
       hlo[j] = valid_lo ? load<4>(h_lo + j * D, v) : zero;
       hhi[j] = valid_hi ? load<4>(h_hi + j * D, v) : zero;
     }
-#pragma unroll
+    // One output stream at a time, not unrolled: unrolled, the compiler hoists every stream's fn loads and the
+    // kernel needs ~180 registers (2 CTAs an SM instead of 4).
+#pragma unroll 1
     for (int k = 0; k < HC; ++k) {
-      float4 lo = scale_rn(w_lo[k], ylo), hi = scale_rn(w_hi[k], yhi);
+      float4 lo = scale_rn(weights_lo[k], ylo), hi = scale_rn(weights_hi[k], yhi);
 #pragma unroll
       for (int j = 0; j < HC; ++j) {
-        lo = axpy_rn(lo, c_lo[j][k], hlo[j]);
-        hi = axpy_rn(hi, c_hi[j][k], hhi[j]);
+        lo = axpy_rn(lo, weights_lo[HC + j * HC + k], hlo[j]);
+        hi = axpy_rn(hi, weights_hi[HC + j * HC + k], hhi[j]);
       }
       if (valid_lo) store<4>(out_lo + k * D, v, lo);
       if (valid_hi) store<4>(out_hi + k * D, v, hi);
@@ -650,6 +653,11 @@ int post_mix_splits(const HyperConnectionParams& p, const float* y, const float*
   const int64_t blocks = (p.tokens + kTcTokens - 1) / kTcTokens;
   int splits = 1;
   while (splits < kTensorCoreMaxSplits && blocks * splits < 512 && p.hidden % (32 * splits) == 0) splits *= 2;
+  // MEASUREMENT ONLY (session 25): DSV4_HC_POST_MIX_SPLITS=n overrides the split count.
+  if (const char* forced = std::getenv("DSV4_HC_POST_MIX_SPLITS")) {
+    const int n = std::atoi(forced);
+    if (n >= 1 && n <= kTensorCoreMaxSplits && p.hidden % (16 * n) == 0) splits = n;
+  }
   return splits;
 }
 
@@ -669,8 +677,12 @@ cudaError_t launch_post_pre(const HyperConnectionParams& p, const float* y, cons
   }
   auto* partial = static_cast<float*>(workspace);
   const dim3 grid(static_cast<unsigned>((p.tokens + kTcTokens - 1) / kTcTokens), static_cast<unsigned>(splits));
-  launch_dependent(post_mix_tf32_kernel<HC>, grid, 32 * kTcWarps, 0, stream, y, streams, post, comb, out, fn,
-                   p.tokens, p.hidden, p.hidden / splits, splits, partial);
+  // MEASUREMENT ONLY (session 25): DSV4_HC_POST_MIX=3 takes the 3-CTA build (150 registers) instead of the 4-CTA one.
+  const char* choice = std::getenv("DSV4_HC_POST_MIX");
+  const auto kernel = choice != nullptr && std::strcmp(choice, "3") == 0 ? post_mix_tf32_kernel<HC, 3>
+                                                                          : post_mix_tf32_kernel<HC, 4>;
+  launch_dependent(kernel, grid, 32 * kTcWarps, 0, stream, y, streams, post, comb, out, fn, p.tokens, p.hidden,
+                   p.hidden / splits, splits, partial);
   launch_finish<HC, false, 4>(p, partial, splits, out, base, scale, collapsed, next_post, next_comb, norm, stream);
   return cudaGetLastError();
 }
