@@ -138,6 +138,7 @@ struct Gemm::Plan {
     return {&scratch.b, &scratch.c};
   }
   bool skinny = false;  // ops/cuda/skinny_gemm instead of cuBLASLt (bf16, <= 16 rows)
+  bool skinny_f32 = false;  // skinny_gemm_f32 (fp32 weights of ≤ 4M elements, ≤ 8 rows)
   SkinnyGemmParams skinny_params;
   bool fp8_skinny = false;  // kF8E4M3: ops/cuda/fp8_gemm.h instead of cuBLASLt
   Fp8GemmParams fp8_params;
@@ -230,6 +231,9 @@ Gemm::Plan& Gemm::plan(const Key& key, const void* w, const void* x, void* y, cu
   sp.y_batch_stride = y_batch;
   sp.bf16_output = output == CUDA_R_16BF;
   sp.accumulate = accumulate;
+  // fp32 weights of at most 4M elements at decode rows (the router): the one-kernel fp32 GEMV.
+  plan->skinny_f32 = operand == CUDA_R_32F && output == CUDA_R_32F && out * in <= (int64_t{4} << 20) &&
+                     skinny_gemm_f32_supported(sp, w, x);
   const bool skinny_candidate = operand == CUDA_R_16BF && skinny_gemm_supported(sp, w, x);
   // DSV4_SKINNY_GEMM=0 keeps cuBLASLt everywhere, DSV4_GEMM_AUTOTUNE=1 times the two.
   plan->skinny = skinny_candidate && skinny_preferred(sp);
@@ -304,6 +308,10 @@ void Gemm::linear(const GemmWeight& w, const void* x, int64_t rows, float* y, cu
   Plan& p = plan(key, w.data, x, y, stream);
   if (bf16_skinny_ && p.skinny && (beta == 0.0f || beta == 1.0f) &&
       skinny_gemm(p.skinny_params, w.data, x, y, stream) == cudaSuccess)
+    return;
+  if (bf16_skinny_ && p.skinny_f32 && beta == 0.0f && rows == p.skinny_params.rows &&
+      skinny_gemm_f32(p.skinny_params, static_cast<const float*>(w.data), static_cast<const float*>(x), y, stream) ==
+          cudaSuccess)
     return;
   run_lt(p, rows, w.data, x, y, beta, stream, "matmul");
 }

@@ -399,14 +399,25 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
   // dependent L2 round trips, the largest part of this kernel at decode (128 splits for one token).
   __shared__ float staged[kMaxSplits * NV];
   __shared__ float norm_sums[kWarps];
+  __shared__ float split_sums[kWarps][32];
   const int64_t t = blockIdx.x;
   for (int i = threadIdx.x; i < splits * NV; i += kThreads) staged[i] = partial[t * splits * NV + i];
+  __syncthreads();
+  // The splits summed by all 8 warps (warp w: splits w, w + 8, …), then the 8 sums in warp order: a chain of
+  // splits / 8 + 8 dependent adds instead of splits (128 at decode, ~2 µs of a 9 µs kernel, H100 ncu).
+  {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float s = 0.0f;
+    if (lane < NV)
+      for (int split = warp; split < splits; split += kWarps) s += staged[split * NV + lane];
+    split_sums[warp][lane] = s;
+  }
   __syncthreads();
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
     float s = 0.0f;
-    if (lane < NV)
-      for (int split = 0; split < splits; ++split) s += staged[split * NV + lane];  // the same order as before
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) s += split_sums[w][lane];
     const float sumsq = __shfl_sync(kFull, s, NOUT);
     // The CPU's rms_norm scale: 1 / sqrt(mean(h²) + eps); the mix is rms(h)·fnᵀ = scale · Σ h·fn.
     const float rms = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sumsq, static_cast<float>(HC * D)), norm_eps)));

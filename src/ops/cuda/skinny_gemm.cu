@@ -158,7 +158,65 @@ int skinny_gemm_resident_ctas(bool sixteen_tokens, int warps) {
   return ctas;
 }
 
+constexpr int kF32Threads = 256;
+
+// One CTA per weight row `o`: thread t covers the float4s t, t + 256, … of the row (and of every x row), then
+// each row's sum over a warp by shuffles and over the 8 warps in warp order.
+template <int kRows>
+__global__ void __launch_bounds__(kF32Threads) skinny_gemm_f32_kernel(SkinnyGemmParams p, const float* __restrict__ w,
+                                                                      const float* __restrict__ x,
+                                                                      float* __restrict__ y) {
+  wait_for_prior_grid();
+  allow_dependents();
+  const int64_t o = blockIdx.x;
+  const int64_t vectors = p.in / 4;
+  const auto* w_row = reinterpret_cast<const float4*>(w + o * p.w_stride);
+  float acc[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) acc[r] = 0.0f;
+#pragma unroll 4
+  for (int64_t v = threadIdx.x; v < vectors; v += kF32Threads) {
+    const float4 wv = w_row[v];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (r >= p.rows) break;
+      const float4 xv = reinterpret_cast<const float4*>(x + r * p.x_stride)[v];
+      acc[r] = fmaf(wv.w, xv.w, fmaf(wv.z, xv.z, fmaf(wv.y, xv.y, fmaf(wv.x, xv.x, acc[r]))));
+    }
+  }
+  __shared__ float warp_sums[kF32Threads / 32][kRows];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    float s = acc[r];
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) s += __shfl_xor_sync(0xffffffffu, s, offset);
+    if (lane == 0) warp_sums[warp][r] = s;
+  }
+  __syncthreads();
+  if (threadIdx.x < p.rows) {
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kF32Threads / 32; ++i) s += warp_sums[i][threadIdx.x];
+    y[threadIdx.x * p.y_stride + o] = s;
+  }
+}
+
 }  // namespace
+
+bool skinny_gemm_f32_supported(const SkinnyGemmParams& p, const void* w, const void* x) {
+  auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  return p.rows >= 1 && p.rows <= kSkinnyF32MaxRows && p.out >= 1 && p.out <= 0x7fffffff && p.in >= 4 &&
+         p.in % 4 == 0 && p.w_stride % 4 == 0 && p.x_stride % 4 == 0 && p.y_stride >= p.out && p.batch == 1 &&
+         !p.accumulate && !p.bf16_output && aligned(w) && aligned(x);
+}
+
+cudaError_t skinny_gemm_f32(const SkinnyGemmParams& p, const float* w, const float* x, float* y, cudaStream_t stream) {
+  if (!skinny_gemm_f32_supported(p, w, x)) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(p.out));
+  if (p.rows == 1) return launch_dependent(skinny_gemm_f32_kernel<1>, grid, kF32Threads, 0, stream, p, w, x, y);
+  return launch_dependent(skinny_gemm_f32_kernel<kSkinnyF32MaxRows>, grid, kF32Threads, 0, stream, p, w, x, y);
+}
 
 bool skinny_gemm_supported(const SkinnyGemmParams& p, const void* w, const void* x) {
   auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };

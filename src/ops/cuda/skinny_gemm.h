@@ -40,4 +40,14 @@ bool skinny_gemm_supported(const SkinnyGemmParams& p, const void* w, const void*
 cudaError_t skinny_gemm(const SkinnyGemmParams& p, const void* w, const void* x, void* y,
                         cudaStream_t stream);
 
+// The fp32 twin for small weights at decode rows: y [rows, out] = x [rows, in] · Wᵀ, fp32 W, x and y, fp32 FMAs
+// (no TF32). For the MoE router (V4-Flash: 256 × 4096, fp32 as DeepSeek's reference keeps it), where cuBLASLt
+// picks a split dot kernel plus a reduction launch (two kernels, 6.4 µs at one row on an H100, ncu): one CTA a
+// weight row, its 8 warps each over an eighth of `in`, x's rows read beside it, the partial sums added in a fixed
+// order (deterministic). Takes rows ≤ kSkinnyF32MaxRows, in a multiple of 4, 16-byte aligned W and x rows,
+// batch 1, no accumulation.
+inline constexpr int64_t kSkinnyF32MaxRows = 8;
+bool skinny_gemm_f32_supported(const SkinnyGemmParams& p, const void* w, const void* x);
+cudaError_t skinny_gemm_f32(const SkinnyGemmParams& p, const float* w, const float* x, float* y, cudaStream_t stream);
+
 }  // namespace dsv4::ops::cuda

@@ -2,7 +2,7 @@
 // 1..16 rows (both kernel variants: ≤ 8 and ≤ 16 tokens), output counts that are not multiples of the 8-row
 // tile, `in` not a multiple of the 32-wide step (and shorter than one step), every warp count the launch picks,
 // padded strides, a strided batch over column slices of x, one x for two weights (x batch stride 0), bf16
-// output, accumulation into y; poisoned outputs, bitwise repeat, rejected shapes.
+// output, accumulation into y; poisoned outputs, bitwise repeat, rejected shapes. And the fp32 router GEMV.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -154,6 +154,59 @@ TEST_F(CudaSkinnyGemm, RejectsWhatItDoesNotTake) {
   p.accumulate = true;  // accumulation is fp32 only
   p.bf16_output = true;
   EXPECT_FALSE(skinny_gemm_supported(p, buffer.get(), buffer.get()));
+}
+
+// skinny_gemm_f32 (the fp32 router GEMV) against an fp64 product of the same fp32 values: 1..8 rows, V4-Flash's
+// router (256 × 4096), the 4-layer cut's (16 × 4096), odd out, `in` shorter than one pass of the CTA, padded
+// strides; poisoned outputs, bitwise repeat, rejected shapes.
+void check_f32(const SkinnyGemmParams& p, uint32_t seed) {
+  SCOPED_TRACE(::testing::Message() << "fp32 rows " << p.rows << " out " << p.out << " in " << p.in);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.02f, 1.0f);
+  std::vector<float> w(static_cast<size_t>((p.out - 1) * p.w_stride + p.in)),
+      x(static_cast<size_t>((p.rows - 1) * p.x_stride + p.in));
+  for (auto& v : w) v = normal(rng);
+  for (auto& v : x) v = normal(rng);
+  DeviceArray<float> dw(w), dx(x), dy(static_cast<size_t>((p.rows - 1) * p.y_stride + p.out));
+  ASSERT_TRUE(skinny_gemm_f32_supported(p, dw.get(), dx.get()));
+  ASSERT_EQ(skinny_gemm_f32(p, dw.get(), dx.get(), dy.get(), nullptr), cudaSuccess);
+  const std::vector<float> actual = dy.download();
+  for (int64_t t = 0; t < p.rows; ++t)
+    for (int64_t o = 0; o < p.out; ++o) {
+      double sum = 0.0, magnitude = 0.0;
+      for (int64_t i = 0; i < p.in; ++i) {
+        const double product = static_cast<double>(w[o * p.w_stride + i]) * x[t * p.x_stride + i];
+        sum += product;
+        magnitude += std::abs(product);
+      }
+      ASSERT_NEAR(actual[static_cast<size_t>(t * p.y_stride + o)], sum, 2e-6 * magnitude) << "row " << t << " out " << o;
+    }
+  if (p.y_stride > p.out) EXPECT_TRUE(std::isnan(actual[static_cast<size_t>(p.out)])) << "wrote past a row";
+  dy.poison();
+  ASSERT_EQ(skinny_gemm_f32(p, dw.get(), dx.get(), dy.get(), nullptr), cudaSuccess);
+  EXPECT_TRUE(bitwise_equal(dy.download(), actual)) << "not bitwise repeatable";
+}
+
+TEST_F(CudaSkinnyGemm, Fp32RouterShapesMatchNaiveProduct) {
+  uint32_t seed = 100;
+  for (const int64_t rows : {1, 2, 5, 8})
+    for (const auto& [out, in] : std::vector<std::pair<int64_t, int64_t>>{{256, 4096}, {16, 4096}, {7, 12}, {33, 2052}})
+      check_f32(plain(rows, out, in), seed++);
+  SkinnyGemmParams padded = plain(3, 20, 1000);
+  padded.w_stride = 1004;
+  padded.x_stride = 1024;
+  padded.y_stride = 24;
+  check_f32(padded, seed++);
+  DeviceArray<float> buffer(4096);
+  SkinnyGemmParams p = plain(9, 16, 64);  // too many rows
+  EXPECT_FALSE(skinny_gemm_f32_supported(p, buffer.get(), buffer.get()));
+  EXPECT_EQ(skinny_gemm_f32(p, buffer.get(), buffer.get(), buffer.get(), nullptr), cudaErrorInvalidValue);
+  p = plain(1, 16, 62);  // in not a multiple of 4
+  EXPECT_FALSE(skinny_gemm_f32_supported(p, buffer.get(), buffer.get()));
+  p = plain(1, 16, 64);
+  EXPECT_FALSE(skinny_gemm_f32_supported(p, buffer.get(), buffer.get() + 1));  // misaligned x
+  p.accumulate = true;
+  EXPECT_FALSE(skinny_gemm_f32_supported(p, buffer.get(), buffer.get()));
 }
 
 }  // namespace
