@@ -180,7 +180,7 @@ std::vector<CaseResult> hc_suite(const Ceilings&, const Options& options) {
   if (ops::cuda::list_devices().empty()) return results;
   const int iterations = options.quick ? 5 : 20;
   const std::vector<int64_t> token_counts =
-      options.quick ? std::vector<int64_t>{1, 1024} : std::vector<int64_t>{1, 32, 128, 1024, 4096};
+      options.quick ? std::vector<int64_t>{1, 1024} : std::vector<int64_t>{1, 32, 128, 1024, 2048, 4096};
   for (const int64_t tokens : token_counts) {
     if (options.wants(shape("hc_pre", tokens))) results.push_back(hc_pre_case(tokens, nullptr, iterations));
     if (tokens >= 512 && options.wants(shape("hc_pre (split-K mixes)", tokens)))
