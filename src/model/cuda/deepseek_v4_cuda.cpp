@@ -162,7 +162,7 @@ struct DeepseekV4CudaModel::Impl {
   cudaStream_t stream = nullptr, index_stream = nullptr, kv_stream = nullptr, shared_expert_stream = nullptr;
   cudaEvent_t index_fork = nullptr, index_join = nullptr, kv_fork = nullptr, kv_join = nullptr;
   cudaEvent_t shared_expert_fork = nullptr, shared_expert_join = nullptr;
-  std::unique_ptr<cu::Gemm> gemm, index_gemm, kv_gemm;
+  std::unique_ptr<cu::Gemm> gemm, index_gemm, kv_gemm, shared_gemm;
   DeviceAllocations weights_memory;
   int multiprocessors = 0;
 
@@ -394,7 +394,9 @@ struct DeepseekV4CudaModel::Impl {
                         const float* weights, float* out);
   std::vector<int32_t> host_chosen, host_moe_index;
   // One local expert (or the shared expert) over `n` operand rows: w13, the clamped SwiGLU, w2 into `output`.
-  void run_expert(const void* w13, const void* w2, const void* input, int64_t n, float* output);
+  // `shared_lane`: on the shared expert's stream with its own Gemm and scratch (beside the routed experts).
+  void run_expert(const void* w13, const void* w2, const void* input, int64_t n, float* output,
+                  bool shared_lane = false);
   // Sizes run_expert's scratch for up to `n` rows at once, so a sublayer's experts do not grow it one by one.
   void reserve_expert_scratch(int64_t n) {
     buffer<float>("moe_gate_up", n * 2 * config.moe_intermediate_size);
@@ -534,6 +536,7 @@ void DeepseekV4CudaModel::open_device(ModelConfig config, const CudaModelOptions
   m.gemm = std::make_unique<cu::Gemm>();
   m.index_gemm = std::make_unique<cu::Gemm>();
   m.kv_gemm = std::make_unique<cu::Gemm>();
+  m.shared_gemm = std::make_unique<cu::Gemm>();
 }
 
 void DeepseekV4CudaModel::upload_globals(const ModelWeights& weights) {
@@ -1562,19 +1565,23 @@ void DeepseekV4CudaModel::Impl::moe_host_grouped(int64_t layer, const Step& step
 }
 
 void DeepseekV4CudaModel::Impl::run_expert(const void* w13, const void* w2, const void* input, int64_t n,
-                                           float* output) {
+                                           float* output, bool shared_lane) {
   const ModelConfig& c = config;
   const int64_t D = c.hidden_size, I = c.moe_intermediate_size;
-  float* gate_up = buffer<float>("moe_gate_up", n * 2 * I);
+  const cudaStream_t on = shared_lane ? shared_expert_stream : stream;
+  cu::Gemm& with = shared_lane ? *shared_gemm : *gemm;
+  float* gate_up = buffer<float>(shared_lane ? "moe_shared_gate_up" : "moe_gate_up", n * 2 * I);
   // The down projection's operand: bf16 straight from the SwiGLU in bf16 mode (one pass instead of an fp32
   // write, a read and a conversion; the same bits), fp32 otherwise.
-  void* activated = bf16 ? static_cast<void*>(buffer<uint16_t>("moe_activated_in", n * I))
-                         : static_cast<void*>(buffer<float>("moe_activated", n * I));
-  gemm->linear({w13, weight_dtype(), 2 * I, D, 0}, input, n, gate_up, stream);
+  void* activated = bf16 ? static_cast<void*>(buffer<uint16_t>(shared_lane ? "moe_shared_activated_in"
+                                                                           : "moe_activated_in", n * I))
+                         : static_cast<void*>(buffer<float>(shared_lane ? "moe_shared_activated" : "moe_activated",
+                                                            n * I));
+  with.linear({w13, weight_dtype(), 2 * I, D, 0}, input, n, gate_up, on);
   const cu::SwigluParams swiglu{n, I, static_cast<float>(c.swiglu_limit)};
-  DSV4_CU(bf16 ? cu::swiglu_clamped_bf16(swiglu, gate_up, static_cast<uint16_t*>(activated), stream)
-               : cu::swiglu_clamped(swiglu, gate_up, static_cast<float*>(activated), stream));
-  gemm->linear({w2, weight_dtype(), D, I, 0}, activated, n, output, stream);
+  DSV4_CU(bf16 ? cu::swiglu_clamped_bf16(swiglu, gate_up, static_cast<uint16_t*>(activated), on)
+               : cu::swiglu_clamped(swiglu, gate_up, static_cast<float*>(activated), on));
+  with.linear({w2, weight_dtype(), D, I, 0}, activated, n, output, on);
 }
 
 // The expert-parallel sublayer (docs/parallel.md), the device twin of parallel/expert_parallel_moe.cpp: the plans
@@ -1739,13 +1746,20 @@ void DeepseekV4CudaModel::Impl::moe(int64_t layer, const Step& step, const float
   if (split_shared) {
     DSV4_CU(cudaEventRecord(shared_expert_fork, stream));
     DSV4_CU(cudaStreamWaitEvent(shared_expert_stream, shared_expert_fork));
-    cu::MoeExpertsParams sp = mp;
-    sp.shared = cu::MoeSharedExpert::kOnly;
-    const size_t shared_workspace_bytes = cu::moe_experts_workspace_bytes(sp);
-    void* shared_workspace = buffer<std::byte>("moe_shared_workspace", shared_workspace_bytes);
     shared_out = buffer<float>("moe_shared_out", N * D);
-    DSV4_CU(cu::moe_experts(sp, ew, x, nullptr, nullptr, shared_out, shared_workspace, shared_workspace_bytes,
-                            shared_expert_stream));
+    // At ≤ 8 rows the shared expert is a pair of weight streams: two GEMVs (ops/cuda/skinny_gemm through
+    // Gemm::linear) and the SwiGLU, where the grouped kernel paid a permutation, its tiles' ramp and a combine
+    // for one expert (ncu, H100, one row: 4.0 + 23.2 + 13.1 + 4.1 µs for 50 MB).
+    if (options.shared_expert_gemv && N <= 8) {
+      run_expert(l.shared_w13, l.shared_w2, x_operand, N, shared_out, /*shared_lane=*/true);
+    } else {
+      cu::MoeExpertsParams sp = mp;
+      sp.shared = cu::MoeSharedExpert::kOnly;
+      const size_t shared_workspace_bytes = cu::moe_experts_workspace_bytes(sp);
+      void* shared_workspace = buffer<std::byte>("moe_shared_workspace", shared_workspace_bytes);
+      DSV4_CU(cu::moe_experts(sp, ew, x, nullptr, nullptr, shared_out, shared_workspace, shared_workspace_bytes,
+                              shared_expert_stream));
+    }
     DSV4_CU(cudaEventRecord(shared_expert_join, shared_expert_stream));
     mp.shared = cu::MoeSharedExpert::kAdded;
   }

@@ -31,6 +31,9 @@ struct CudaModelOptions {
   bool indexer_stream = true;  // the CSA indexer on its own stream, joined before attention
   bool kv_stream = true;  // the K=V projection, norm + RoPE and main compressor beside the query path
   bool shared_expert_stream = true;  // the MoE shared expert beside the router and the routed experts
+  // There, at ≤ 8 rows: two GEMVs (ops/cuda/skinny_gemm) and the SwiGLU instead of the grouped expert kernel's
+  // permutation, tiles and combine for one expert (bf16 / fp32 shared weights).
+  bool shared_expert_gemv = true;
   bool device_sampling = true;  // sample next to the logits (ops/cuda/sampling.h); false: logits to the host
   // The dense projections a checkpoint stores FP8 (wq_a, wq_b, wkv, wo_b, indexer wq_b) stay FP8 on the
   // device and run DeepSeek's FP8 linear (per-128 activation quantization, block-scaled GEMM, ops/cuda/gemm.h
