@@ -1,7 +1,7 @@
 // kbench suite "hc": the small per-layer ops of a V4-Flash layer that a prefill pays in bandwidth (docs/PERF.md
 // "HF on the same H100, and the prefill's small ops"): mHC hc_pre (the mixes and the collapse with the sublayer's
 // RMSNorm fused; from 512 tokens the tensor-core mixes, and the split-K kernel beside them via DSV4_HC_MIX_KERNEL),
-// hc_post, hc_post fused with the next hc_pre (from 512 tokens, beside the two calls), and the per-head norm + RoPE of q (ops/cuda/head_norm_rope). Random N(0, 1) inputs (fn scaled as the
+// hc_post, hc_post fused with the next hc_pre (beside the two calls), and the per-head norm + RoPE of q (ops/cuda/head_norm_rope). Random N(0, 1) inputs (fn scaled as the
 // tests draw it), L2 flushed; bytes are the unique bytes read and written.
 #include <cuda_runtime.h>
 
@@ -103,7 +103,7 @@ CaseResult hc_post_case(int64_t tokens, int iterations) {
 }
 
 // hc_post then the next hc_pre (norm fused), as the model calls them between sublayers: one kernel for the new
-// streams and their mixes from 512 tokens, or the two calls (`fused` false: DSV4_HC_POST_MIX=0).
+// streams and their mixes, or the two calls (`fused` false: DSV4_HC_POST_MIX=0).
 CaseResult hc_post_pre_case(int64_t tokens, bool fused, int iterations) {
   const int64_t width = kHc * kHidden, mixes = (2 + kHc) * kHc;
   float* y = random_floats(tokens * kHidden, 31);
@@ -186,9 +186,8 @@ std::vector<CaseResult> hc_suite(const Ceilings&, const Options& options) {
     if (tokens >= 512 && options.wants(shape("hc_pre (split-K mixes)", tokens)))
       results.push_back(hc_pre_case(tokens, "simt", iterations));
     if (options.wants(shape("hc_post", tokens))) results.push_back(hc_post_case(tokens, iterations));
-    if (tokens >= 512 && options.wants(shape("hc_post + hc_pre", tokens)))
-      results.push_back(hc_post_pre_case(tokens, true, iterations));
-    if (tokens >= 512 && options.wants(shape("hc_post + hc_pre (two calls)", tokens)))
+    if (options.wants(shape("hc_post + hc_pre", tokens))) results.push_back(hc_post_pre_case(tokens, true, iterations));
+    if (options.wants(shape("hc_post + hc_pre (two calls)", tokens)))
       results.push_back(hc_post_pre_case(tokens, false, iterations));
     if (options.wants(shape("q norm + rope (64 x 512)", tokens)))
       results.push_back(q_norm_rope_case(tokens, iterations));

@@ -1299,6 +1299,37 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
     wp.rows = step.token_row;
     DSV4_CU(dsv4::cuda::write_kv_entries(wp, kv_bf16, kvs));
   }
+  // The window keeps the last W raw K=V vectors of every request. A chunk's later rows replace window slots that
+  // its earlier queries read, so in general the write follows the attention. In a pure decode step (one token a
+  // request) token t's slot held position t − W, outside its window (t itself is read from the step's own rows),
+  // so the write runs here on the K=V stream, off the query's chain (3.8 µs a layer at batch 1, H100 ncu).
+  auto write_window_rows = [&](cudaStream_t on) {
+    if (fp8_entries) {
+      KvWriteParams wp;
+      wp.tokens = N;
+      wp.format = KvEntryFormat::kFp8;
+      wp.pool = kv_pool(step, CacheGroupKind::kSwaKv, layer);
+      wp.entry_indices = step.positions;
+      wp.rows = step.token_row;
+      wp.row_end = step.row_end;
+      wp.window_size = c.sliding_window;
+      DSV4_CU(dsv4::cuda::write_kv_entries(wp, kv_bf16, on));
+    } else {
+      cu::WindowWriteParams wp;
+      wp.tokens = N;
+      wp.head_dim = d;
+      wp.window_size = c.sliding_window;
+      wp.bf16_entries = bf16;
+      wp.window = view(step, CacheGroupKind::kSwaKv, layer);
+      wp.kv = kv;
+      wp.token_row = step.token_row;
+      wp.positions = step.positions;
+      wp.row_end = step.row_end;
+      DSV4_CU(cu::write_window(wp, on));
+    }
+  };
+  const bool window_early = step.max_chunk == 1;
+  if (window_early) write_window_rows(kvs);
   // Compressed entries first: a query sees the entries its own chunk completes.
   if (type != AttentionType::kSlidingWindow)
     compress(layer, EntryKind::kMain, step, x_operand, kvs, kv_overlap ? *kv_gemm : *gemm);
@@ -1480,30 +1511,7 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
     DSV4_CU(cu::apply_rope({N, H * d, H, d, rope_dim, rope_scaling, true}, attended, step.positions, inv_freq, stream));
     attended_operand = operand(attended, N * H * d, "attended_in", stream);
   }
-  // The window keeps the last W raw K=V vectors of every request (after every read of this step).
-  if (fp8_entries) {
-    KvWriteParams wp;
-    wp.tokens = N;
-    wp.format = KvEntryFormat::kFp8;
-    wp.pool = kv_pool(step, CacheGroupKind::kSwaKv, layer);
-    wp.entry_indices = step.positions;
-    wp.rows = step.token_row;
-    wp.row_end = step.row_end;
-    wp.window_size = c.sliding_window;
-    DSV4_CU(dsv4::cuda::write_kv_entries(wp, kv_bf16, stream));
-  } else {
-    cu::WindowWriteParams wp;
-    wp.tokens = N;
-    wp.head_dim = d;
-    wp.window_size = c.sliding_window;
-    wp.bf16_entries = bf16;
-    wp.window = view(step, CacheGroupKind::kSwaKv, layer);
-    wp.kv = kv;
-    wp.token_row = step.token_row;
-    wp.positions = step.positions;
-    wp.row_end = step.row_end;
-    DSV4_CU(cu::write_window(wp, stream));
-  }
+  if (!window_early) write_window_rows(stream);  // after every read of this step
 
   // Grouped output projection: group g's heads → o_lora_rank through rows [g·o_lora, (g+1)·o_lora) of wo_a.
   // One strided-batched GEMM: group g reads columns [g·gw, (g+1)·gw) of the attended rows and rows

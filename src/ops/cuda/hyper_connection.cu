@@ -378,6 +378,80 @@ __global__ void __launch_bounds__(32 * kTcWarps, kMinBlocks) post_mix_tf32_kerne
   if (t == 0 && valid_hi) partial[(row_hi * splits + split) * NV + NOUT] = squares_hi;
 }
 
+// hc_post fused with the next sublayer's split-K mixes (decode-sized batches, below the tensor-core mixes): the
+// twin of mix_partial_kernel<NOUT, 4> whose operand is made on the fly. Thread column c of split `split` is stream
+// k = c / chunk at the hidden float4 v = split·chunk + c % chunk; for each of the CTA's tokens it computes the new
+// stream value as hc_post_kernel does (bit for bit), stores it, and adds it into the mixes and the sum of squares.
+// A split covers the same hidden columns of every stream, so the partial sums have mix_partial_kernel's layout
+// and meaning (finish_kernel reads them unchanged). It saves hc_post's launch and a dependent kernel in the chain
+// of a decode step. grid (ceil(tokens / kTokensPerCta), splits); D % 4 == 0, all rows 16-byte aligned.
+template <int HC>
+__global__ void __launch_bounds__(kThreads) post_mix_partial_kernel(
+    const float* __restrict__ y, const float* __restrict__ streams, const float* __restrict__ post,
+    const float* __restrict__ comb, float* __restrict__ out, const float* __restrict__ fn, int64_t tokens, int64_t D,
+    int64_t chunk, int splits, float* __restrict__ partial) {
+  wait_for_prior_grid();
+  allow_dependents();
+  constexpr int NOUT = (2 + HC) * HC, TT = kTokensPerCta, NV = NOUT + 1;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * TT;
+  const int split = static_cast<int>(blockIdx.y);
+  const int64_t vec_d = D / 4, width = HC * D;
+  const int64_t begin = split * chunk, end = min(vec_d, begin + chunk);
+  float acc[TT][NV];
+#pragma unroll
+  for (int t = 0; t < TT; ++t)
+#pragma unroll
+    for (int v = 0; v < NV; ++v) acc[t][v] = 0.0f;
+  const int64_t span = end > begin ? end - begin : 0;
+  for (int64_t c = threadIdx.x; c < HC * span; c += blockDim.x) {
+    const int k = static_cast<int>(c / span);
+    const int64_t v = begin + c % span;
+    float4 value[TT];
+#pragma unroll
+    for (int t = 0; t < TT; ++t) {
+      if (t0 + t >= tokens) {
+        value[t] = zero_vec(float4{});
+        continue;
+      }
+      const int64_t row = t0 + t;
+      const float* h = streams + row * width;
+      float4 sum = scale_rn(post[row * HC + k], load<4>(y + row * D, v));
+#pragma unroll
+      for (int j = 0; j < HC; ++j) sum = axpy_rn(sum, comb[(row * HC + j) * HC + k], load<4>(h + j * D, v));
+      store<4>(out + row * width + k * D, v, sum);
+      value[t] = sum;
+      acc[t][NOUT] = fma_dot(sum, sum, acc[t][NOUT]);
+    }
+    const int64_t column = k * vec_d + v;  // float4 column of the flattened streams
+#pragma unroll
+    for (int o = 0; o < NOUT; ++o) {
+      const float4 f = load<4>(fn + o * width, column);
+#pragma unroll
+      for (int t = 0; t < TT; ++t) acc[t][o] = fma_dot(value[t], f, acc[t][o]);
+    }
+  }
+  __shared__ float warp_sums[kWarps][TT * NV];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int t = 0; t < TT; ++t)
+#pragma unroll
+    for (int v = 0; v < NV; ++v) {
+      float s = acc[t][v];
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) s += __shfl_xor_sync(kFull, s, offset);
+      if (lane == 0) warp_sums[warp][t * NV + v] = s;
+    }
+  __syncthreads();
+  const int warps = static_cast<int>(blockDim.x / 32);
+  for (int i = threadIdx.x; i < TT * NV; i += blockDim.x) {
+    const int t = i / NV, v = i - t * NV;
+    if (t0 + t >= tokens) continue;
+    float s = 0.0f;
+    for (int w = 0; w < warps; ++w) s += warp_sums[w][i];
+    partial[((t0 + t) * splits + split) * NV + v] = s;
+  }
+}
+
 // One CTA per token: the mixes from the splits, pre (and for hc_pre post and the Sinkhorn comb), the collapse,
 // and, when `norm_weight_or_flag` is set (kNorm), the sublayer's RMSNorm of the collapsed row with its bf16 copy.
 template <int HC, bool kHead, int VEC, bool kNorm>
@@ -680,6 +754,29 @@ cudaError_t launch_post_pre(const HyperConnectionParams& p, const float* y, cons
   const int splits = post_mix_splits(p, y, streams, out, fn);
   constexpr int NOUT = (2 + HC) * HC;
   const size_t need = static_cast<size_t>(p.tokens) * splits * (NOUT + 1) * sizeof(float);
+  const char* choice = std::getenv("DSV4_HC_POST_MIX");
+  const bool fuse = choice == nullptr || std::strcmp(choice, "0") != 0;
+  const bool vec4 = p.hidden % 4 == 0 && aligned16(y) && aligned16(streams) && aligned16(out) && aligned16(fn);
+  if (splits == 0 && fuse && vec4 && tensor_core_splits(p.tokens, p.hc * p.hidden, vec4) == 0) {
+    // Split-K sizes as hc_pre's mix_partial_kernel takes them (mix_splits over the flattened float4 columns),
+    // each split a range of hidden float4s of every stream.
+    const int64_t vec_d = p.hidden / 4;
+    const int small_splits =
+        static_cast<int>(std::min<int64_t>(mix_splits(p.tokens, HC * vec_d), std::max<int64_t>(1, vec_d)));
+    const int64_t chunk = (vec_d + small_splits - 1) / small_splits;
+    const size_t small_need = static_cast<size_t>(p.tokens) * small_splits * (NOUT + 1) * sizeof(float);
+    if (workspace != nullptr && workspace_bytes >= small_need) {
+      auto* partial = static_cast<float*>(workspace);
+      const dim3 grid(static_cast<unsigned>((p.tokens + kTokensPerCta - 1) / kTokensPerCta),
+                      static_cast<unsigned>(small_splits));
+      const auto threads = static_cast<unsigned>(std::min<int64_t>(kThreads, (HC * chunk + 31) / 32 * 32));
+      launch_dependent(post_mix_partial_kernel<HC>, grid, threads, 0, stream, y, streams, post, comb, out, fn,
+                       p.tokens, p.hidden, chunk, small_splits, partial);
+      launch_finish<HC, false, 4>(p, partial, small_splits, out, base, scale, collapsed, next_post, next_comb, norm,
+                                  stream);
+      return cudaGetLastError();
+    }
+  }
   if (splits == 0 || workspace == nullptr || workspace_bytes < need) {  // hc_post, then hc_pre on its output
     const cudaError_t posted = launch_post<HC>(p, y, streams, post, comb, out, stream);
     if (posted != cudaSuccess) return posted;
@@ -689,7 +786,6 @@ cudaError_t launch_post_pre(const HyperConnectionParams& p, const float* y, cons
   auto* partial = static_cast<float*>(workspace);
   const dim3 grid(static_cast<unsigned>((p.tokens + kTcTokens - 1) / kTcTokens), static_cast<unsigned>(splits));
   // MEASUREMENT ONLY (session 25): DSV4_HC_POST_MIX=3 takes the 3-CTA build (150 registers) instead of the 4-CTA one.
-  const char* choice = std::getenv("DSV4_HC_POST_MIX");
   const auto kernel = choice != nullptr && std::strcmp(choice, "3") == 0 ? post_mix_tf32_kernel<HC, 3>
                                                                           : post_mix_tf32_kernel<HC, 4>;
   launch_dependent(kernel, grid, 32 * kTcWarps, 0, stream, y, streams, post, comb, out, fn, p.tokens, p.hidden,

@@ -228,8 +228,8 @@ TEST_F(CudaHyperConnection, FusedNormMatchesCpuTwin) {
 
 // hc_post_pre (a sublayer's hc_post, then the next sublayer's hc_pre with its norm fused) against the CPU's hc_post
 // then hc_pre then rms_norm, with post / comb overwritten in place as the model passes them: the new streams are
-// hc_post's bit for bit; the mixes, from 512 tokens made beside the new streams in one kernel, within the bounds of
-// check_pre. Also with DSV4_HC_POST_MIX=0 (the two calls).
+// hc_post's bit for bit; the mixes, made beside the new streams in one kernel (tensor cores from 512 tokens,
+// split-K below), within the bounds of check_pre. Also with DSV4_HC_POST_MIX=0 (the two calls).
 void check_post_pre(const Shape& s) {
   SCOPED_TRACE(::testing::Message() << s.tokens << " tokens, hc " << s.hc << ", D " << s.hidden);
   const int64_t mix = (2 + s.hc) * s.hc;
@@ -280,8 +280,10 @@ void check_post_pre(const Shape& s) {
 }
 
 TEST_F(CudaHyperConnection, PostPreMatchesCpuPostThenPre) {
-  for (const Shape& s : {Shape{1100, 4, 4096}, Shape{600, 4, 7168}, Shape{515, 2, 2048}, Shape{37, 4, 4096},
-                         Shape{3, 4, 256}, Shape{4, 2, 10}})
+  // From 512 tokens the tensor-core kernel, below it the split-K one (1 token: 128 splits), D 10 the two calls.
+  for (const Shape& s : {Shape{1100, 4, 4096}, Shape{600, 4, 7168}, Shape{515, 2, 2048}, Shape{1, 4, 4096},
+                         Shape{8, 4, 4096}, Shape{37, 4, 4096}, Shape{130, 4, 4096}, Shape{5, 4, 7168}, Shape{3, 4, 256},
+                         Shape{6, 2, 12}, Shape{4, 2, 10}})
     check_post_pre(s);
 }
 
