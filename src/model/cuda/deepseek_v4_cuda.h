@@ -34,6 +34,10 @@ struct CudaModelOptions {
   // There, at ≤ 8 rows: two GEMVs (ops/cuda/skinny_gemm) and the SwiGLU instead of the grouped expert kernel's
   // permutation, tiles and combine for one expert (bf16 / fp32 shared weights).
   bool shared_expert_gemv = true;
+  // One token (batch-1 decode), bf16 routed experts: the K chosen experts as gathered GEMVs (ops/cuda/skinny_gemm
+  // w_batch_index), the SwiGLU and a weighted combine, instead of the grouped kernel's permutation, tiles and
+  // combine.
+  bool routed_expert_gemv = true;
   bool device_sampling = true;  // sample next to the logits (ops/cuda/sampling.h); false: logits to the host
   // The dense projections a checkpoint stores FP8 (wq_a, wq_b, wkv, wo_b, indexer wq_b) stay FP8 on the
   // device and run DeepSeek's FP8 linear (per-128 activation quantization, block-scaled GEMM, ops/cuda/gemm.h

@@ -13,7 +13,7 @@ __global__ void combine_expert_rows_kernel(ExpertCombineParams p, const int32_t*
   for (int64_t j = threadIdx.x; j < p.hidden; j += blockDim.x) {
     float sum = 0.0f;
     for (int64_t k = 0; k < p.top_k; ++k) {
-      const int32_t slot = slots[t * p.top_k + k];
+      const int32_t slot = slots ? slots[t * p.top_k + k] : static_cast<int32_t>(t * p.top_k + k);
       if (slot >= 0) sum += weights[t * p.top_k + k] * expert_rows[slot * p.hidden + j];
     }
     if (shared_rows) sum += shared_rows[t * p.hidden + j];
@@ -32,7 +32,7 @@ __global__ void combine_expert_rows_vec4_kernel(ExpertCombineParams p, const int
   for (int64_t j = threadIdx.x; j < columns; j += blockDim.x) {
     float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     for (int64_t k = 0; k < p.top_k; ++k) {
-      const int32_t slot = slots[t * p.top_k + k];
+      const int32_t slot = slots ? slots[t * p.top_k + k] : static_cast<int32_t>(t * p.top_k + k);
       if (slot < 0) continue;
       const float w = weights[t * p.top_k + k];
       const float4 v = expert_rows[slot * columns + j];

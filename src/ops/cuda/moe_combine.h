@@ -13,7 +13,8 @@ struct ExpertCombineParams {
 };
 
 // out[t, :] = Σ_k weights[t, k] · expert_rows[slots[t, k], :] (k in order; a slot < 0 adds nothing)
-//             + shared_rows[t, :] (nullptr: none). fp32; slots int32 [tokens, top_k].
+//             + shared_rows[t, :] (nullptr: none). fp32; slots int32 [tokens, top_k], or nullptr for row t·top_k + k
+//             (the rows already in token-major order).
 cudaError_t combine_expert_rows(const ExpertCombineParams& p, const int32_t* slots, const float* weights,
                                 const float* expert_rows, const float* shared_rows, float* out, cudaStream_t stream);
 

@@ -67,10 +67,13 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2)
     const int line = static_cast<int>(item % batches_per_tile) * lines_per_batch_int + (u / 2) * warps + warp;
     return line * kLineK + (u % 2) * 32 + 8 * q;
   };
+  // This batch's weights: W + b · stride, or for gathered batches W + index[b] · stride (set after the wait).
+  const uint16_t* w_batch = w + b * p.w_batch_stride;
+  bool batch_valid = true;
   auto load_weights = [&](int64_t item, uint4 (&v)[kVectors]) {
     const int64_t tile = blockIdx.x + (item / batches_per_tile) * gridDim.x;
     const int64_t row = tile * kTileRows + g < p.out ? tile * kTileRows + g : p.out - 1;  // clamped: not stored
-    const uint16_t* wrow = w + b * p.w_batch_stride + row * p.w_stride;
+    const uint16_t* wrow = w_batch + row * p.w_stride;
     const int k0 = vector_k(item, 0);
 #pragma unroll
     for (int u = 0; u < kVectors; ++u) {
@@ -81,9 +84,18 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2)
   __shared__ float partial[kMaxWarps][16][kTileRows];  // [warp][token][row]
   uint4 wv[kVectors], next[kVectors];
   float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // (token g, rows 2q, 2q + 1), (token g + 8, rows 2q, 2q + 1)
-  if (items > 0) load_weights(0, wv);
-  wait_for_prior_grid();  // x (and y when accumulating) come from earlier kernels
-  allow_dependents();
+  if (p.w_batch_index == nullptr) {
+    if (items > 0) load_weights(0, wv);
+    wait_for_prior_grid();  // x (and y when accumulating) come from earlier kernels
+    allow_dependents();
+  } else {
+    wait_for_prior_grid();  // the index too
+    allow_dependents();
+    const int32_t index = p.w_batch_index[b];
+    batch_valid = index >= 0 && index < p.w_batch_count;
+    w_batch = w + (batch_valid ? int64_t{index} : 0) * p.w_batch_stride;
+    if (items > 0) load_weights(0, wv);
+  }
   // One work item: x loads, the next item's weight loads, the math, and at a tile's end the CTA reduction.
   // Two named register buffers (wv, next) swapped by unrolling the loop by two, not copied.
   auto run_item = [&](int64_t item, uint4 (&current)[kVectors], uint4 (&following)[kVectors]) {
@@ -117,6 +129,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2)
         if (t >= rows || row0 + r >= p.out) continue;
         float s = 0.0f;
         for (int k = 0; k < warps; ++k) s += partial[k][t][r];  // warp order: deterministic
+        if (!batch_valid) s = 0.0f;
         const int64_t at = b * p.y_batch_stride + t * p.y_stride + row0 + r;
         if (p.bf16_output) {
           static_cast<uint16_t*>(y)[at] = f32_to_bf16_bits(s);
@@ -223,7 +236,8 @@ bool skinny_gemm_supported(const SkinnyGemmParams& p, const void* w, const void*
   return p.rows >= 1 && p.rows <= kSkinnyMaxRows && p.out >= 1 && p.in >= 8 && p.in % 8 == 0 && p.in < (int64_t{1} << 30) &&
          p.w_stride % 8 == 0 && p.x_stride % 8 == 0 && p.w_batch_stride % 8 == 0 && p.x_batch_stride % 8 == 0 &&
          p.batch >= 1 && p.batch <= 65535 && (p.out + kTileRows - 1) / kTileRows <= 0x7fffffff &&
-         !(p.accumulate && p.bf16_output) && aligned(w) && aligned(x);
+         !(p.accumulate && p.bf16_output) && !(p.w_batch_index != nullptr && (p.accumulate || p.w_batch_count < 1)) &&
+         aligned(w) && aligned(x);
 }
 
 cudaError_t skinny_gemm(const SkinnyGemmParams& p, const void* w, const void* x, void* y,

@@ -31,6 +31,11 @@ struct SkinnyGemmParams {
           y_batch_stride = 0;  // elements (multiples of 8 for W and x)
   bool bf16_output = false;    // y rounded to bf16 (round to nearest even) instead of fp32
   bool accumulate = false;     // y += x · Wᵀ (fp32 y only)
+  // Gathered batches: batch b reads W + w_batch_index[b] · w_batch_stride (device int32 [batch], e.g. the routed
+  // experts a decode token chose; read after the PDL wait, so such a launch requests no weights before it). An
+  // index outside [0, w_batch_count) writes zeros for its batch. Not with `accumulate`.
+  const int32_t* w_batch_index = nullptr;
+  int64_t w_batch_count = 0;
 };
 
 // Whether the kernel takes these shapes and pointers (16-byte aligned W and x).

@@ -296,6 +296,15 @@ TEST(CudaModel, Bf16TracksCpuOnTheTinyModel) {
   expect_bf16_tolerance(compare(config, weights, CudaPrecision::kBf16, mixed_scripts(config.vocab_size)));
 }
 
+// One request alone: its decode steps have one token, where the routed experts run as gathered GEMVs
+// (routed_expert_gemv) and the shared expert as GEMVs on its stream; within bf16 tolerance of the CPU.
+TEST(CudaModel, Bf16BatchOneDecodeTracksCpu) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig config = tiny_config();
+  const ModelWeights weights = random_weights(config, 23);
+  expect_bf16_tolerance(compare(config, weights, CudaPrecision::kBf16, {{random_ids(40, config.vocab_size, 9), 16, 40}}));
+}
+
 // Greedy agreement over 1,000 decode steps (4 requests × 250, one batch; positions 20-290 cross the window, the
 // CSA entries and the HCA ratio), both models fed the CPU's greedy tokens; compared: the decode steps and the last
 // position of each prompt chunk (2-3 per request). `bar`: the fraction of steps that must agree.

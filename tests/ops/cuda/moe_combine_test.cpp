@@ -1,7 +1,7 @@
 // combine_expert_rows (the host-grouped and expert-parallel MoE's last step) against the naive formula on random
 // rows: out[t] = Σ_k w[t, k] · rows[slot[t, k]] (k in order, slots < 0 skipped) + shared[t]. The float4 path
 // (hidden % 4 == 0) and the scalar path (odd widths), with and without the shared rows; the float4 path must equal
-// the scalar path bit for bit (same operations per element). Skips without a GPU.
+// the scalar path bit for bit (same operations per element); null slots (rows in token order). Skips without a GPU.
 #include <gtest/gtest.h>
 
 #include <random>
@@ -84,6 +84,23 @@ TEST_F(CudaMoeCombine, MatchesTheFormulaOnBothPaths) {
             << "the float4 and the scalar path differ";
       }
     }
+}
+
+// slots nullptr: row t·top_k + k, bitwise the call with those slots spelled out (both paths).
+TEST_F(CudaMoeCombine, NullSlotsReadTheRowsInTokenOrder) {
+  for (const int64_t hidden : {int64_t{4096}, int64_t{10}}) {
+    SCOPED_TRACE(::testing::Message() << "hidden " << hidden);
+    const int64_t tokens = 3, top_k = 6;
+    Case c = random_case(tokens, top_k, hidden, tokens * top_k, static_cast<uint32_t>(hidden + 7));
+    for (size_t i = 0; i < c.slots.size(); ++i) c.slots[i] = static_cast<int32_t>(i);
+    const std::vector<float> explicit_slots = run(c, tokens, top_k, hidden, true);
+    DeviceArray<float> d_weights(c.weights), d_rows(c.rows), d_shared(c.shared);
+    DeviceArray<float> d_out(static_cast<size_t>(tokens * hidden));
+    ASSERT_EQ(combine_expert_rows({tokens, top_k, hidden}, nullptr, d_weights.get(), d_rows.get(), d_shared.get(),
+                                  d_out.get(), nullptr),
+              cudaSuccess);
+    EXPECT_TRUE(bitwise_equal(d_out.download(), explicit_slots));
+  }
 }
 
 }  // namespace

@@ -156,6 +156,50 @@ TEST_F(CudaSkinnyGemm, RejectsWhatItDoesNotTake) {
   EXPECT_FALSE(skinny_gemm_supported(p, buffer.get(), buffer.get()));
 }
 
+// Gathered batches (w_batch_index): batch b multiplies expert index[b] of a stack of 8, as a batch-1 decode's
+// routed experts; a repeated expert, and indices outside the stack write zeros.
+TEST_F(CudaSkinnyGemm, GatheredBatchesReadTheIndexedWeights) {
+  constexpr int64_t kExperts = 8, kOut = 72, kIn = 200;
+  const std::vector<int32_t> index = {3, 0, 7, 7, -1, 9};
+  const auto batches = static_cast<int64_t>(index.size());
+  const auto w = random_bf16(static_cast<size_t>(kExperts * kOut * kIn), 41);
+  for (const bool per_batch_x : {false, true}) {
+    SCOPED_TRACE(per_batch_x ? "x per batch" : "one x");
+    const auto x = random_bf16(static_cast<size_t>((per_batch_x ? batches : 1) * kIn), 42);
+    DeviceArray<uint16_t> dw(w), dx(x);
+    DeviceArray<int32_t> dindex(index);
+    DeviceArray<float> dy(static_cast<size_t>(batches * kOut));
+    SkinnyGemmParams p = plain(1, kOut, kIn);
+    p.batch = batches;
+    p.w_batch_stride = kOut * kIn;
+    p.x_batch_stride = per_batch_x ? kIn : 0;
+    p.y_batch_stride = kOut;
+    p.w_batch_index = dindex.get();
+    p.w_batch_count = kExperts;
+    ASSERT_TRUE(skinny_gemm_supported(p, dw.get(), dx.get()));
+    ASSERT_EQ(skinny_gemm(p, dw.get(), dx.get(), dy.get(), nullptr), cudaSuccess);
+    const std::vector<float> actual = dy.download();
+    for (int64_t b = 0; b < batches; ++b)
+      for (int64_t o = 0; o < kOut; ++o) {
+        const float got = actual[static_cast<size_t>(b * kOut + o)];
+        if (index[b] < 0 || index[b] >= kExperts) {
+          ASSERT_EQ(got, 0.0f) << "batch " << b;
+          continue;
+        }
+        double sum = 0.0, magnitude = 0.0;
+        for (int64_t i = 0; i < kIn; ++i) {
+          const double product = static_cast<double>(bf16_to_f32(w[(index[b] * kOut + o) * kIn + i])) *
+                                  bf16_to_f32(x[(per_batch_x ? b : 0) * kIn + i]);
+          sum += product;
+          magnitude += std::abs(product);
+        }
+        ASSERT_NEAR(got, sum, 1e-6 * magnitude) << "batch " << b << " out " << o;
+      }
+    p.accumulate = true;  // gathered batches do not accumulate
+    EXPECT_FALSE(skinny_gemm_supported(p, dw.get(), dx.get()));
+  }
+}
+
 // skinny_gemm_f32 (the fp32 router GEMV) against an fp64 product of the same fp32 values: 1..8 rows, V4-Flash's
 // router (256 × 4096), the 4-layer cut's (16 × 4096), odd out, `in` shorter than one pass of the CTA, padded
 // strides; poisoned outputs, bitwise repeat, rejected shapes.
