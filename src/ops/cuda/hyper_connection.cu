@@ -57,6 +57,33 @@ __device__ __forceinline__ float sigmoid(float x) { return __fdiv_rn(1.0f, __fad
 // m·scale + base, each operation rounded (the CPU's expression, never an FMA).
 __device__ __forceinline__ float affine(float m, float scale, float base) { return __fadd_rn(__fmul_rn(m, scale), base); }
 
+// The split-K kernels' epilogue: each thread's sums acc[t][v] of its columns, added over the CTA (warp shuffles,
+// then the warps in order) into partial[((t0 + t) · splits + split) · NV + v].
+template <int TT, int NV>
+__device__ __forceinline__ void store_split_partials(float (&acc)[TT][NV], int64_t t0, int64_t tokens, int split,
+                                                     int splits, float* partial) {
+  __shared__ float warp_sums[kWarps][TT * NV];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int t = 0; t < TT; ++t)
+#pragma unroll
+    for (int v = 0; v < NV; ++v) {
+      float s = acc[t][v];
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) s += __shfl_xor_sync(kFull, s, offset);
+      if (lane == 0) warp_sums[warp][t * NV + v] = s;
+    }
+  __syncthreads();
+  const int warps = static_cast<int>(blockDim.x / 32);
+  for (int i = threadIdx.x; i < TT * NV; i += blockDim.x) {
+    const int t = i / NV, v = i - t * NV;
+    if (t0 + t >= tokens) continue;
+    float s = 0.0f;
+    for (int w = 0; w < warps; ++w) s += warp_sums[w][i];
+    partial[((t0 + t) * splits + split) * NV + v] = s;
+  }
+}
+
 // partial[(t·splits + split)·(NOUT+1) + o] = Σ over this split's columns of h[t]·fn[o] (o < NOUT), and of h[t]²
 // (o = NOUT). grid (ceil(tokens / kTokensPerCta), splits); `chunk` columns (in VEC units) per split, blockDim.x
 // (a multiple of 32, ≤ kThreads) threads: at decode the splits are narrow (a warp or two of columns each) so that
@@ -100,26 +127,7 @@ __global__ void __launch_bounds__(kThreads) mix_partial_kernel(const float* __re
       for (int t = 0; t < TT; ++t) acc[t][o] = fma_dot(xv[t], f, acc[t][o]);
     }
   }
-  __shared__ float warp_sums[kWarps][TT * NV];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int t = 0; t < TT; ++t)
-#pragma unroll
-    for (int v = 0; v < NV; ++v) {
-      float s = acc[t][v];
-#pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2) s += __shfl_xor_sync(kFull, s, offset);
-      if (lane == 0) warp_sums[warp][t * NV + v] = s;
-    }
-  __syncthreads();
-  const int warps = static_cast<int>(blockDim.x / 32);
-  for (int i = threadIdx.x; i < TT * NV; i += blockDim.x) {
-    const int t = i / NV, v = i - t * NV;
-    if (t0 + t >= tokens) continue;
-    float s = 0.0f;
-    for (int w = 0; w < warps; ++w) s += warp_sums[w][i];
-    partial[((t0 + t) * splits + split) * NV + v] = s;
-  }
+  store_split_partials<TT, NV>(acc, t0, tokens, split, splits, partial);
 }
 
 // Tensor-core mixes for prefill-sized batches: the same partial sums (layout and meaning) as mix_partial_kernel.
@@ -167,6 +175,44 @@ __device__ __forceinline__ void mma_3xtf32_step(float (&acc)[NT][4], float lo0, 
   }
 }
 
+// The tensor cores add into their fp32 accumulator without rounding to nearest, so a long chain drifts: every few
+// blocks of 16 columns the accumulator is added into `total` (round to nearest) and restarted.
+template <int NT>
+__device__ __forceinline__ void fold_chain(float (&acc)[NT][4], float (&total)[NT][4]) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      total[nt][i] += acc[nt][i];
+      acc[nt][i] = 0.0f;
+    }
+}
+
+// The tensor-core kernels' epilogue: a warp's 16 rows (row_lo = its g, row_hi = g + 8) of mixes and sums of
+// squares into partial[(row · splits + split) · (NOUT + 1) + o]; acc[nt][e] is row g (e < 2) or g + 8, output
+// 8·nt + 2t + e % 2, and the 4 lanes of a row each hold a quarter of its squares.
+template <int NOUT, int NT>
+__device__ __forceinline__ void store_tf32_partials(float (&acc)[NT][4], float (&total)[NT][4], float squares_lo,
+                                                    float squares_hi, int64_t row_lo, int64_t row_hi, int t,
+                                                    int64_t tokens, int split, int splits, float* partial) {
+  constexpr int NV = NOUT + 1;
+  fold_chain<NT>(acc, total);
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int o = 8 * nt + 2 * t + (e & 1);
+      const int64_t row = e < 2 ? row_lo : row_hi;
+      if (o < NOUT && row < tokens) partial[(row * splits + split) * NV + o] = total[nt][e];
+    }
+  squares_lo += __shfl_xor_sync(kFull, squares_lo, 1);
+  squares_lo += __shfl_xor_sync(kFull, squares_lo, 2);
+  squares_hi += __shfl_xor_sync(kFull, squares_hi, 1);
+  squares_hi += __shfl_xor_sync(kFull, squares_hi, 2);
+  if (t == 0 && row_lo < tokens) partial[(row_lo * splits + split) * NV + NOUT] = squares_lo;
+  if (t == 0 && row_hi < tokens) partial[(row_hi * splits + split) * NV + NOUT] = squares_hi;
+}
+
 // grid (ceil(tokens / kTcTokens), splits), kTcWarps warps; `chunk` columns per split, a multiple of 16, as is
 // width; streams and fn 16-byte aligned.
 template <int NOUT>
@@ -176,7 +222,7 @@ __global__ void __launch_bounds__(32 * kTcWarps) mix_partial_tf32_kernel(const f
                                                                         float* __restrict__ partial) {
   wait_for_prior_grid();
   allow_dependents();
-  constexpr int NT = (NOUT + 7) / 8, NV = NOUT + 1;
+  constexpr int NT = (NOUT + 7) / 8;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   const int split = static_cast<int>(blockIdx.y);
   const int64_t row_lo = static_cast<int64_t>(blockIdx.x) * kTcTokens + warp * 16 + g, row_hi = row_lo + 8;
@@ -190,9 +236,8 @@ __global__ void __launch_bounds__(32 * kTcWarps) mix_partial_tf32_kernel(const f
     valid_f[nt] = 8 * nt + g < NOUT;
     f[nt] = fn + (valid_f[nt] ? 8 * nt + g : 0) * width;
   }
-  // The tensor cores add into their fp32 accumulator without rounding to nearest (the sums are truncated), so a
-  // long chain drifts: one accumulator over a 2,048-column split measured 9e-5 relative error in post. Every
-  // kChain blocks of 16 columns the accumulator is added into `total` (round to nearest) and restarted.
+  // The accumulator chain (fold_chain): one accumulator over a 2,048-column split measured 9e-5 relative error
+  // in post; restarted every kChain blocks of 16 columns it stays within the fp32 twin's bounds.
   constexpr int kChain = 4;
   float acc[NT][4], total[NT][4];
 #pragma unroll
@@ -221,34 +266,10 @@ __global__ void __launch_bounds__(32 * kTcWarps) mix_partial_tf32_kernel(const f
     mma_3xtf32_step<NT>(acc, lo.z, hi.z, lo.w, hi.w, b[2], b[3]);
     if (++blocks == kChain) {  // warp-uniform: every lane runs the same number of blocks
       blocks = 0;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          total[nt][i] += acc[nt][i];
-          acc[nt][i] = 0.0f;
-        }
+      fold_chain<NT>(acc, total);
     }
   }
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[nt][i] += total[nt][i];
-  // acc[nt][e]: row g (e < 2) or g + 8, output 8·nt + 2t + e % 2.
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int o = 8 * nt + 2 * t + (e & 1);
-      const int64_t row = e < 2 ? row_lo : row_hi;
-      if (o < NOUT && row < tokens) partial[(row * splits + split) * NV + o] = acc[nt][e];
-    }
-  squares_lo += __shfl_xor_sync(kFull, squares_lo, 1);
-  squares_lo += __shfl_xor_sync(kFull, squares_lo, 2);
-  squares_hi += __shfl_xor_sync(kFull, squares_hi, 1);
-  squares_hi += __shfl_xor_sync(kFull, squares_hi, 2);
-  if (t == 0 && valid_lo) partial[(row_lo * splits + split) * NV + NOUT] = squares_lo;
-  if (t == 0 && valid_hi) partial[(row_hi * splits + split) * NV + NOUT] = squares_hi;
+  store_tf32_partials<NOUT, NT>(acc, total, squares_lo, squares_hi, row_lo, row_hi, t, tokens, split, splits, partial);
 }
 
 // hc_post fused with the next sublayer's tensor-core mixes (prefill): the streams hc_post writes are the A operand
@@ -266,7 +287,7 @@ __global__ void __launch_bounds__(32 * kTcWarps, kMinBlocks) post_mix_tf32_kerne
     int64_t chunk, int splits, float* __restrict__ partial) {
   wait_for_prior_grid();
   allow_dependents();
-  constexpr int NOUT = (2 + HC) * HC, NT = (NOUT + 7) / 8, NV = NOUT + 1;
+  constexpr int NOUT = (2 + HC) * HC, NT = (NOUT + 7) / 8;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   const int split = static_cast<int>(blockIdx.y);
   const int64_t width = HC * D;
@@ -348,34 +369,11 @@ __global__ void __launch_bounds__(32 * kTcWarps, kMinBlocks) post_mix_tf32_kerne
       mma_3xtf32_step<NT>(acc, lo.z, hi.z, lo.w, hi.w, b[2], b[3]);
       if (++blocks == kChainBlocks) {  // warp-uniform
         blocks = 0;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            total[nt][i] += acc[nt][i];
-            acc[nt][i] = 0.0f;
-          }
+        fold_chain<NT>(acc, total);
       }
     }
   }
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[nt][i] += total[nt][i];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int o = 8 * nt + 2 * t + (e & 1);
-      const int64_t row = e < 2 ? row_lo : row_hi;
-      if (o < NOUT && row < tokens) partial[(row * splits + split) * NV + o] = acc[nt][e];
-    }
-  squares_lo += __shfl_xor_sync(kFull, squares_lo, 1);
-  squares_lo += __shfl_xor_sync(kFull, squares_lo, 2);
-  squares_hi += __shfl_xor_sync(kFull, squares_hi, 1);
-  squares_hi += __shfl_xor_sync(kFull, squares_hi, 2);
-  if (t == 0 && valid_lo) partial[(row_lo * splits + split) * NV + NOUT] = squares_lo;
-  if (t == 0 && valid_hi) partial[(row_hi * splits + split) * NV + NOUT] = squares_hi;
+  store_tf32_partials<NOUT, NT>(acc, total, squares_lo, squares_hi, row_lo, row_hi, t, tokens, split, splits, partial);
 }
 
 // hc_post fused with the next sublayer's split-K mixes (decode-sized batches, below the tensor-core mixes): the
@@ -430,26 +428,7 @@ __global__ void __launch_bounds__(kThreads) post_mix_partial_kernel(
       for (int t = 0; t < TT; ++t) acc[t][o] = fma_dot(value[t], f, acc[t][o]);
     }
   }
-  __shared__ float warp_sums[kWarps][TT * NV];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int t = 0; t < TT; ++t)
-#pragma unroll
-    for (int v = 0; v < NV; ++v) {
-      float s = acc[t][v];
-#pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2) s += __shfl_xor_sync(kFull, s, offset);
-      if (lane == 0) warp_sums[warp][t * NV + v] = s;
-    }
-  __syncthreads();
-  const int warps = static_cast<int>(blockDim.x / 32);
-  for (int i = threadIdx.x; i < TT * NV; i += blockDim.x) {
-    const int t = i / NV, v = i - t * NV;
-    if (t0 + t >= tokens) continue;
-    float s = 0.0f;
-    for (int w = 0; w < warps; ++w) s += warp_sums[w][i];
-    partial[((t0 + t) * splits + split) * NV + v] = s;
-  }
+  store_split_partials<TT, NV>(acc, t0, tokens, split, splits, partial);
 }
 
 // One CTA per token: the mixes from the splits, pre (and for hc_pre post and the Sinkhorn comb), the collapse,
