@@ -103,7 +103,7 @@ CaseResult hc_post_case(int64_t tokens, int iterations) {
 }
 
 // hc_post then the next hc_pre (norm fused), as the model calls them between sublayers: one kernel for the new
-// streams and their mixes, or the two calls (`fused` false: DSV4_HC_POST_MIX=0).
+// streams and their mixes (`fused`: DSV4_HC_POST_MIX=1), or the two calls.
 CaseResult hc_post_pre_case(int64_t tokens, bool fused, int iterations) {
   const int64_t width = kHc * kHidden, mixes = (2 + kHc) * kHc;
   float* y = random_floats(tokens * kHidden, 31);
@@ -126,14 +126,19 @@ CaseResult hc_post_pre_case(int64_t tokens, bool fused, int iterations) {
   DSV4_CUDA_OK(cudaMalloc(&workspace, workspace_bytes));
   const ops::cuda::HyperConnectionParams p{tokens, kHc, kHidden, 20, 1e-6f, 1e-6f};
   const ops::cuda::CollapseNorm norm{norm_weight, 1e-6f, bf16};
-  if (!fused) setenv("DSV4_HC_POST_MIX", "0", 1);
+  // Opt-in (ops/cuda/hyper_connection.h): "1" fuses; a caller's "3" (the 3-CTA build) is kept.
+  const char* before = std::getenv("DSV4_HC_POST_MIX");
+  const std::string saved = before ? before : "";
+  if (!fused) unsetenv("DSV4_HC_POST_MIX");
+  else if (saved != "3") setenv("DSV4_HC_POST_MIX", "1", 1);
   const double us = time_kernel_us(
       [&] {
         DSV4_CUDA_OK(ops::cuda::hc_post_pre(p, y, streams, post, comb, out, fn, base, scale, collapsed, next_post,
                                           next_comb, workspace, workspace_bytes, nullptr, &norm));
       },
       iterations);
-  unsetenv("DSV4_HC_POST_MIX");
+  if (before) setenv("DSV4_HC_POST_MIX", saved.c_str(), 1);
+  else unsetenv("DSV4_HC_POST_MIX");
   CaseResult r;
   r.name = shape(fused ? "hc_post + hc_pre" : "hc_post + hc_pre (two calls)", tokens);
   r.microseconds = us;

@@ -209,7 +209,7 @@ LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& o
   cuda_options.precision =
       options.dtype == "f32" || options.dtype == "float32" ? CudaPrecision::kF32 : CudaPrecision::kBf16;
   // Switches for measuring what each mechanism gains (docs/gpu.md): DSV4_CUDA_GRAPHS=0,
-  // DSV4_INDEXER_STREAM=0, DSV4_KV_STREAM=0, DSV4_SHARED_EXPERT_STREAM=0, DSV4_SHARED_EXPERT_GEMV=0, DSV4_ROUTED_EXPERT_GEMV=0,
+  // DSV4_INDEXER_STREAM=0, DSV4_KV_STREAM=0, DSV4_SHARED_EXPERT_STREAM=0,
   // DSV4_DEVICE_SAMPLING=0, DSV4_LOW_BIT_EXPERTS=0 (MXFP4 / --expert-bits routed
   // experts decoded to bf16 at upload instead of in the kernel); and the opt-in DSV4_FP8_WEIGHTS=1 (FP8
   // projections kept FP8 with FP8 GEMMs, bf16 mode).
@@ -222,8 +222,10 @@ LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& o
   cuda_options.indexer_stream = !switched_off("DSV4_INDEXER_STREAM");
   cuda_options.kv_stream = !switched_off("DSV4_KV_STREAM");
   cuda_options.shared_expert_stream = !switched_off("DSV4_SHARED_EXPERT_STREAM");
-  cuda_options.shared_expert_gemv = !switched_off("DSV4_SHARED_EXPERT_GEMV");
-  cuda_options.routed_expert_gemv = !switched_off("DSV4_ROUTED_EXPERT_GEMV");
+  // Opt-in until measured on a GPU (docs/gpu.md): the decode GEMV paths of the MoE and the early window write.
+  cuda_options.shared_expert_gemv = switched("DSV4_SHARED_EXPERT_GEMV", "1");
+  cuda_options.routed_expert_gemv = switched("DSV4_ROUTED_EXPERT_GEMV", "1");
+  cuda_options.early_window_write = switched("DSV4_EARLY_WINDOW_WRITE", "1");
   cuda_options.device_sampling = !switched_off("DSV4_DEVICE_SAMPLING");
   cuda_options.low_bit_experts = !switched_off("DSV4_LOW_BIT_EXPERTS");
   // Opt-in: it halves the dense projections' memory, but measured prefill is slower than bf16 (docs/gpu.md

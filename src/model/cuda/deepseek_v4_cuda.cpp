@@ -1331,7 +1331,7 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
       DSV4_CU(cu::write_window(wp, on));
     }
   };
-  const bool window_early = step.max_chunk == 1;
+  const bool window_early = options.early_window_write && step.max_chunk == 1;
   if (window_early) write_window_rows(kvs);
   // Compressed entries first: a query sees the entries its own chunk completes.
   if (type != AttentionType::kSlidingWindow)

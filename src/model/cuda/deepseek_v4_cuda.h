@@ -31,13 +31,18 @@ struct CudaModelOptions {
   bool indexer_stream = true;  // the CSA indexer on its own stream, joined before attention
   bool kv_stream = true;  // the K=V projection, norm + RoPE and main compressor beside the query path
   bool shared_expert_stream = true;  // the MoE shared expert beside the router and the routed experts
-  // There, at ≤ 8 rows: two GEMVs (ops/cuda/skinny_gemm) and the SwiGLU instead of the grouped expert kernel's
-  // permutation, tiles and combine for one expert (bf16 / fp32 shared weights).
-  bool shared_expert_gemv = true;
-  // One token (batch-1 decode), bf16 routed experts: the K chosen experts as gathered GEMVs (ops/cuda/skinny_gemm
-  // w_batch_index), the SwiGLU and a weighted combine, instead of the grouped kernel's permutation, tiles and
-  // combine.
-  bool routed_expert_gemv = true;
+  // Opt-in decode paths written 2026-12-06 (session 25) whose device time ran out before they ran on a GPU; the
+  // CLI turns each on with its variable = 1, and CudaModel.Bf16BatchOneDecodeTracksCpu runs them all. To become
+  // the default once the GPU suite passes with them and `bench latency` measures the gain (docs/PERF.md).
+  // - the shared expert on its stream at ≤ 8 rows as two GEMVs (ops/cuda/skinny_gemm) and the SwiGLU instead of
+  //   the grouped expert kernel's permutation, tiles and combine for one expert (DSV4_SHARED_EXPERT_GEMV);
+  bool shared_expert_gemv = false;
+  // - one token (batch-1 decode), bf16 routed experts: the K chosen experts as gathered GEMVs (skinny_gemm
+  //   w_batch_index), the SwiGLU and a weighted combine, instead of the grouped kernel (DSV4_ROUTED_EXPERT_GEMV);
+  bool routed_expert_gemv = false;
+  // - a pure decode step's window write on the K=V stream before its join, off the query's chain
+  //   (DSV4_EARLY_WINDOW_WRITE).
+  bool early_window_write = false;
   bool device_sampling = true;  // sample next to the logits (ops/cuda/sampling.h); false: logits to the host
   // The dense projections a checkpoint stores FP8 (wq_a, wq_b, wkv, wo_b, indexer wq_b) stay FP8 on the
   // device and run DeepSeek's FP8 linear (per-128 activation quantization, block-scaled GEMM, ops/cuda/gemm.h

@@ -178,6 +178,11 @@ Gemm::~Gemm() {
 // the 64 MiB projections (0.95-1.05x) and beats it 1.3-2x on the 4-8 MiB ones (wq_a, wkv: cuBLASLt's split-K
 // pays a reduction launch); at 9-16 rows its smaller batches in flight lose on the large matrices (0.6-0.8x).
 namespace {
+bool skinny_f32_enabled() {
+  const char* value = std::getenv("DSV4_SKINNY_F32");
+  return value != nullptr && std::string(value) == "1";
+}
+
 bool skinny_preferred(const SkinnyGemmParams& p) {
   const int64_t weight_bytes = 2 * p.out * p.in;
   return p.rows <= 8 || weight_bytes <= (int64_t{16} << 20);
@@ -231,9 +236,10 @@ Gemm::Plan& Gemm::plan(const Key& key, const void* w, const void* x, void* y, cu
   sp.y_batch_stride = y_batch;
   sp.bf16_output = output == CUDA_R_16BF;
   sp.accumulate = accumulate;
-  // fp32 weights of at most 4M elements at decode rows (the router): the one-kernel fp32 GEMV.
-  plan->skinny_f32 = operand == CUDA_R_32F && output == CUDA_R_32F && out * in <= (int64_t{4} << 20) &&
-                     skinny_gemm_f32_supported(sp, w, x);
+  // fp32 weights of at most 4M elements at decode rows (the router): the one-kernel fp32 GEMV. Opt-in
+  // (DSV4_SKINNY_F32=1) until it has run on a GPU (written 2026-12-06; its op test is CudaSkinnyGemm.Fp32*).
+  plan->skinny_f32 = skinny_f32_enabled() && operand == CUDA_R_32F && output == CUDA_R_32F &&
+                     out * in <= (int64_t{4} << 20) && skinny_gemm_f32_supported(sp, w, x);
   const bool skinny_candidate = operand == CUDA_R_16BF && skinny_gemm_supported(sp, w, x);
   // DSV4_SKINNY_GEMM=0 keeps cuBLASLt everywhere, DSV4_GEMM_AUTOTUNE=1 times the two.
   plan->skinny = skinny_candidate && skinny_preferred(sp);

@@ -452,25 +452,14 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
   // dependent L2 round trips, the largest part of this kernel at decode (128 splits for one token).
   __shared__ float staged[kMaxSplits * NV];
   __shared__ float norm_sums[kWarps];
-  __shared__ float split_sums[kWarps][32];
   const int64_t t = blockIdx.x;
   for (int i = threadIdx.x; i < splits * NV; i += kThreads) staged[i] = partial[t * splits * NV + i];
-  __syncthreads();
-  // The splits summed by all 8 warps (warp w: splits w, w + 8, …), then the 8 sums in warp order: a chain of
-  // splits / 8 + 8 dependent adds instead of splits (128 at decode, ~2 µs of a 9 µs kernel, H100 ncu).
-  {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float s = 0.0f;
-    if (lane < NV)
-      for (int split = warp; split < splits; split += kWarps) s += staged[split * NV + lane];
-    split_sums[warp][lane] = s;
-  }
   __syncthreads();
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
     float s = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) s += split_sums[w][lane];
+    if (lane < NV)
+      for (int split = 0; split < splits; ++split) s += staged[split * NV + lane];  // the same order as before
     const float sumsq = __shfl_sync(kFull, s, NOUT);
     // The CPU's rms_norm scale: 1 / sqrt(mean(h²) + eps); the mix is rms(h)·fnᵀ = scale · Σ h·fn.
     const float rms = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sumsq, static_cast<float>(HC * D)), norm_eps)));
@@ -708,16 +697,23 @@ cudaError_t launch_post(const HyperConnectionParams& p, const float* y, const fl
 // Splits over the hidden columns of post_mix_tf32_kernel, or 0 where it does not apply (the conditions of the
 // tensor-core mix, rows and fn 16-byte aligned, or DSV4_HC_POST_MIX=0, read per call, to measure the two). Up to
 // about 512 CTAs, as tensor_core_splits, each split a multiple of 16 hidden columns.
+// The fused kernels are opt-in until they have run on a GPU (written 2026-12-06, session 25, whose device time ran
+// out): DSV4_HC_POST_MIX=1 (or 3: the tensor-core kernel's 3-CTA build, to measure), read per call; otherwise
+// hc_post_pre is hc_post then hc_pre.
+bool post_mix_enabled() {
+  const char* choice = std::getenv("DSV4_HC_POST_MIX");
+  return choice != nullptr && (std::strcmp(choice, "1") == 0 || std::strcmp(choice, "3") == 0);
+}
+
 int post_mix_splits(const HyperConnectionParams& p, const float* y, const float* streams, const float* out,
                     const float* fn) {
   const bool vec4 = p.hidden % 16 == 0 && aligned16(y) && aligned16(streams) && aligned16(out) && aligned16(fn);
   if (tensor_core_splits(p.tokens, p.hc * p.hidden, vec4) == 0) return 0;
-  const char* choice = std::getenv("DSV4_HC_POST_MIX");
-  if (choice != nullptr && std::strcmp(choice, "0") == 0) return 0;
+  if (!post_mix_enabled()) return 0;
   const int64_t blocks = (p.tokens + kTcTokens - 1) / kTcTokens;
   int splits = 1;
   while (splits < kTensorCoreMaxSplits && blocks * splits < 512 && p.hidden % (32 * splits) == 0) splits *= 2;
-  // MEASUREMENT ONLY (session 25): DSV4_HC_POST_MIX_SPLITS=n overrides the split count.
+  // To measure: DSV4_HC_POST_MIX_SPLITS=n overrides the split count.
   if (const char* forced = std::getenv("DSV4_HC_POST_MIX_SPLITS")) {
     const int n = std::atoi(forced);
     if (n >= 1 && n <= kTensorCoreMaxSplits && p.hidden % (16 * n) == 0) splits = n;
@@ -734,7 +730,7 @@ cudaError_t launch_post_pre(const HyperConnectionParams& p, const float* y, cons
   constexpr int NOUT = (2 + HC) * HC;
   const size_t need = static_cast<size_t>(p.tokens) * splits * (NOUT + 1) * sizeof(float);
   const char* choice = std::getenv("DSV4_HC_POST_MIX");
-  const bool fuse = choice == nullptr || std::strcmp(choice, "0") != 0;
+  const bool fuse = post_mix_enabled();
   const bool vec4 = p.hidden % 4 == 0 && aligned16(y) && aligned16(streams) && aligned16(out) && aligned16(fn);
   if (splits == 0 && fuse && vec4 && tensor_core_splits(p.tokens, p.hc * p.hidden, vec4) == 0) {
     // Split-K sizes as hc_pre's mix_partial_kernel takes them (mix_splits over the flattened float4 columns),
@@ -764,7 +760,7 @@ cudaError_t launch_post_pre(const HyperConnectionParams& p, const float* y, cons
   }
   auto* partial = static_cast<float*>(workspace);
   const dim3 grid(static_cast<unsigned>((p.tokens + kTcTokens - 1) / kTcTokens), static_cast<unsigned>(splits));
-  // MEASUREMENT ONLY (session 25): DSV4_HC_POST_MIX=3 takes the 3-CTA build (150 registers) instead of the 4-CTA one.
+  // To measure: DSV4_HC_POST_MIX=3 takes the 3-CTA build (150 registers) instead of the 4-CTA one (128).
   const auto kernel = choice != nullptr && std::strcmp(choice, "3") == 0 ? post_mix_tf32_kernel<HC, 3>
                                                                           : post_mix_tf32_kernel<HC, 4>;
   launch_dependent(kernel, grid, 32 * kTcWarps, 0, stream, y, streams, post, comb, out, fn, p.tokens, p.hidden,

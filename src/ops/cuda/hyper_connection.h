@@ -52,9 +52,10 @@ cudaError_t hc_post(const HyperConnectionParams& p, const float* y, const float*
                     const float* comb, float* out, cudaStream_t stream);
 
 // hc_post, then the next sublayer's hc_pre on its output `out` (the same results as the two calls; `out` bitwise
-// hc_post's). One kernel makes the new streams and their mix partial sums together (from 512 tokens on the
-// tensor cores, below in split-K as hc_pre's mixes): the streams are read once fewer at prefill, and a decode
-// step has one dependent kernel fewer (DSV4_HC_POST_MIX=0: the two calls, to measure). post / comb are read
+// hc_post's). With DSV4_HC_POST_MIX=1 one kernel makes the new streams and their mix partial sums together (from
+// 512 tokens on the tensor cores, below in split-K as hc_pre's mixes): the streams are read once fewer at
+// prefill, and a decode step has one dependent kernel fewer. Opt-in until measured on a GPU (the first tensor-core
+// version was slower than the two calls at 4K tokens, docs/PERF.md); otherwise the two calls. post / comb are read
 // before next_post / next_comb are written, which may alias them.
 cudaError_t hc_post_pre(const HyperConnectionParams& p, const float* y, const float* streams, const float* post,
                         const float* comb, float* out, const float* fn, const float* base, const float* scale,

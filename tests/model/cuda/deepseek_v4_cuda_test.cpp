@@ -102,7 +102,7 @@ ModelWeights rounded_to_bf16(ModelWeights weights) {
 
 Comparison compare(const ModelConfig& config, const ModelWeights& weights, CudaPrecision precision,
                    const std::vector<Script>& scripts, bool fp8_weights = true, bool cpu_twin = true,
-                   bool low_bit_experts = true) {
+                   bool low_bit_experts = true, CudaModelOptions options = {}) {
   // The CPU twin of the GPU's FP8 linears (bf16 mode) quantizes their inputs the same way, and with
   // config.fp8_kv_cache simulates its FP8 K=V entries (cpu_twin false: the plain CPU model, to measure what the
   // twin accounts for).
@@ -112,7 +112,6 @@ Comparison compare(const ModelConfig& config, const ModelWeights& weights, CudaP
         precision == CudaPrecision::kBf16 ? Fp8Activations::kFromBf16 : Fp8Activations::kFromFp32;
   if (!cpu_twin) cpu_config.fp8_kv_cache = false;
   DeepseekV4Model cpu(cpu_config, precision == CudaPrecision::kBf16 ? rounded_to_bf16(weights) : weights);
-  CudaModelOptions options;
   options.precision = precision;
   options.fp8_weights = fp8_weights;
   options.low_bit_experts = low_bit_experts;
@@ -296,13 +295,53 @@ TEST(CudaModel, Bf16TracksCpuOnTheTinyModel) {
   expect_bf16_tolerance(compare(config, weights, CudaPrecision::kBf16, mixed_scripts(config.vocab_size)));
 }
 
-// One request alone: its decode steps have one token, where the routed experts run as gathered GEMVs
-// (routed_expert_gemv) and the shared expert as GEMVs on its stream; within bf16 tolerance of the CPU.
-TEST(CudaModel, Bf16BatchOneDecodeTracksCpu) {
+// The opt-in decode paths of 2026-12-06 (CudaModelOptions: shared / routed expert GEMVs, the early window write;
+// DSV4_HC_POST_MIX=1: hc_post fused with the next mixes; DSV4_SKINNY_F32=1: the fp32 router GEMV), all on, for one
+// request alone (its decode steps have one token: the routed GEMVs' case) and for three requests decoding
+// together. fp32 within 1e-4 of the CPU (the window write and the fused mixes change no result beyond summation
+// order); bf16 within bf16 tolerance.
+struct OptInDecodePaths {
+  OptInDecodePaths() {
+    ::setenv("DSV4_HC_POST_MIX", "1", 1);
+    ::setenv("DSV4_SKINNY_F32", "1", 1);
+  }
+  ~OptInDecodePaths() {
+    ::unsetenv("DSV4_HC_POST_MIX");
+    ::unsetenv("DSV4_SKINNY_F32");
+  }
+  static CudaModelOptions options() {
+    CudaModelOptions o;
+    o.shared_expert_gemv = o.routed_expert_gemv = o.early_window_write = true;
+    return o;
+  }
+};
+
+std::vector<Script> decode_scripts(int64_t vocab) {
+  return {{random_ids(40, vocab, 9), 16, 40}};
+}
+
+TEST(CudaModel, OptInDecodePathsMatchCpuInFp32) {
   SKIP_WITHOUT_GPU();
+  const OptInDecodePaths on;
   const ModelConfig config = tiny_config();
   const ModelWeights weights = random_weights(config, 23);
-  expect_bf16_tolerance(compare(config, weights, CudaPrecision::kBf16, {{random_ids(40, config.vocab_size, 9), 16, 40}}));
+  for (const auto& scripts : {decode_scripts(config.vocab_size),
+                              std::vector<Script>{{random_ids(30, config.vocab_size, 3), 30, 30},
+                                                  {random_ids(50, config.vocab_size, 4), 50, 30},
+                                                  {random_ids(140, config.vocab_size, 5), 70, 30}}}) {
+    const Comparison c = compare(config, weights, CudaPrecision::kF32, scripts, true, true, true, on.options());
+    EXPECT_LE(c.worst_relative_l2, 1e-4);
+    EXPECT_EQ(c.agreed, c.compared);
+  }
+}
+
+TEST(CudaModel, OptInDecodePathsTrackCpuInBf16) {
+  SKIP_WITHOUT_GPU();
+  const OptInDecodePaths on;
+  const ModelConfig config = tiny_config();
+  const ModelWeights weights = random_weights(config, 23);
+  expect_bf16_tolerance(
+      compare(config, weights, CudaPrecision::kBf16, decode_scripts(config.vocab_size), true, true, true, on.options()));
 }
 
 // Greedy agreement over 1,000 decode steps (4 requests × 250, one batch; positions 20-290 cross the window, the

@@ -228,8 +228,8 @@ TEST_F(CudaHyperConnection, FusedNormMatchesCpuTwin) {
 
 // hc_post_pre (a sublayer's hc_post, then the next sublayer's hc_pre with its norm fused) against the CPU's hc_post
 // then hc_pre then rms_norm, with post / comb overwritten in place as the model passes them: the new streams are
-// hc_post's bit for bit; the mixes, made beside the new streams in one kernel (tensor cores from 512 tokens,
-// split-K below), within the bounds of check_pre. Also with DSV4_HC_POST_MIX=0 (the two calls).
+// hc_post's bit for bit; the mixes, made beside the new streams in one kernel with DSV4_HC_POST_MIX=1 or 3
+// (tensor cores from 512 tokens, split-K below), within the bounds of check_pre; and the default two calls.
 void check_post_pre(const Shape& s) {
   SCOPED_TRACE(::testing::Message() << s.tokens << " tokens, hc " << s.hc << ", D " << s.hidden);
   const int64_t mix = (2 + s.hc) * s.hc;
@@ -259,9 +259,9 @@ void check_post_pre(const Shape& s) {
   const std::vector<float> post_alone = d_out_alone.download();
   const size_t bytes = hc_workspace_bytes(s.tokens, s.hc);
   DeviceArray<uint8_t> workspace(bytes);
-  for (const bool fused : {true, false}) {
-    SCOPED_TRACE(fused ? "one kernel where it applies" : "DSV4_HC_POST_MIX=0");
-    if (!fused) ::setenv("DSV4_HC_POST_MIX", "0", 1);
+  for (const char* mode : {"1", "3", ""}) {
+    SCOPED_TRACE(::testing::Message() << "DSV4_HC_POST_MIX=" << mode);
+    if (*mode) ::setenv("DSV4_HC_POST_MIX", mode, 1);
     DeviceArray<float> d_post(post), d_comb(comb), d_out(next_streams.size()), d_collapsed(collapsed.size());
     DeviceArray<uint16_t> d_bf16(collapsed.size());
     const CollapseNorm norm{d_weight.get(), 1e-6f, d_bf16.get()};
