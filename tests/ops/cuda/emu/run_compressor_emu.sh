@@ -12,8 +12,9 @@ mkdir -p "$out"
 sed -e 's|#include <cuda_bf16.h>|#include "emu.h"|' -e 's|#include <cuda_fp8.h>||' \
     -e 's|extern __shared__ int prefix\[\];|static int prefix[12001];|' \
     -e 's|__shared__ double|static double|; s|__shared__ float|static float|; s|__shared__ int|static int|' \
-    -e 's|compressor_step_kernel<true><<<blocks, kThreads, shared, stream>>>(k);|emu_launch(blocks, [\&] { compressor_step_kernel<true>(k); }); (void)shared; (void)stream;|' \
-    -e 's|compressor_step_kernel<false><<<blocks, kThreads, shared, stream>>>(k);|emu_launch(blocks, [\&] { compressor_step_kernel<false>(k); });|' \
+    -e 's|#include "ops/cuda/launch.cuh"|namespace dsv4::ops::cuda { inline void wait_for_prior_grid() {} inline void allow_dependents() {} }|' \
+    -e 's|launch_dependent(compressor_step_kernel<true>, blocks, kThreads, shared, stream, k);|emu_launch(blocks, [\&] { compressor_step_kernel<true>(k); }); (void)shared; (void)stream;|' \
+    -e 's|launch_dependent(compressor_step_kernel<false>, blocks, kThreads, shared, stream, k);|emu_launch(blocks, [\&] { compressor_step_kernel<false>(k); });|' \
     "$root/src/ops/cuda/compressor.cu" > "$out/compressor_emu.cpp"
 s="$root/src"
 g++ -std=c++20 -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -pthread \

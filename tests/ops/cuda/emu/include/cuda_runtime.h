@@ -1,4 +1,5 @@
-// Host emulation of the CUDA runtime subset used by ops/cuda/compressor.* and its tests (run_compressor_emu.sh).
+// Host emulation of the CUDA runtime subset used by ops/cuda/compressor.*, ops/cuda/hadamard_fp4.* and their tests
+// (run_compressor_emu.sh, run_hadamard_fp4_emu.sh).
 #pragma once
 #include <cstddef>
 #include <cstdlib>
@@ -12,3 +13,5 @@ template <typename T> inline cudaError_t cudaMalloc(T** p, size_t n) { *p = stat
 inline cudaError_t cudaFree(void* p) { std::free(p); return cudaSuccess; }
 inline cudaError_t cudaMemcpy(void* d, const void* s, size_t n, cudaMemcpyKind) { std::memcpy(d, s, n); return cudaSuccess; }
 inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+inline cudaError_t cudaMemset(void* d, int value, size_t n) { std::memset(d, value, n); return cudaSuccess; }
+inline cudaError_t cudaGetDeviceCount(int* count) { *count = 1; return cudaSuccess; }
