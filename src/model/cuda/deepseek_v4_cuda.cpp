@@ -1164,9 +1164,9 @@ float* DeepseekV4CudaModel::Impl::run(const Step& step, LogitsMode mode) {
                        &fused));
     return bf16 ? static_cast<const void*>(fused.bf16) : collapsed;
   };
-  // A sublayer's hc_post and the next sublayer's hc_pre in one call: from 512 tokens one kernel writes the new
-  // streams and their mixes' partial sums (the streams read once fewer); post and comb are overwritten by the
-  // next sublayer's.
+  // A sublayer's hc_post and the next sublayer's hc_pre in one call (ops/cuda/hyper_connection.h hc_post_pre: the
+  // two kernels, or with DSV4_HC_POST_MIX=1 one that writes the new streams and their mixes' partial sums); post
+  // and comb are overwritten by the next sublayer's.
   auto post_collapse_and_norm = [&](const float* fn, const float* base, const float* scale, const float* norm_weight,
                                     const char* name) -> const void* {
     const cu::CollapseNorm fused{norm_weight, eps, bf16 ? buffer<uint16_t>(name, N * D) : nullptr};
