@@ -38,32 +38,55 @@ float* random_floats(int64_t count, uint64_t seed, double scale = 1.0, bool unif
 
 std::string shape(const char* what, int64_t tokens) { return std::string(what) + " t=" + std::to_string(tokens); }
 
-CaseResult hc_pre_case(int64_t tokens, const char* mix_kernel, int iterations) {
-  const int64_t width = kHc * kHidden, mixes = (2 + kHc) * kHc;
-  float* streams = random_floats(tokens * width, 1);
-  float* fn = random_floats(mixes * width, 2, 0.02);
-  float* base = random_floats(mixes, 3, 0.5);
-  float* scale = random_floats(3, 4, 1.5, /*uniform=*/true, 0.5);
-  float* norm_weight = random_floats(kHidden, 5, 1.0, true, 0.5);
+// What an hc_pre call reads besides the streams and writes, at V4-Flash widths for `tokens`: fn, base, scale and
+// the fused norm's weight drawn from seeds `seed` … `seed` + 3; the collapsed row (fp32 and bf16), post, comb
+// and the workspace. Freed with the case.
+struct PreOperands {
+  static constexpr int64_t kWidth = kHc * kHidden, kMixes = (2 + kHc) * kHc;
+  float *fn, *base, *scale, *norm_weight;
   float *collapsed = nullptr, *post = nullptr, *comb = nullptr;
   uint16_t* bf16 = nullptr;
-  DSV4_CUDA_OK(cudaMalloc(&collapsed, tokens * kHidden * sizeof(float)));
-  DSV4_CUDA_OK(cudaMalloc(&bf16, tokens * kHidden * sizeof(uint16_t)));
-  DSV4_CUDA_OK(cudaMalloc(&post, tokens * kHc * sizeof(float)));
-  DSV4_CUDA_OK(cudaMalloc(&comb, tokens * kHc * kHc * sizeof(float)));
-  const size_t workspace_bytes = ops::cuda::hc_workspace_bytes(tokens, kHc);
   void* workspace = nullptr;
-  DSV4_CUDA_OK(cudaMalloc(&workspace, workspace_bytes));
-  const ops::cuda::HyperConnectionParams p{tokens, kHc, kHidden, 20, 1e-6f, 1e-6f};
-  const ops::cuda::CollapseNorm norm{norm_weight, 1e-6f, bf16};
+  size_t workspace_bytes;
+  ops::cuda::HyperConnectionParams params;
+  ops::cuda::CollapseNorm norm;
+
+  PreOperands(int64_t tokens, uint64_t seed)
+      : fn(random_floats(kMixes * kWidth, seed, 0.02)),
+        base(random_floats(kMixes, seed + 1, 0.5)),
+        scale(random_floats(3, seed + 2, 1.5, /*uniform=*/true, 0.5)),
+        norm_weight(random_floats(kHidden, seed + 3, 1.0, true, 0.5)),
+        workspace_bytes(ops::cuda::hc_workspace_bytes(tokens, kHc)),
+        params{tokens, kHc, kHidden, 20, 1e-6f, 1e-6f} {
+    DSV4_CUDA_OK(cudaMalloc(&collapsed, tokens * kHidden * sizeof(float)));
+    DSV4_CUDA_OK(cudaMalloc(&bf16, tokens * kHidden * sizeof(uint16_t)));
+    DSV4_CUDA_OK(cudaMalloc(&post, tokens * kHc * sizeof(float)));
+    DSV4_CUDA_OK(cudaMalloc(&comb, tokens * kHc * kHc * sizeof(float)));
+    DSV4_CUDA_OK(cudaMalloc(&workspace, workspace_bytes));
+    norm = {norm_weight, 1e-6f, bf16};
+  }
+  PreOperands(const PreOperands&) = delete;
+  PreOperands& operator=(const PreOperands&) = delete;
+  ~PreOperands() {
+    for (void* ptr : {static_cast<void*>(fn), static_cast<void*>(base), static_cast<void*>(scale),
+                      static_cast<void*>(norm_weight), static_cast<void*>(collapsed), static_cast<void*>(bf16),
+                      static_cast<void*>(post), static_cast<void*>(comb), workspace})
+      cudaFree(ptr);
+  }
+};
+
+CaseResult hc_pre_case(int64_t tokens, const char* mix_kernel, int iterations) {
+  const int64_t width = PreOperands::kWidth, mixes = PreOperands::kMixes;
+  float* streams = random_floats(tokens * width, 1);
+  PreOperands pre(tokens, 2);
   if (mix_kernel != nullptr)
     setenv("DSV4_HC_MIX_KERNEL", mix_kernel, 1);
   else
     unsetenv("DSV4_HC_MIX_KERNEL");
   const double us = time_kernel_us(
       [&] {
-        DSV4_CUDA_OK(ops::cuda::hc_pre(p, streams, fn, base, scale, collapsed, post, comb, workspace, workspace_bytes,
-                                     nullptr, &norm));
+        DSV4_CUDA_OK(ops::cuda::hc_pre(pre.params, streams, pre.fn, pre.base, pre.scale, pre.collapsed, pre.post,
+                                     pre.comb, pre.workspace, pre.workspace_bytes, nullptr, &pre.norm));
       },
       iterations);
   unsetenv("DSV4_HC_MIX_KERNEL");
@@ -74,10 +97,7 @@ CaseResult hc_pre_case(int64_t tokens, const char* mix_kernel, int iterations) {
   // The streams twice (the mixes, then the collapse), fn, the collapsed row in fp32 and bf16.
   r.bytes = 2.0 * tokens * width * 4 + mixes * width * 4.0 + tokens * kHidden * 6.0;
   r.note = "streams read twice";
-  for (void* ptr : {static_cast<void*>(streams), static_cast<void*>(fn), static_cast<void*>(base),
-                    static_cast<void*>(scale), static_cast<void*>(norm_weight), static_cast<void*>(collapsed),
-                    static_cast<void*>(bf16), static_cast<void*>(post), static_cast<void*>(comb), workspace})
-    cudaFree(ptr);
+  cudaFree(streams);
   return r;
 }
 
@@ -105,27 +125,14 @@ CaseResult hc_post_case(int64_t tokens, int iterations) {
 // hc_post then the next hc_pre (norm fused), as the model calls them between sublayers: one kernel for the new
 // streams and their mixes (`fused`: DSV4_HC_POST_MIX=1), or the two calls.
 CaseResult hc_post_pre_case(int64_t tokens, bool fused, int iterations) {
-  const int64_t width = kHc * kHidden, mixes = (2 + kHc) * kHc;
+  const int64_t width = PreOperands::kWidth, mixes = PreOperands::kMixes;
   float* y = random_floats(tokens * kHidden, 31);
   float* streams = random_floats(tokens * width, 32);
   float* post = random_floats(tokens * kHc, 33, 2.0, true, 0.0);
   float* comb = random_floats(tokens * kHc * kHc, 34, 1.0, true, 0.0);
-  float* fn = random_floats(mixes * width, 35, 0.02);
-  float* base = random_floats(mixes, 36, 0.5);
-  float* scale = random_floats(3, 37, 1.5, /*uniform=*/true, 0.5);
-  float* norm_weight = random_floats(kHidden, 38, 1.0, true, 0.5);
-  float *out = nullptr, *collapsed = nullptr, *next_post = nullptr, *next_comb = nullptr;
-  uint16_t* bf16 = nullptr;
+  PreOperands next(tokens, 35);  // the next sublayer's hc_pre
+  float* out = nullptr;
   DSV4_CUDA_OK(cudaMalloc(&out, tokens * width * sizeof(float)));
-  DSV4_CUDA_OK(cudaMalloc(&collapsed, tokens * kHidden * sizeof(float)));
-  DSV4_CUDA_OK(cudaMalloc(&bf16, tokens * kHidden * sizeof(uint16_t)));
-  DSV4_CUDA_OK(cudaMalloc(&next_post, tokens * kHc * sizeof(float)));
-  DSV4_CUDA_OK(cudaMalloc(&next_comb, tokens * kHc * kHc * sizeof(float)));
-  const size_t workspace_bytes = ops::cuda::hc_workspace_bytes(tokens, kHc);
-  void* workspace = nullptr;
-  DSV4_CUDA_OK(cudaMalloc(&workspace, workspace_bytes));
-  const ops::cuda::HyperConnectionParams p{tokens, kHc, kHidden, 20, 1e-6f, 1e-6f};
-  const ops::cuda::CollapseNorm norm{norm_weight, 1e-6f, bf16};
   // Opt-in (ops/cuda/hyper_connection.h): "1" fuses; a caller's "3" (the 3-CTA build) is kept.
   const char* before = std::getenv("DSV4_HC_POST_MIX");
   const std::string saved = before ? before : "";
@@ -133,8 +140,9 @@ CaseResult hc_post_pre_case(int64_t tokens, bool fused, int iterations) {
   else if (saved != "3") setenv("DSV4_HC_POST_MIX", "1", 1);
   const double us = time_kernel_us(
       [&] {
-        DSV4_CUDA_OK(ops::cuda::hc_post_pre(p, y, streams, post, comb, out, fn, base, scale, collapsed, next_post,
-                                          next_comb, workspace, workspace_bytes, nullptr, &norm));
+        DSV4_CUDA_OK(ops::cuda::hc_post_pre(next.params, y, streams, post, comb, out, next.fn, next.base, next.scale,
+                                          next.collapsed, next.post, next.comb, next.workspace, next.workspace_bytes,
+                                          nullptr, &next.norm));
       },
       iterations);
   if (before) setenv("DSV4_HC_POST_MIX", saved.c_str(), 1);
@@ -148,10 +156,7 @@ CaseResult hc_post_pre_case(int64_t tokens, bool fused, int iterations) {
   r.bytes = tokens * kHidden * 4.0 + 3.0 * tokens * width * 4 + mixes * width * 4.0 + tokens * kHidden * 6.0;
   r.note = fused ? "" : "the new streams read twice";
   for (void* ptr : {static_cast<void*>(y), static_cast<void*>(streams), static_cast<void*>(post),
-                    static_cast<void*>(comb), static_cast<void*>(fn), static_cast<void*>(base),
-                    static_cast<void*>(scale), static_cast<void*>(norm_weight), static_cast<void*>(out),
-                    static_cast<void*>(collapsed), static_cast<void*>(bf16), static_cast<void*>(next_post),
-                    static_cast<void*>(next_comb), workspace})
+                    static_cast<void*>(comb), static_cast<void*>(out)})
     cudaFree(ptr);
   return r;
 }

@@ -1156,38 +1156,36 @@ float* DeepseekV4CudaModel::Impl::run(const Step& step, LogitsMode mode) {
   float* post = buffer<float>("post", N * hc);
   float* comb = buffer<float>("comb", N * hc * hc);
   const float eps = static_cast<float>(c.rms_norm_eps);
-  // hc_pre with the sublayer's RMSNorm fused (collapsed ends normalised); returns the next GEMM's operand.
-  auto collapse_and_norm = [&](const float* fn, const float* base, const float* scale, const float* norm_weight,
-                               const char* name) -> const void* {
+  // hc_pre of a sublayer (its hc fn / base / scale and its norm weight) with the RMSNorm fused (collapsed ends
+  // normalised); returns the next GEMM's operand. `after_post`: first the previous sublayer's hc_post, in one call
+  // (ops/cuda/hyper_connection.h hc_post_pre: the two kernels, or with DSV4_HC_POST_MIX=1 one that writes the new
+  // streams and their mixes' partial sums); post and comb are overwritten by this sublayer's.
+  auto collapse_and_norm = [&](bool after_post, const float* fn, const float* base, const float* scale,
+                               const float* norm_weight, const char* name) -> const void* {
     const cu::CollapseNorm fused{norm_weight, eps, bf16 ? buffer<uint16_t>(name, N * D) : nullptr};
-    DSV4_CU(cu::hc_pre(hp, streams, fn, base, scale, collapsed, post, comb, hc_workspace, hc_workspace_bytes, stream,
-                       &fused));
-    return bf16 ? static_cast<const void*>(fused.bf16) : collapsed;
-  };
-  // A sublayer's hc_post and the next sublayer's hc_pre in one call (ops/cuda/hyper_connection.h hc_post_pre: the
-  // two kernels, or with DSV4_HC_POST_MIX=1 one that writes the new streams and their mixes' partial sums); post
-  // and comb are overwritten by the next sublayer's.
-  auto post_collapse_and_norm = [&](const float* fn, const float* base, const float* scale, const float* norm_weight,
-                                    const char* name) -> const void* {
-    const cu::CollapseNorm fused{norm_weight, eps, bf16 ? buffer<uint16_t>(name, N * D) : nullptr};
-    DSV4_CU(cu::hc_post_pre(hp, sublayer_out, streams, post, comb, next_streams, fn, base, scale, collapsed, post,
-                            comb, hc_workspace, hc_workspace_bytes, stream, &fused));
-    std::swap(streams, next_streams);
+    if (after_post) {
+      DSV4_CU(cu::hc_post_pre(hp, sublayer_out, streams, post, comb, next_streams, fn, base, scale, collapsed, post,
+                              comb, hc_workspace, hc_workspace_bytes, stream, &fused));
+      std::swap(streams, next_streams);
+    } else {
+      DSV4_CU(cu::hc_pre(hp, streams, fn, base, scale, collapsed, post, comb, hc_workspace, hc_workspace_bytes,
+                         stream, &fused));
+    }
     return bf16 ? static_cast<const void*>(fused.bf16) : collapsed;
   };
   const LayerDevice& first = layers.front();
-  const void* attn_operand =
-      collapse_and_norm(first.hc_attn_fn, first.hc_attn_base, first.hc_attn_scale, first.attn_norm, "attn_in");
+  const void* attn_operand = collapse_and_norm(false, first.hc_attn_fn, first.hc_attn_base, first.hc_attn_scale,
+                                               first.attn_norm, "attn_in");
   for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer) {
     const LayerDevice& l = layers[static_cast<size_t>(layer)];
     attention(layer, step, attn_operand, sublayer_out);
     const void* ffn_operand =
-        post_collapse_and_norm(l.hc_ffn_fn, l.hc_ffn_base, l.hc_ffn_scale, l.ffn_norm, "moe_in");
+        collapse_and_norm(true, l.hc_ffn_fn, l.hc_ffn_base, l.hc_ffn_scale, l.ffn_norm, "moe_in");
     moe(layer, step, collapsed, ffn_operand, sublayer_out);
     if (layer + 1 < c.num_hidden_layers) {
       const LayerDevice& next = layers[static_cast<size_t>(layer + 1)];
-      attn_operand =
-          post_collapse_and_norm(next.hc_attn_fn, next.hc_attn_base, next.hc_attn_scale, next.attn_norm, "attn_in");
+      attn_operand = collapse_and_norm(true, next.hc_attn_fn, next.hc_attn_base, next.hc_attn_scale, next.attn_norm,
+                                       "attn_in");
     } else {
       DSV4_CU(cu::hc_post(hp, sublayer_out, streams, post, comb, next_streams, stream));
       std::swap(streams, next_streams);

@@ -694,26 +694,12 @@ cudaError_t launch_post(const HyperConnectionParams& p, const float* y, const fl
   return cudaGetLastError();
 }
 
-// Splits over the hidden columns of post_mix_tf32_kernel, or 0 where it does not apply (the conditions of the
-// tensor-core mix, rows and fn 16-byte aligned, or DSV4_HC_POST_MIX=0, read per call, to measure the two). Up to
-// about 512 CTAs, as tensor_core_splits, each split a multiple of 16 hidden columns.
-// The fused kernels are opt-in until they have run on a GPU (written 2026-12-06, session 25, whose device time ran
-// out): DSV4_HC_POST_MIX=1 (or 3: the tensor-core kernel's 3-CTA build, to measure), read per call; otherwise
-// hc_post_pre is hc_post then hc_pre.
-bool post_mix_enabled() {
-  const char* choice = std::getenv("DSV4_HC_POST_MIX");
-  return choice != nullptr && (std::strcmp(choice, "1") == 0 || std::strcmp(choice, "3") == 0);
-}
-
-int post_mix_splits(const HyperConnectionParams& p, const float* y, const float* streams, const float* out,
-                    const float* fn) {
-  const bool vec4 = p.hidden % 16 == 0 && aligned16(y) && aligned16(streams) && aligned16(out) && aligned16(fn);
-  if (tensor_core_splits(p.tokens, p.hc * p.hidden, vec4) == 0) return 0;
-  if (!post_mix_enabled()) return 0;
+// Splits over the hidden columns of post_mix_tf32_kernel: up to about 512 CTAs, as tensor_core_splits, each
+// split a multiple of 16 hidden columns (DSV4_HC_POST_MIX_SPLITS=n overrides it, to measure).
+int post_mix_splits(const HyperConnectionParams& p) {
   const int64_t blocks = (p.tokens + kTcTokens - 1) / kTcTokens;
   int splits = 1;
   while (splits < kTensorCoreMaxSplits && blocks * splits < 512 && p.hidden % (32 * splits) == 0) splits *= 2;
-  // To measure: DSV4_HC_POST_MIX_SPLITS=n overrides the split count.
   if (const char* forced = std::getenv("DSV4_HC_POST_MIX_SPLITS")) {
     const int n = std::atoi(forced);
     if (n >= 1 && n <= kTensorCoreMaxSplits && p.hidden % (16 * n) == 0) splits = n;
@@ -721,52 +707,55 @@ int post_mix_splits(const HyperConnectionParams& p, const float* y, const float*
   return splits;
 }
 
+// The fused kernels are opt-in until they have run on a GPU (written 2026-12-06, session 25, whose device time ran
+// out): DSV4_HC_POST_MIX=1 (or 3: the tensor-core kernel's 3-CTA build, 150 registers instead of 128, to
+// measure), read per call. Where the mixes would run on the tensor cores, post_mix_tf32_kernel; below,
+// post_mix_partial_kernel; otherwise (switch off, unaligned rows, a short workspace) hc_post then hc_pre.
 template <int HC>
 cudaError_t launch_post_pre(const HyperConnectionParams& p, const float* y, const float* streams, const float* post,
                             const float* comb, float* out, const float* fn, const float* base, const float* scale,
                             float* collapsed, float* next_post, float* next_comb, void* workspace,
                             size_t workspace_bytes, const CollapseNorm* norm, cudaStream_t stream) {
-  const int splits = post_mix_splits(p, y, streams, out, fn);
   constexpr int NOUT = (2 + HC) * HC;
-  const size_t need = static_cast<size_t>(p.tokens) * splits * (NOUT + 1) * sizeof(float);
   const char* choice = std::getenv("DSV4_HC_POST_MIX");
-  const bool fuse = post_mix_enabled();
+  const bool fuse = choice != nullptr && (std::strcmp(choice, "1") == 0 || std::strcmp(choice, "3") == 0);
   const bool vec4 = p.hidden % 4 == 0 && aligned16(y) && aligned16(streams) && aligned16(out) && aligned16(fn);
-  if (splits == 0 && fuse && vec4 && tensor_core_splits(p.tokens, p.hc * p.hidden, vec4) == 0) {
+  auto fits = [&](int splits) {
+    return workspace != nullptr &&
+           workspace_bytes >= static_cast<size_t>(p.tokens) * splits * (NOUT + 1) * sizeof(float);
+  };
+  auto* partial = static_cast<float*>(workspace);
+  if (fuse && vec4 && tensor_core_splits(p.tokens, p.hc * p.hidden, vec4) == 0) {
     // Split-K sizes as hc_pre's mix_partial_kernel takes them (mix_splits over the flattened float4 columns),
     // each split a range of hidden float4s of every stream.
     const int64_t vec_d = p.hidden / 4;
-    const int small_splits =
+    const int splits =
         static_cast<int>(std::min<int64_t>(mix_splits(p.tokens, HC * vec_d), std::max<int64_t>(1, vec_d)));
-    const int64_t chunk = (vec_d + small_splits - 1) / small_splits;
-    const size_t small_need = static_cast<size_t>(p.tokens) * small_splits * (NOUT + 1) * sizeof(float);
-    if (workspace != nullptr && workspace_bytes >= small_need) {
-      auto* partial = static_cast<float*>(workspace);
+    const int64_t chunk = (vec_d + splits - 1) / splits;
+    if (fits(splits)) {
       const dim3 grid(static_cast<unsigned>((p.tokens + kTokensPerCta - 1) / kTokensPerCta),
-                      static_cast<unsigned>(small_splits));
+                      static_cast<unsigned>(splits));
       const auto threads = static_cast<unsigned>(std::min<int64_t>(kThreads, (HC * chunk + 31) / 32 * 32));
       launch_dependent(post_mix_partial_kernel<HC>, grid, threads, 0, stream, y, streams, post, comb, out, fn,
-                       p.tokens, p.hidden, chunk, small_splits, partial);
-      launch_finish<HC, false, 4>(p, partial, small_splits, out, base, scale, collapsed, next_post, next_comb, norm,
-                                  stream);
+                       p.tokens, p.hidden, chunk, splits, partial);
+      launch_finish<HC, false, 4>(p, partial, splits, out, base, scale, collapsed, next_post, next_comb, norm, stream);
+      return cudaGetLastError();
+    }
+  } else if (fuse && vec4 && p.hidden % 16 == 0) {  // the mixes would run on the tensor cores
+    const int splits = post_mix_splits(p);
+    if (fits(splits)) {
+      const dim3 grid(static_cast<unsigned>((p.tokens + kTcTokens - 1) / kTcTokens), static_cast<unsigned>(splits));
+      const auto kernel = std::strcmp(choice, "3") == 0 ? post_mix_tf32_kernel<HC, 3> : post_mix_tf32_kernel<HC, 4>;
+      launch_dependent(kernel, grid, 32 * kTcWarps, 0, stream, y, streams, post, comb, out, fn, p.tokens, p.hidden,
+                       p.hidden / splits, splits, partial);
+      launch_finish<HC, false, 4>(p, partial, splits, out, base, scale, collapsed, next_post, next_comb, norm, stream);
       return cudaGetLastError();
     }
   }
-  if (splits == 0 || workspace == nullptr || workspace_bytes < need) {  // hc_post, then hc_pre on its output
-    const cudaError_t posted = launch_post<HC>(p, y, streams, post, comb, out, stream);
-    if (posted != cudaSuccess) return posted;
-    return dispatch_mix<false>(p, out, fn, base, scale, collapsed, next_post, next_comb, workspace, workspace_bytes,
-                               norm, stream);
-  }
-  auto* partial = static_cast<float*>(workspace);
-  const dim3 grid(static_cast<unsigned>((p.tokens + kTcTokens - 1) / kTcTokens), static_cast<unsigned>(splits));
-  // To measure: DSV4_HC_POST_MIX=3 takes the 3-CTA build (150 registers) instead of the 4-CTA one (128).
-  const auto kernel = choice != nullptr && std::strcmp(choice, "3") == 0 ? post_mix_tf32_kernel<HC, 3>
-                                                                          : post_mix_tf32_kernel<HC, 4>;
-  launch_dependent(kernel, grid, 32 * kTcWarps, 0, stream, y, streams, post, comb, out, fn, p.tokens, p.hidden,
-                   p.hidden / splits, splits, partial);
-  launch_finish<HC, false, 4>(p, partial, splits, out, base, scale, collapsed, next_post, next_comb, norm, stream);
-  return cudaGetLastError();
+  const cudaError_t posted = launch_post<HC>(p, y, streams, post, comb, out, stream);
+  if (posted != cudaSuccess) return posted;
+  return dispatch_mix<false>(p, out, fn, base, scale, collapsed, next_post, next_comb, workspace, workspace_bytes, norm,
+                             stream);
 }
 
 }  // namespace
