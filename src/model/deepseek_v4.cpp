@@ -377,30 +377,21 @@ void DeepseekV4Model::compress(int64_t layer, EntryKind kind, const StepLayout& 
           continue;
         // Entry w = position / ratio: RMSNorm, then RoPE at the window's first position w·ratio.
         const int64_t entry_position = position / p.ratio * p.ratio;
-        if (deepseek) round_to_bf16(entry.data(), p.head_dim);  // kv.to(bf16) before the norm (§7.1)
+        if (deepseek) {
+          finish_entry_deepseek(entry.data(), p.head_dim, w.norm.ptr(), eps, entry_position, rope_compress_,
+                                kind == EntryKind::kIndex);
+          std::memcpy(state.append_entry(layer, kind), entry.data(), entry.size() * sizeof(float));
+          continue;
+        }
         rms_norm(entry.data(), 1, p.head_dim, p.head_dim, w.norm.ptr(), eps, entry.data());
-        if (deepseek) round_to_bf16(entry.data(), p.head_dim);
         apply_rope(entry.data(), 1, p.head_dim, 1, p.head_dim, &entry_position, rope_compress_);
-        if (!deepseek && c.fp8_kv_cache) {
+        if (c.fp8_kv_cache) {
           // The GPU's FP8 entry of this fp32 entry (ops/cuda/compressor.h kFp8Main / kFp8Index): bf16, then the
           // main entry's no-rope channels quantized per 64, an index key as one block with its own scale (§3.3,
           // cache/index_key_format.h).
           round_to_bf16(entry.data(), p.head_dim);
           if (kind == EntryKind::kMain) quantize_e4m3_blocks(entry.data(), p.head_dim - rope_dim, 64);
           else quantize_e4m3_blocks(entry.data(), p.head_dim, p.head_dim);
-        }
-        if (deepseek) {
-          round_to_bf16(entry.data(), p.head_dim);
-          if (kind == EntryKind::kMain) {
-            // FP8 simulation of the non-rope channels, one UE8M0 scale per 64 (§3.3).
-            quantize_e4m3_blocks(entry.data(), p.head_dim - rope_dim, 64);
-          } else {
-            // Indexer keys: Hadamard rotation, then FP4 simulation per 32 (§3.5, §8).
-            hadamard_transform(entry.data(), p.head_dim, inverse_sqrt_f64(static_cast<double>(p.head_dim)));
-            round_to_bf16(entry.data(), p.head_dim);
-            quantize_e2m1_blocks(entry.data(), p.head_dim, 32);
-          }
-          round_to_bf16(entry.data(), p.head_dim);
         }
         std::memcpy(state.append_entry(layer, kind), entry.data(), entry.size() * sizeof(float));
       }

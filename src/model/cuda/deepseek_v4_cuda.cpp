@@ -23,6 +23,7 @@
 #include "ops/cuda/embedding.h"
 #include "ops/cuda/fp8_quantize.h"
 #include "ops/cuda/gemm.h"
+#include "ops/cuda/hadamard_fp4.h"
 #include "ops/cuda/head_norm_rope.h"
 #include "ops/cuda/hyper_connection.h"
 #include "ops/cuda/indexer_scores.h"
@@ -157,6 +158,9 @@ struct DeepseekV4CudaModel::Impl {
   CudaModelOptions options;
   std::string device_label;
   bool bf16 = true;
+  // Numerics::kDeepSeek (docs/numerics.md "kDeepSeek on the GPU"): the reference's bf16 roundings and FP8 / FP4
+  // simulations at the points the CPU's kDeepSeek applies them, on the bf16 mode's kernels.
+  bool deepseek = false;
   // The main K=V entries' format (window and compressed): kFp8 with ModelConfig::fp8_kv_cache, else kBf16 (bf16
   // mode; the fp32 mode's entries are fp32 and never read through this).
   KvEntryFormat kv_format = KvEntryFormat::kBf16;
@@ -315,6 +319,7 @@ struct DeepseekV4CudaModel::Impl {
                cudaStream_t on, const char* scratch = "fp8_activation") {
     if (w.dtype != cu::GemmDtype::kF8E4M3) {
       with.linear(w, operand, rows, y, on);
+      if (deepseek) DSV4_CU(cu::round_to_bf16(y, rows * w.out, on));  // a bf16 F.linear's output
       return;
     }
     const int64_t code_stride = (w.in + 15) / 16 * 16;  // 16-byte rows, the FP8 kernels' alignment
@@ -330,6 +335,18 @@ struct DeepseekV4CudaModel::Impl {
     q.bf16_input = bf16;  // the operand is in the weight dtype: bf16, or fp32 in the exact mode
     DSV4_CU(cu::quantize_e4m3_rows(q, operand, codes, scales, on));
     with.linear_fp8(w, cu::Fp8Activation{codes, scales, code_stride}, rows, y, on);
+    if (deepseek) DSV4_CU(cu::round_to_bf16(y, rows * w.out, on));  // the reference's FP8 linear returns bf16
+  }
+  // kDeepSeek: the FP8 simulation of the leading `cols` of each row (per `block`), in place.
+  void simulate_fp8(void* x, bool bf16_values, int64_t rows, int64_t cols, int64_t stride, int64_t block,
+                    cudaStream_t on) {
+    cu::Fp8SimulateParams p;
+    p.rows = rows;
+    p.cols = cols;
+    p.stride = stride;
+    p.block = block;
+    p.bf16 = bf16_values;
+    DSV4_CU(cu::simulate_e4m3_blocks(p, x, on));
   }
   // Stacks same-shaped tensors [count, ...] in the weight dtype.
   void* upload_stacked(const std::vector<Tensor>& tensors) {
@@ -495,8 +512,24 @@ void DeepseekV4CudaModel::open_device(ModelConfig config, const CudaModelOptions
              "the CUDA backend needs hidden_size and moe_intermediate_size in multiples of 8 (the grouped expert "
              "GEMM's 16-byte rows), got " + std::to_string(m.config.hidden_size) + " and " +
                  std::to_string(m.config.moe_intermediate_size));
-  DSV4_CHECK(m.config.numerics == Numerics::kHf,
-             "the CUDA backend runs the hf numerics (--numerics deepseek is CPU-only for now)");
+  m.deepseek = m.config.numerics == Numerics::kDeepSeek;
+  if (m.deepseek) {
+    m.options.fp8_weights = true;  // the reference's FP8 linears: activations quantized per 128 (§3.2)
+    // The FP8 cache's entries are the reference's simulated values only where its roundings are bf16's; this mode
+    // keeps bf16 entries holding the simulated values instead (docs/numerics.md).
+    const bool csa = std::count(m.config.layer_types.begin(), m.config.layer_types.end(),
+                                AttentionType::kCompressedSparse) > 0;
+    const int64_t rope = m.config.rope_dim(RopeKind::kMain), index_dim = m.config.index_head_dim;
+    DSV4_CHECK(m.bf16 && !m.config.fp8_kv_cache,
+               "--numerics deepseek on CUDA runs in --dtype bf16 and simulates DeepSeek's FP8 K=V entries in a bf16 "
+               "cache (drop --kv-cache-dtype fp8)");
+    DSV4_CHECK((m.config.head_dim - rope) % 64 == 0 && m.config.rope_dim(RopeKind::kCompress) == rope &&
+                   (!csa || index_dim == 64 || index_dim == 128 || index_dim == 256),
+               "--numerics deepseek on CUDA needs head_dim - rope_dim a multiple of 64 (the FP8 simulation's "
+               "blocks) and an indexer head_dim of 64, 128 or 256 (its Hadamard rotation); got head_dim " +
+                   std::to_string(m.config.head_dim) + ", rope " + std::to_string(rope) + ", indexer head_dim " +
+                   std::to_string(index_dim));
+  }
   if (m.config.fp8_kv_cache) {
     // The FP8 entry is V4's 512-wide one and only the tuned attention kernel reads it (attention() `tuned`); the
     // FP8 index keys only the tuned scores kernel (64 heads × 128).
@@ -801,6 +834,7 @@ void DeepseekV4CudaModel::forward_and_sample(std::span<const SequenceChunk> batc
 void DeepseekV4CudaModel::set_expert_parallel(parallel::Communicator* communicator) {
   Impl& m = *impl_;
   DSV4_CHECK(communicator != nullptr, "set_expert_parallel needs a communicator");
+  DSV4_CHECK(!m.deepseek, "expert parallelism runs the hf numerics (--numerics deepseek is one rank's)");
   for (const LayerDevice& l : m.layers)
     DSV4_CHECK(l.experts_w13 != nullptr && l.experts_w2 != nullptr && !l.low_bit_experts(),
                "expert parallelism on the CUDA backend needs bf16 / fp32 routed experts (DSV4_LOW_BIT_EXPERTS=0 "
@@ -1163,6 +1197,21 @@ float* DeepseekV4CudaModel::Impl::run(const Step& step, LogitsMode mode) {
   auto collapse_and_norm = [&](bool after_post, const float* fn, const float* base, const float* scale,
                                const float* norm_weight, const char* name) -> const void* {
     const cu::CollapseNorm fused{norm_weight, eps, bf16 ? buffer<uint16_t>(name, N * D) : nullptr};
+    if (deepseek) {
+      // model.py's Block: the streams are bf16 after hc_post, hc_pre's collapsed row is bf16, RMSNorm computes in
+      // fp32 and returns bf16 (the fp32 `collapsed`, which the router reads, then holds the operand's values).
+      if (after_post) {
+        DSV4_CU(cu::hc_post(hp, sublayer_out, streams, post, comb, next_streams, stream));
+        std::swap(streams, next_streams);
+        DSV4_CU(cu::round_to_bf16(streams, N * hc * D, stream));
+      }
+      DSV4_CU(cu::hc_pre(hp, streams, fn, base, scale, collapsed, post, comb, hc_workspace, hc_workspace_bytes,
+                         stream, nullptr));
+      DSV4_CU(cu::round_to_bf16(collapsed, N * D, stream));
+      DSV4_CU(cu::rms_norm_with_bf16({N, D, eps}, collapsed, norm_weight, collapsed, fused.bf16, stream));
+      DSV4_CU(cu::round_to_bf16(collapsed, N * D, stream));
+      return fused.bf16;
+    }
     if (after_post) {
       DSV4_CU(cu::hc_post_pre(hp, sublayer_out, streams, post, comb, next_streams, fn, base, scale, collapsed, post,
                               comb, hc_workspace, hc_workspace_bytes, stream, &fused));
@@ -1182,6 +1231,7 @@ float* DeepseekV4CudaModel::Impl::run(const Step& step, LogitsMode mode) {
     const void* ffn_operand =
         collapse_and_norm(true, l.hc_ffn_fn, l.hc_ffn_base, l.hc_ffn_scale, l.ffn_norm, "moe_in");
     moe(layer, step, collapsed, ffn_operand, sublayer_out);
+    if (deepseek) DSV4_CU(cu::round_to_bf16(sublayer_out, N * D, stream));  // MoE.forward returns bf16
     if (layer + 1 < c.num_hidden_layers) {
       const LayerDevice& next = layers[static_cast<size_t>(layer + 1)];
       attn_operand = collapse_and_norm(true, next.hc_attn_fn, next.hc_attn_base, next.hc_attn_scale, next.attn_norm,
@@ -1189,6 +1239,7 @@ float* DeepseekV4CudaModel::Impl::run(const Step& step, LogitsMode mode) {
     } else {
       DSV4_CU(cu::hc_post(hp, sublayer_out, streams, post, comb, next_streams, stream));
       std::swap(streams, next_streams);
+      if (deepseek) DSV4_CU(cu::round_to_bf16(streams, N * hc * D, stream));
     }
   }
 
@@ -1204,8 +1255,15 @@ float* DeepseekV4CudaModel::Impl::run(const Step& step, LogitsMode mode) {
   cu::HyperConnectionParams head_params = hp;
   head_params.tokens = R;
   const cu::CollapseNorm final_norm{norm, eps, bf16 ? buffer<uint16_t>("head_in", R * D) : nullptr};
-  DSV4_CU(cu::hc_head(head_params, selected, hc_head_fn, hc_head_base, hc_head_scale, final_hidden, hc_workspace,
-                      hc_workspace_bytes, stream, &final_norm));
+  if (deepseek) {  // ParallelHead: the collapsed row bf16, the norm's output bf16 (the LM head's operand)
+    DSV4_CU(cu::hc_head(head_params, selected, hc_head_fn, hc_head_base, hc_head_scale, final_hidden, hc_workspace,
+                        hc_workspace_bytes, stream, nullptr));
+    DSV4_CU(cu::round_to_bf16(final_hidden, R * D, stream));
+    DSV4_CU(cu::rms_norm_with_bf16({R, D, eps}, final_hidden, norm, final_hidden, final_norm.bf16, stream));
+  } else {
+    DSV4_CU(cu::hc_head(head_params, selected, hc_head_fn, hc_head_base, hc_head_scale, final_hidden, hc_workspace,
+                        hc_workspace_bytes, stream, &final_norm));
+  }
   const void* head_operand = bf16 ? static_cast<const void*>(final_norm.bf16) : final_hidden;
   float* logits_device = buffer<float>("logits", R * c.vocab_size);
   gemm->linear(head, head_operand, R, logits_device, stream);
@@ -1243,7 +1301,10 @@ void DeepseekV4CudaModel::Impl::compress(int64_t layer, EntryKind kind, const St
   const bool fp8 = kv_format == KvEntryFormat::kFp8;
   p.format = !bf16 ? cu::CompressorEntryFormat::kF32
              : fp8 ? (kind == EntryKind::kMain ? cu::CompressorEntryFormat::kFp8Main : cu::CompressorEntryFormat::kFp8Index)
-                   : cu::CompressorEntryFormat::kBf16;
+             : deepseek
+                 ? (kind == EntryKind::kMain ? cu::CompressorEntryFormat::kBf16DeepSeekMain
+                                             : cu::CompressorEntryFormat::kBf16DeepSeekIndex)
+                 : cu::CompressorEntryFormat::kBf16;
   p.num_requests = static_cast<int32_t>(step.rows);
   p.num_tokens = static_cast<int32_t>(N);
   p.kv = kv;
@@ -1285,6 +1346,13 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
   uint16_t* kv_bf16 = tuned ? buffer<uint16_t>("kv_bf16", N * d) : nullptr;
   DSV4_CU(cu::head_norm_rope({N, 1, d, rope_dim, true, eps, rope_scaling}, kv, l.kv_norm, step.positions, inv_freq,
                              kv_bf16, kvs));
+  if (deepseek) {
+    // The reference's K=V vector: bf16, its non-rope channels through e4m3 per 64 (what its FP8 cache stores, here
+    // in bf16 entries); the step's own rows and the window read the same values.
+    DSV4_CU(cu::round_to_bf16(kv, N * d, kvs));
+    simulate_fp8(kv, false, N, d - rope_dim, d, 64, kvs);
+    if (kv_bf16) DSV4_CU(cu::f32_to_bf16(kv, kv_bf16, N * d, kvs));
+  }
   // With the FP8 cache the attention reads this step's own K=V rows as FP8 entries too (one format for every
   // pool, and what a later step will read back from the window): entry j of request r's chunk, in one-entry
   // blocks numbered by token (the chunk pool below).
@@ -1347,6 +1415,7 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
   // The tuned attention reads only q_bf16: the fp32 q is not written back.
   DSV4_CU(cu::head_norm_rope({N, H, d, rope_dim, true, eps, rope_scaling, /*keep_fp32=*/!tuned}, q, nullptr,
                              step.positions, inv_freq, q_bf16, stream));
+  if (deepseek && !tuned) DSV4_CU(cu::round_to_bf16(q, N * H * d, stream));  // q is a bf16 tensor after RoPE
 
   // Indexer (CSA): its compressor, q_I, weights, scores and top-k on the index stream.
   const bool csa = type == AttentionType::kCompressedSparse;
@@ -1371,10 +1440,24 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
     DSV4_CHECK(tuned_scores || !fp8_keys, "FP8 index keys need the tuned scores kernel (64 x 128, 32-entry blocks)");
     uint16_t* index_q_bf16 = tuned_scores ? buffer<uint16_t>("index_q_bf16", N * IH * ID) : nullptr;
     const int64_t index_rope = static_cast<int64_t>(c.inv_freq(RopeKind::kCompress).size()) * 2;
-    DSV4_CU(cu::head_norm_rope({N, IH, ID, index_rope, false, eps, scaling_compress, /*keep_fp32=*/!tuned_scores},
-                               index_q, nullptr, step.positions, inv_freq_compress, index_q_bf16, is));
+    DSV4_CU(cu::head_norm_rope({N, IH, ID, index_rope, false, eps, scaling_compress,
+                                /*keep_fp32=*/!tuned_scores || deepseek},
+                               index_q, nullptr, step.positions, inv_freq_compress, deepseek ? nullptr : index_q_bf16,
+                               is));
+    if (deepseek) {
+      // The reference's indexer query: bf16 after RoPE, the Hadamard rotation, FP4 per 32 (ops/cuda/hadamard_fp4.h,
+      // the CPU's kDeepSeek bit for bit); the index keys get the same from the compressor (kBf16DeepSeekIndex).
+      cu::HadamardFp4Params hp;
+      hp.rows = N * IH;
+      hp.dim = ID;
+      hp.block = 32;
+      hp.scale = static_cast<float>(std::pow(static_cast<double>(ID), -0.5));
+      DSV4_CU(cu::hadamard_fp4_rows(hp, index_q, is));
+      if (index_q_bf16) DSV4_CU(cu::f32_to_bf16(index_q, index_q_bf16, N * IH * ID, is));
+    }
     float* index_weights = buffer<float>("index_weights", N * IH);
     ig.linear(l.indexer_weights_proj, x_operand, N, index_weights, is);  // H_I^-1/2 is in the weights
+    if (deepseek) DSV4_CU(cu::round_to_bf16(index_weights, N * IH, is));  // a bf16 F.linear's output
     const int64_t max_entries = (step.max_position + 1) / c.compress_rate_csa;
     topk_indices = buffer<int32_t>("topk_indices", N * topk);
     topk_lengths = buffer<int32_t>("topk_lengths", N);
@@ -1789,6 +1872,19 @@ void DeepseekV4CudaModel::Impl::moe(int64_t layer, const Step& step, const float
   const cu::MoeExpertWeights ew{
       l.expert_w13_pointers, l.expert_w2_pointers,        l.shared_w13,
       l.shared_w2,           l.expert_w13_scale_pointers, l.expert_w2_scale_pointers};
+  // kDeepSeek: every expert (routed FP4, shared FP8) reads its input quantized to e4m3 per 128 (one quantization
+  // serves w1 and w3, §9); the router reads x itself.
+  const float* expert_x = x;
+  const void* expert_operand = x_operand;
+  if (deepseek) {
+    float* simulated = buffer<float>("moe_expert_in", N * D);
+    DSV4_CU(cudaMemcpyAsync(simulated, x, N * D * sizeof(float), cudaMemcpyDeviceToDevice, stream));
+    simulate_fp8(simulated, false, N, D, D, 128, stream);
+    uint16_t* simulated_bf16 = buffer<uint16_t>("moe_expert_in_bf16", N * D);
+    DSV4_CU(cu::f32_to_bf16(simulated, simulated_bf16, N * D, stream));
+    expert_x = simulated;
+    expert_operand = simulated_bf16;
+  }
   // Decode: the shared expert needs no routing, so on its own stream its GEMMs stream their 50 MB (V4-Flash)
   // while the router GEMM, route and the routed prep run (a few µs each, HBM idle), and the routed call's
   // combine waits for it. Bitwise the fused call's result (MoeSharedExpert). Measured on the 4-layer model:
@@ -1808,14 +1904,14 @@ void DeepseekV4CudaModel::Impl::moe(int64_t layer, const Step& step, const float
     // Gemm::linear) and the SwiGLU, where the grouped kernel paid a permutation, its tiles' ramp and a combine
     // for one expert (ncu, H100, one row: 4.0 + 23.2 + 13.1 + 4.1 µs for 50 MB).
     if (options.shared_expert_gemv && N <= 8) {
-      run_expert(l.shared_w13, l.shared_w2, x_operand, N, shared_out, /*shared_lane=*/true);
+      run_expert(l.shared_w13, l.shared_w2, expert_operand, N, shared_out, /*shared_lane=*/true);
     } else {
       cu::MoeExpertsParams sp = mp;
       sp.shared = cu::MoeSharedExpert::kOnly;
       const size_t shared_workspace_bytes = cu::moe_experts_workspace_bytes(sp);
       void* shared_workspace = buffer<std::byte>("moe_shared_workspace", shared_workspace_bytes);
-      DSV4_CU(cu::moe_experts(sp, ew, x, nullptr, nullptr, shared_out, shared_workspace, shared_workspace_bytes,
-                              shared_expert_stream));
+      DSV4_CU(cu::moe_experts(sp, ew, expert_x, nullptr, nullptr, shared_out, shared_workspace,
+                              shared_workspace_bytes, shared_expert_stream));
     }
     DSV4_CU(cudaEventRecord(shared_expert_join, shared_expert_stream));
     mp.shared = cu::MoeSharedExpert::kAdded;
@@ -1841,16 +1937,16 @@ void DeepseekV4CudaModel::Impl::moe(int64_t layer, const Step& step, const float
   DSV4_CHECK(options.expert_parallel_size == 1,
              "this model holds one rank's partition of the routed experts: it runs only with set_expert_parallel");
   if (host_grouped) {
-    moe_host_grouped(layer, step, x_operand, chosen, weights, out);
+    moe_host_grouped(layer, step, expert_operand, chosen, weights, out);
     return;
   }
   if (options.routed_expert_gemv && bf16 && N == 1 && l.routed_dtype == cu::MoeWeightDtype::kBf16) {
-    routed_experts_gemv(layer, x_operand, chosen, weights, shared_out, out);
+    routed_experts_gemv(layer, expert_operand, chosen, weights, shared_out, out);
     return;
   }
   const size_t workspace_bytes = cu::moe_experts_workspace_bytes(mp);
   void* workspace = buffer<std::byte>("moe_workspace", workspace_bytes);
-  DSV4_CU(cu::moe_experts(mp, ew, x, chosen, weights, out, workspace, workspace_bytes, stream, shared_out,
+  DSV4_CU(cu::moe_experts(mp, ew, expert_x, chosen, weights, out, workspace, workspace_bytes, stream, shared_out,
                           split_shared ? shared_expert_join : nullptr));
 }
 

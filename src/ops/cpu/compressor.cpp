@@ -4,6 +4,9 @@
 #include <cmath>
 #include <cstring>
 
+#include "ops/cpu/norm.h"
+#include "ops/cpu/quantize.h"
+
 namespace dsv4::ops::cpu {
 
 bool compressor_append(const CompressorParams& p, float* kv_state, float* gate_state, const float* kv,
@@ -35,6 +38,24 @@ bool compressor_append(const CompressorParams& p, float* kv_state, float* gate_s
     std::memcpy(gate_state, gate_state + m * width, static_cast<size_t>(m * width) * sizeof(float));
   }
   return true;
+}
+
+void finish_entry_deepseek(float* entry, int64_t head_dim, const float* norm_weight, float eps,
+                           int64_t entry_position, const RopeTable& rope, bool index_key) {
+  round_to_bf16(entry, head_dim);  // kv.to(bf16) before the norm (§7.1)
+  rms_norm(entry, 1, head_dim, head_dim, norm_weight, eps, entry);
+  round_to_bf16(entry, head_dim);
+  apply_rope(entry, 1, head_dim, 1, head_dim, &entry_position, rope);
+  round_to_bf16(entry, head_dim);
+  if (!index_key) {
+    quantize_e4m3_blocks(entry, head_dim - rope.rope_dim(), 64);  // FP8 simulation, one UE8M0 scale per 64 (§3.3)
+  } else {
+    // rotate_activation's scale n ** -0.5: a Python float (double) applied to an fp32 tensor.
+    hadamard_transform(entry, head_dim, static_cast<float>(std::pow(static_cast<double>(head_dim), -0.5)));
+    round_to_bf16(entry, head_dim);
+    quantize_e2m1_blocks(entry, head_dim, 32);  // FP4 simulation per 32 (§3.5, §8)
+  }
+  round_to_bf16(entry, head_dim);
 }
 
 }  // namespace dsv4::ops::cpu

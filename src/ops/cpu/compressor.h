@@ -14,6 +14,8 @@
 #pragma once
 #include <cstdint>
 
+#include "ops/cpu/rope.h"
+
 namespace dsv4::ops::cpu {
 
 struct CompressorParams {
@@ -30,5 +32,14 @@ struct CompressorParams {
 // true; the entry's index is position / ratio.
 bool compressor_append(const CompressorParams& p, float* kv_state, float* gate_state, const float* kv,
                        const float* gate, const float* ape, int64_t position, float* entry);
+
+// Numerics::kDeepSeek's finishing of a pooled entry [head_dim] in place (model.py Compressor.forward; research
+// model_spec.md §7.1, §3.3, §3.5; docs/numerics.md): bf16, RMSNorm with `norm_weight`, bf16, RoPE at the window's
+// first position `entry_position`, bf16; then a main entry's non-rope channels through e4m3 per 64 (the FP8
+// cache's simulation), or an index key through the Hadamard rotation (scale head_dim^-1/2, evaluated in double)
+// and FP4 per 32 between bf16 roundings; bf16 last. The twin of the device compressor's kBf16DeepSeekMain /
+// kBf16DeepSeekIndex formats (ops/cuda/compressor.h).
+void finish_entry_deepseek(float* entry, int64_t head_dim, const float* norm_weight, float eps,
+                           int64_t entry_position, const RopeTable& rope, bool index_key);
 
 }  // namespace dsv4::ops::cpu

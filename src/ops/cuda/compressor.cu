@@ -35,8 +35,11 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "cache/kv_entry_format.h"
+#include "core/weight_quantizer.h"
+#include "ops/cuda/fp4_simulation.cuh"
 #include "ops/cuda/launch.cuh"
 
 namespace dsv4::ops::cuda {
@@ -52,6 +55,8 @@ struct Kernel {
   CompressorStepParams p;
   int m, d, width, coff, pairs, tpg, wpg, groups, wpt, gslots;
   int64_t gate_offset;  // floats from kv_state to gate_state
+  bool deepseek;        // kBf16DeepSeekMain / kBf16DeepSeekIndex: the reference's roundings around norm and RoPE
+  float hadamard_scale;  // head_dim^-1/2 as the reference's Python float (double) rounded to fp32
 };
 
 struct Plan {
@@ -255,6 +260,12 @@ __device__ inline float bf16_round(float v) { return __bfloat162float(__float2bf
 __device__ inline uint8_t to_e4m3(float v) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
 }
+// v (|v| ≤ 448) rounded to the e4m3 grid, nearest even: its code's value.
+__device__ inline float e4m3_value(float v) {
+  const uint8_t code = to_e4m3(v);
+  const float magnitude = quantizer::e4m3_magnitude(code & 0x7f);
+  return (code & 0x80) != 0 ? -magnitude : magnitude;
+}
 
 // Stores channels (c, c + 1) of entry w (in history block id `block`). `valid`: the group has an entry this round
 // (uniform over the group); `active`: this thread's pair exists. Called by every thread of the CTA (the FP8 index
@@ -307,6 +318,56 @@ __device__ void store_entry(const Kernel& k, const Plan& q, int w, int32_t block
       }
       break;
     }
+    case CompressorEntryFormat::kBf16DeepSeekMain: {
+      // The non-rope channels through e4m3 per 64 (ops::cpu::quantize_e4m3_blocks(entry, d − rope_dim, 64)): a
+      // block of 64 channels is one warp's 32 pairs, since each group starts at a warp.
+      float x0 = y0, x1 = y1;
+      if (valid && c < k.d - k.p.rope_dim) {  // uniform over the warp: (d − rope_dim) % 64 == 0
+        float amax = active ? fmaxf(fabsf(x0), fabsf(x1)) : 0.0f;
+        for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+        // ue8m0_scale(amax, 448, 1e-4), then x = e4m3(clamp(x / s, ±448)) · s (s a power of two: both exact).
+        const uint32_t bits = __float_as_uint(__fdiv_rn(fmaxf(amax, 1e-4f), kE4m3Max));
+        const int exponent = static_cast<int>((bits >> 23) & 0xffu) - 127 + ((bits & 0x7fffffu) != 0 ? 1 : 0);
+        const float scale = ldexpf(1.0f, exponent);
+        x0 = __fmul_rn(e4m3_value(fminf(fmaxf(__fdiv_rn(x0, scale), -kE4m3Max), kE4m3Max)), scale);
+        x1 = __fmul_rn(e4m3_value(fminf(fmaxf(__fdiv_rn(x1, scale), -kE4m3Max), kE4m3Max)), scale);
+      }
+      if (base && active)
+        reinterpret_cast<__nv_bfloat162*>(base + (h.layer_index * h.entries_per_block + e) * h.entry_bytes)[c / 2] =
+            __floats2bfloat162_rn(x0, x1);
+      break;
+    }
+    case CompressorEntryFormat::kBf16DeepSeekIndex: {
+      // Hadamard rotation over the group's d values (staged in shared memory; each output a ±1 sum in double,
+      // exact for bf16 inputs, so equal to the CPU's butterflies), scaled, bf16; FP4 per 32 (16 lanes); bf16.
+      __shared__ float rotated_in[kThreads * 2];
+      const int group = threadIdx.x / k.tpg;
+      float* values = rotated_in + group * k.tpg * 2;
+      if (active) {
+        values[c] = y0;
+        values[c + 1] = y1;
+      }
+      __syncthreads();
+      double sum0 = 0.0, sum1 = 0.0;
+      if (active)
+        for (int j = 0; j < k.d; ++j) {
+          const double v = values[j];
+          sum0 += (__popc(c & j) & 1) ? -v : v;
+          sum1 += (__popc((c + 1) & j) & 1) ? -v : v;
+        }
+      __syncthreads();  // the next round's values
+      float x0 = bf16_round(__fmul_rn(static_cast<float>(sum0), k.hadamard_scale));
+      float x1 = bf16_round(__fmul_rn(static_cast<float>(sum1), k.hadamard_scale));
+      float amax = active ? fmaxf(fabsf(x0), fabsf(x1)) : 0.0f;
+      for (int offset = 1; offset < 16; offset *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+      const float s = e2m1_block_scale(amax);
+      x0 = bf16_round(__fmul_rn(e2m1_round(fminf(fmaxf(__fdiv_rn(x0, s), -6.0f), 6.0f)), s));
+      x1 = bf16_round(__fmul_rn(e2m1_round(fminf(fmaxf(__fdiv_rn(x1, s), -6.0f), 6.0f)), s));
+      if (base && active)
+        reinterpret_cast<__nv_bfloat162*>(base + (h.layer_index * h.entries_per_block + e) * h.entry_bytes)[c / 2] =
+            __floats2bfloat162_rn(x0, x1);
+      break;
+    }
     case CompressorEntryFormat::kFp8Index: {
       const float x0 = bf16_round(y0), x1 = bf16_round(y1);
       const float amax = group_max(k, active ? fmaxf(fabsf(x0), fabsf(x1)) : 0.0f, redf);
@@ -343,6 +404,7 @@ __device__ void process_windows(const Kernel& k, const Plan& q, const float* kvs
     const int32_t block = valid ? h.block_table[q.row * h.block_table_stride + x / h.entries_per_block] : -1;  // early
     float2 v = make_float2(0.0f, 0.0f);
     if (active) v = pool_window<kCached>(k, q, kvs, gts, x, c);
+    if (k.deepseek) v = make_float2(bf16_round(v.x), bf16_round(v.y));  // kv.to(bf16) before the norm (§7.1)
     // RMSNorm as ops::cpu::rms_norm: double sum of squares, fp32 scale, weight · (x · scale).
     const double sum = group_sum(k, active ? static_cast<double>(v.x) * v.x + static_cast<double>(v.y) * v.y : 0.0, redd);
     const float scale =
@@ -351,6 +413,10 @@ __device__ void process_windows(const Kernel& k, const Plan& q, const float* kvs
     if (active) {
       y0 = __fmul_rn(k.p.norm_weight[c], __fmul_rn(v.x, scale));
       y1 = __fmul_rn(k.p.norm_weight[c + 1], __fmul_rn(v.y, scale));
+      if (k.deepseek) {
+        y0 = bf16_round(y0);
+        y1 = bf16_round(y1);
+      }
       const int offset = k.d - k.p.rope_dim;
       if (c >= offset) {  // ops::cpu::apply_rope at position x·m
         const float angle = __fmul_rn(k.p.inv_freq[(c - offset) / 2], static_cast<float>(x * k.m));
@@ -361,6 +427,10 @@ __device__ void process_windows(const Kernel& k, const Plan& q, const float* kvs
         const float a = y0, b = y1;
         y0 = __fsub_rn(__fmul_rn(a, cos_t), __fmul_rn(b, sin_t));
         y1 = __fadd_rn(__fmul_rn(b, cos_t), __fmul_rn(a, sin_t));
+      }
+      if (k.deepseek) {
+        y0 = bf16_round(y0);
+        y1 = bf16_round(y1);
       }
     }
     store_entry(k, q, x, block, valid, active, c, y0, y1, redf);
@@ -504,6 +574,11 @@ bool valid_params(const CompressorStepParams& p) {
       return p.head_dim == kKvHeadDim && p.rope_dim == kKvRopeDim && p.history.entry_bytes == kKvFp8EntryBytes;
     case CompressorEntryFormat::kFp8Index:
       return p.head_dim % 4 == 0 && p.history.entry_bytes == int64_t{p.head_dim} + 4;
+    case CompressorEntryFormat::kBf16DeepSeekMain:
+      return (p.head_dim - p.rope_dim) % 64 == 0 && p.history.entry_bytes == 2 * int64_t{p.head_dim};
+    case CompressorEntryFormat::kBf16DeepSeekIndex:
+      return (p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256) &&
+             p.history.entry_bytes == 2 * int64_t{p.head_dim};
   }
   return false;
 }
@@ -524,6 +599,8 @@ Kernel make_kernel(const CompressorStepParams& p) {
   // State slots per slot task: all of them for CSA (the head does it), 64 KB of kv + gate for HCA.
   k.gslots = p.overlap ? k.m : std::max(1, std::min(k.m, 8192 / k.width));
   k.gate_offset = int64_t{p.state_slots()} * k.width;
+  k.deepseek = p.format == CompressorEntryFormat::kBf16DeepSeekMain || p.format == CompressorEntryFormat::kBf16DeepSeekIndex;
+  k.hadamard_scale = static_cast<float>(std::pow(static_cast<double>(p.head_dim), -0.5));
   return k;
 }
 

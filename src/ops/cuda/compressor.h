@@ -43,6 +43,13 @@
 //              the whole key as write_index_keys_cpu does. The layer's run starts at
 //              U = B + layer_index·epb·(head_dim + 4); values (head_dim e4m3) at U + e·head_dim, the fp32 scale
 //              at U + epb·head_dim + 4·e. history.entry_bytes must be head_dim + 4.
+//   kBf16DeepSeekMain, kBf16DeepSeekIndex
+//              Numerics::kDeepSeek (docs/numerics.md): stored as kBf16, the entry finished as
+//              ops::cpu::finish_entry_deepseek does — the pooled values rounded to bf16 before the norm, the norm's
+//              output and the rotated entry rounded too; then a main entry's non-rope channels through e4m3 per 64
+//              ((head_dim − rope_dim) a multiple of 64), or an index key through the Hadamard rotation (head_dim 64,
+//              128 or 256; butterflies exact in double, as the CPU's) and FP4 per 32. Bit for bit the CPU twin but
+//              for expf's last bit in the pooling (above).
 //
 // Work split (docs in compressor.cu): per request one "head" task pools the windows that read the old state (the
 // window straddling the chunk start and, for the overlapping CSA compressor, the next one, whose "a" half
@@ -59,7 +66,14 @@
 
 namespace dsv4::ops::cuda {
 
-enum class CompressorEntryFormat : int32_t { kF32 = 0, kBf16 = 1, kFp8Main = 2, kFp8Index = 3 };
+enum class CompressorEntryFormat : int32_t {
+  kF32 = 0,
+  kBf16 = 1,
+  kFp8Main = 2,
+  kFp8Index = 3,
+  kBf16DeepSeekMain = 4,
+  kBf16DeepSeekIndex = 5
+};
 
 struct CompressorStepParams {
   // Compressor shape (ops::cpu::CompressorParams).

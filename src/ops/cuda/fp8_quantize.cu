@@ -1,5 +1,6 @@
 #include <cuda_fp8.h>
 
+#include "core/weight_quantizer.h"
 #include "ops/cuda/fp8_quantize.h"
 #include "ops/cuda/launch.cuh"
 
@@ -80,7 +81,68 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
+// One warp per (row, block of BLOCK columns): lane l holds columns l, l + 32, … of the block.
+template <int BLOCK, bool kBf16>
+__global__ void __launch_bounds__(kWarps * 32) simulate_e4m3_kernel(const Fp8SimulateParams p, void* __restrict__ x) {
+  wait_for_prior_grid();
+  allow_dependents();
+  constexpr int kPerLane = BLOCK / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t row = static_cast<int64_t>(blockIdx.y) * kWarps + threadIdx.x / 32;
+  if (row >= p.rows) return;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * BLOCK;
+  float v[kPerLane];
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int64_t c = c0 + lane + 32 * i;
+    v[i] = 0.0f;
+    if (c < p.cols) {
+      if constexpr (kBf16)
+        v[i] = __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(x)[row * p.stride + c]) << 16);
+      else
+        v[i] = static_cast<const float*>(x)[row * p.stride + c];
+    }
+    amax = fmaxf(amax, fabsf(v[i]));  // fmaxf skips NaN, as the CPU's std::max
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  const uint32_t bits = __float_as_uint(__fdiv_rn(fmaxf(amax, 1e-4f), kE4m3Max));
+  const int exponent = static_cast<int>((bits >> 23) & 0xffu) - 127 + ((bits & 0x7fffffu) != 0 ? 1 : 0);
+  const float scale = exponent <= 127 ? __uint_as_float(static_cast<uint32_t>(exponent + 127) << 23) : INFINITY;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int64_t c = c0 + lane + 32 * i;
+    if (c >= p.cols) continue;
+    const uint32_t code = to_e4m3(v[i], scale);
+    const float magnitude = quantizer::e4m3_magnitude(static_cast<int>(code & 0x7fu));
+    const float value = code == 0x7fu || code == 0xffu ? NAN : __fmul_rn((code & 0x80u) ? -magnitude : magnitude, scale);
+    if constexpr (kBf16)
+      static_cast<uint16_t*>(x)[row * p.stride + c] = static_cast<uint16_t>(__float_as_uint(value) >> 16);  // exact
+    else
+      static_cast<float*>(x)[row * p.stride + c] = value;
+  }
+}
+
 }  // namespace
+
+cudaError_t simulate_e4m3_blocks(const Fp8SimulateParams& params, void* x, cudaStream_t stream) {
+  Fp8SimulateParams p = params;
+  if (p.stride == 0) p.stride = p.cols;
+  if (p.rows < 0 || p.cols < 0 || p.stride < p.cols || (p.block != 32 && p.block != 64 && p.block != 128))
+    return cudaErrorInvalidValue;
+  if (p.rows == 0 || p.cols == 0) return cudaSuccess;
+  const int64_t row_groups = (p.rows + kWarps - 1) / kWarps;
+  if (row_groups > 65535) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>((p.cols + p.block - 1) / p.block), static_cast<unsigned>(row_groups));
+  const dim3 block(kWarps * 32);
+  auto launch = [&](auto kernel) { return launch_dependent(kernel, grid, block, 0, stream, p, x); };
+  switch (p.block) {
+    case 32: return p.bf16 ? launch(simulate_e4m3_kernel<32, true>) : launch(simulate_e4m3_kernel<32, false>);
+    case 64: return p.bf16 ? launch(simulate_e4m3_kernel<64, true>) : launch(simulate_e4m3_kernel<64, false>);
+    default: return p.bf16 ? launch(simulate_e4m3_kernel<128, true>) : launch(simulate_e4m3_kernel<128, false>);
+  }
+}
 
 cudaError_t quantize_e4m3_rows(const Fp8QuantizeParams& params, const void* x, uint8_t* codes, float* scales,
                                cudaStream_t stream) {

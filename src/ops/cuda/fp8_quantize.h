@@ -40,4 +40,19 @@ inline int64_t fp8_activation_scale_count(int64_t rows, int64_t cols, int64_t sc
 cudaError_t quantize_e4m3_rows(const Fp8QuantizeParams& p, const void* x, uint8_t* codes, float* scales,
                                cudaStream_t stream);
 
+// DeepSeek's FP8 simulation in place (Numerics::kDeepSeek, docs/numerics.md), the twin of
+// ops::cpu::quantize_e4m3_blocks(row, cols, block) on each row: per `block` columns (a shorter last block) the
+// UE8M0 scale as above and x ← e4m3_RNE(clamp(x / s, ±448)) · s, exact in fp32 and bf16. Where the reference
+// quantizes and its consumer reads the dequantized values: the K=V vector's non-rope channels (block 64) and the
+// experts' input (block 128) of a model whose cache or GEMMs are not FP8 themselves.
+struct Fp8SimulateParams {
+  int64_t rows = 0;
+  int64_t cols = 0;        // the leading columns of each row that are quantized
+  int64_t stride = 0;      // elements between rows; 0 = cols
+  int64_t block = kFp8Block;  // 32, 64 or 128
+  bool bf16 = false;       // x holds bf16 bits (uint16) instead of fp32
+};
+// One warp per (row, block). cudaErrorInvalidValue on a negative size, a stride under cols or another block.
+cudaError_t simulate_e4m3_blocks(const Fp8SimulateParams& p, void* x, cudaStream_t stream);
+
 }  // namespace dsv4::ops::cuda

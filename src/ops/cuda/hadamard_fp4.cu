@@ -1,6 +1,7 @@
 #include "ops/cuda/hadamard_fp4.h"
 
 #include "ops/cuda/bf16.cuh"
+#include "ops/cuda/fp4_simulation.cuh"
 #include "ops/cuda/launch.cuh"
 
 namespace dsv4::ops::cuda {
@@ -11,23 +12,6 @@ constexpr unsigned kFull = 0xffffffffu;
 
 // ops/cpu/quantize.h round_to_bf16 (core/dtype.h's rounding, NaN quieted).
 __device__ __forceinline__ float bf16_round(float v) { return bf16_bits_to_f32(f32_to_bf16_bits(v)); }
-
-// ops/cpu/quantize.cpp e2m1_round: round to nearest even on the grid {0, 0.5, 1, 1.5, 2, 3, 4, 6}, saturating.
-__device__ __forceinline__ float e2m1_round(float x) {
-  if (x != x) return x;
-  const float magnitude = fabsf(x);
-  const float quantum = magnitude >= 1.0f ? ldexpf(1.0f, ilogbf(magnitude) - 1) : 0.5f;
-  const float rounded = fminf(rintf(magnitude / quantum) * quantum, 6.0f);  // x / 2^k is exact
-  return copysignf(rounded, x);
-}
-
-// ops/cpu/quantize.cpp ue8m0_scale(amax, 6, 6·2^-126): 2^ceil(log2(max(amax, min) / 6)) from the quotient's bits.
-__device__ __forceinline__ float e2m1_block_scale(float amax) {
-  const float ratio = __fdiv_rn(fmaxf(amax, 6.0f * ldexpf(1.0f, -126)), 6.0f);
-  const uint32_t bits = __float_as_uint(ratio);
-  const int exponent = static_cast<int>((bits >> 23) & 0xffu) - 127;
-  return ldexpf(1.0f, exponent + ((bits & 0x7fffffu) != 0 ? 1 : 0));
-}
 
 // One warp per row; lane l holds elements l·V … l·V + V − 1 (V = dim / 32). Butterfly stage `half` pairs element
 // i with i ^ half: within a lane while half < V, across lanes (lane ^ half / V) above.

@@ -16,9 +16,11 @@
 #include <functional>
 #include <map>
 #include <numeric>
+#include <optional>
 
 #include "../test_models.h"
 #include "core/dtype.h"
+#include "core/error.h"
 #include "engine/engine.h"
 #include "model/cuda/device_random_weights.h"
 #include "model/random_init.h"
@@ -102,7 +104,8 @@ ModelWeights rounded_to_bf16(ModelWeights weights) {
 
 Comparison compare(const ModelConfig& config, const ModelWeights& weights, CudaPrecision precision,
                    const std::vector<Script>& scripts, bool fp8_weights = true, bool cpu_twin = true,
-                   bool low_bit_experts = true, CudaModelOptions options = {}) {
+                   bool low_bit_experts = true, CudaModelOptions options = {},
+                   std::optional<Numerics> cpu_numerics = std::nullopt) {
   // The CPU twin of the GPU's FP8 linears (bf16 mode) quantizes their inputs the same way, and with
   // config.fp8_kv_cache simulates its FP8 K=V entries (cpu_twin false: the plain CPU model, to measure what the
   // twin accounts for).
@@ -111,6 +114,7 @@ Comparison compare(const ModelConfig& config, const ModelWeights& weights, CudaP
     cpu_config.fp8_activations =
         precision == CudaPrecision::kBf16 ? Fp8Activations::kFromBf16 : Fp8Activations::kFromFp32;
   if (!cpu_twin) cpu_config.fp8_kv_cache = false;
+  if (cpu_numerics) cpu_config.numerics = *cpu_numerics;  // the GPU runs config's
   DeepseekV4Model cpu(cpu_config, precision == CudaPrecision::kBf16 ? rounded_to_bf16(weights) : weights);
   options.precision = precision;
   options.fp8_weights = fp8_weights;
@@ -423,6 +427,41 @@ TEST(CudaModel, Bf16WithFp8LinearsTracksCpuOnAnFp8Checkpoint) {
   // almost no step).
   EXPECT_LT(median(twin.errors), median(exact.errors));
   EXPECT_GE(static_cast<double>(twin.agreed), 0.7 * static_cast<double>(twin.compared));
+}
+
+// Numerics::kDeepSeek on the device (docs/numerics.md "kDeepSeek on the GPU") against the CPU's kDeepSeek, the
+// recipe's exact twin, on the FP8 / MXFP4 checkpoint; beside it the bf16 mode (kHf numerics, FP8 linears) against
+// the same CPU recipe. Accumulation order still differs (fp32 GEMMs against the CPU's double ones), and on random
+// weights one flipped e4m3 / e2m1 rounding moves a logit row by percents, so the check is that the device recipe
+// is closer to the CPU recipe than the plain bf16 mode is, and that greedy top-1 mostly agrees.
+TEST(CudaModel, DeepSeekNumericsTrackTheCpuRecipe) {
+  SKIP_WITHOUT_GPU();
+  const std::filesystem::path dir = fp8_fp4_fixture_dir();
+  if (!std::filesystem::is_regular_file(dir / "model.safetensors")) GTEST_SKIP() << "no fixture at " << dir;
+  ModelConfig config = ModelConfig::from_file((dir / "config.json").string());
+  const ModelWeights weights = ModelWeights::load(config, dir.string());
+  const auto scripts = mixed_scripts(config.vocab_size);
+  const Comparison plain = compare(config, weights, CudaPrecision::kBf16, scripts, true, /*cpu_twin=*/false, true,
+                                   {}, Numerics::kDeepSeek);
+  config.numerics = Numerics::kDeepSeek;
+  const Comparison recipe = compare(config, weights, CudaPrecision::kBf16, scripts, true, /*cpu_twin=*/false);
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[v.size() / 2];
+  };
+  for (const auto& [name, c] : {std::pair{"deepseek numerics", &recipe}, std::pair{"hf numerics (bf16)", &plain}})
+    std::printf("GPU %s vs the CPU's deepseek numerics: median rel L2 %.3g, worst %.3g, top-1 %lld of %lld\n", name,
+                median(c->errors), c->worst_relative_l2, static_cast<long long>(c->agreed),
+                static_cast<long long>(c->compared));
+  EXPECT_LT(median(recipe.errors), median(plain.errors));
+  EXPECT_GE(static_cast<double>(recipe.agreed), 0.7 * static_cast<double>(recipe.compared));
+  // The recipe's preconditions are checked with a reason.
+  ModelConfig fp8_cache = config;
+  fp8_cache.fp8_kv_cache = true;
+  EXPECT_THROW(DeepseekV4CudaModel(fp8_cache, weights), Error);
+  CudaModelOptions fp32;
+  fp32.precision = CudaPrecision::kF32;
+  EXPECT_THROW(DeepseekV4CudaModel(config, weights, fp32), Error);
 }
 
 // MXFP4 routed experts decoded inside the grouped expert kernel (the default in bf16 mode) against the same

@@ -1,5 +1,6 @@
 // A batch of requests fed through several consecutive compressor steps, on the device (ops/cuda/compressor.h) and
-// on the host (ops::cpu::compressor_append + rms_norm + apply_rope, DeepseekV4Model::compress in kHf), over paged
+// on the host (ops::cpu::compressor_append + rms_norm + apply_rope, DeepseekV4Model::compress in kHf, or
+// ops::cpu::finish_entry_deepseek for the kDeepSeek formats), over paged
 // history and state arenas: shuffled block ids across pages, unallocated (-1) blocks where nothing is written,
 // random bytes everywhere else (so a stray write shows). The host side writes its fp32 entries through a
 // format writer given by the test (the project's own quantizers), so this header depends on no entry-format
@@ -60,6 +61,8 @@ inline int64_t compressor_entry_bytes(CompressorEntryFormat format, int64_t d) {
     case CompressorEntryFormat::kBf16: return 2 * d;
     case CompressorEntryFormat::kFp8Main: return 584;
     case CompressorEntryFormat::kFp8Index: return d + 4;
+    case CompressorEntryFormat::kBf16DeepSeekMain:
+    case CompressorEntryFormat::kBf16DeepSeekIndex: return 2 * d;
   }
   return 0;
 }
@@ -281,9 +284,16 @@ class CompressorProblem {
           entry.row = row;
           entry.w = position / c.ratio;
           const int64_t entry_position = entry.w * c.ratio;
-          ops::cpu::rms_norm(entry.values.data(), 1, c.head_dim, c.head_dim, pr_.weight_.data(), kEps,
-                             entry.values.data());
-          ops::cpu::apply_rope(entry.values.data(), 1, c.head_dim, 1, c.head_dim, &entry_position, pr_.rope_);
+          if (c.format == CompressorEntryFormat::kBf16DeepSeekMain ||
+              c.format == CompressorEntryFormat::kBf16DeepSeekIndex) {
+            ops::cpu::finish_entry_deepseek(entry.values.data(), c.head_dim, pr_.weight_.data(), kEps,
+                                            entry_position, pr_.rope_,
+                                            c.format == CompressorEntryFormat::kBf16DeepSeekIndex);
+          } else {
+            ops::cpu::rms_norm(entry.values.data(), 1, c.head_dim, c.head_dim, pr_.weight_.data(), kEps,
+                               entry.values.data());
+            ops::cpu::apply_rope(entry.values.data(), 1, c.head_dim, 1, c.head_dim, &entry_position, pr_.rope_);
+          }
           write_(hv, entry);
           produced.push_back(std::move(entry));
         }

@@ -294,6 +294,74 @@ TEST_F(CudaFp8, QuantizerEdgeValues) {
   check_quantizer(x, rows, cols, true, cols, cols, rows);
 }
 
+// The in-place FP8 simulation (kDeepSeek) against ops::cpu::quantize_e4m3_blocks on each row's leading `cols`
+// of `stride` columns, bit for bit; the columns past `cols` untouched.
+void check_simulation(const std::vector<float>& x, int64_t rows, int64_t stride, int64_t cols, int64_t block,
+                      bool bf16) {
+  SCOPED_TRACE(::testing::Message() << "rows " << rows << " cols " << cols << "/" << stride << " block " << block
+                                    << (bf16 ? " bf16" : " fp32"));
+  std::vector<float> host(x.begin(), x.begin() + rows * stride);
+  if (bf16)
+    for (float& v : host) v = bf16_to_f32(f32_to_bf16(v));
+  std::vector<float> expected = host;
+  for (int64_t r = 0; r < rows; ++r) cpu::quantize_e4m3_blocks(&expected[r * stride], cols, block);
+  Fp8SimulateParams p;
+  p.rows = rows;
+  p.cols = cols;
+  p.stride = stride;
+  p.block = block;
+  p.bf16 = bf16;
+  std::vector<float> got(host.size());
+  if (bf16) {
+    std::vector<uint16_t> bits(host.size());
+    for (size_t i = 0; i < host.size(); ++i) bits[i] = f32_to_bf16(host[i]);
+    DeviceArray<uint16_t> d(bits);
+    ASSERT_EQ(simulate_e4m3_blocks(p, d.get(), nullptr), cudaSuccess);
+    const std::vector<uint16_t> out = d.download();
+    for (size_t i = 0; i < out.size(); ++i) got[i] = bf16_to_f32(out[i]);
+  } else {
+    DeviceArray<float> d(host);
+    ASSERT_EQ(simulate_e4m3_blocks(p, d.get(), nullptr), cudaSuccess);
+    got = d.download();
+  }
+  int64_t mismatches = 0;
+  for (size_t i = 0; i < got.size(); ++i)
+    if (!same_bits(got[i], expected[i]) && mismatches++ < 5)
+      ADD_FAILURE() << "element " << i << ": " << got[i] << " vs " << expected[i] << " from " << host[i];
+  EXPECT_EQ(mismatches, 0);
+}
+
+TEST_F(CudaFp8, SimulationIsBitExactWithTheCpuTwin) {
+  for (const bool bf16 : {false, true}) {
+    // The K=V vectors' 448 non-rope channels of 512 per 64; the experts' input per 128; odd widths.
+    check_simulation(random_activations(37, 512, 5), 37, 512, 448, 64, bf16);
+    check_simulation(random_activations(9, 4096, 6), 9, 4096, 4096, 128, bf16);
+    check_simulation(random_activations(5, 200, 7), 5, 200, 197, 64, bf16);
+    check_simulation(random_activations(3, 96, 8), 3, 96, 96, 32, bf16);
+  }
+  Fp8SimulateParams bad;
+  bad.rows = 1;
+  bad.cols = 64;
+  bad.block = 48;
+  EXPECT_EQ(simulate_e4m3_blocks(bad, nullptr, nullptr), cudaErrorInvalidValue);
+}
+
+TEST_F(CudaFp8, SimulationEdgeValues) {
+  // The quantizer's edge rows (QuantizerEdgeValues): under the amax floor, huge, ties, saturation, subnormal codes.
+  const int64_t rows = 4, cols = 256;
+  std::mt19937 rng(19);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> x(static_cast<size_t>(rows * cols));
+  for (int64_t c = 0; c < cols; ++c) {
+    x[0 * cols + c] = u(rng) * 1e-6f + (c % 2 ? 3e-7f : -3e-7f);
+    x[1 * cols + c] = u(rng) * 1e30f + 1e25f;
+    x[2 * cols + c] = c % 64 == 1 ? 1.0f : u(rng) * 0.01f;
+    x[3 * cols + c] = u(rng) * 447.9f + (c % 64 == 5 ? 460.0f : 0.0f);
+  }
+  for (const bool bf16 : {false, true})
+    for (const int64_t block : {64, 128}) check_simulation(x, rows, cols, cols, block, bf16);
+}
+
 // ---- GEMM ----
 
 struct Shape {

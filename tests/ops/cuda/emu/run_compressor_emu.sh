@@ -21,5 +21,5 @@ g++ -std=c++20 -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefin
   -I"$emu/include" -I"$emu" -I"$s" -I"$root/tests/ops/cuda" \
   "$emu/emu.cpp" "$out/compressor_emu.cpp" "$root/tests/ops/cuda/compressor_test.cpp" \
   "$root/tests/ops/cuda/compressor_index_fp8_test.cpp" "$s/ops/cpu/compressor.cpp" "$s/ops/cpu/norm.cpp" \
-  "$s/ops/cpu/rope.cpp" "$s/core/dtype.cpp" "$s/cache/index_key_format.cpp" -lgtest -lgtest_main -o "$out/emu_tests"
+  "$s/ops/cpu/rope.cpp" "$s/ops/cpu/quantize.cpp" "$s/core/dtype.cpp" "$s/cache/index_key_format.cpp" -lgtest -lgtest_main -o "$out/emu_tests"
 "$out/emu_tests" "$@"
