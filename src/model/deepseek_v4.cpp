@@ -131,19 +131,6 @@ float dot_f64(const float* a, const float* b, int64_t n) {
 // evaluated in double, rounded to fp32.
 float inverse_sqrt_f64(double n) { return static_cast<float>(std::pow(n, -0.5)); }
 
-// `q *= rsqrt(q.square().mean(-1) + eps)` on a bf16 tensor (§6.1 step 3): every intermediate rounded to bf16,
-// the mean accumulated in fp32.
-void head_rms_norm_bf16(float* q, int64_t rows, int64_t dim, float eps) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float* row = q + r * dim;
-    float sum = 0;
-    for (int64_t i = 0; i < dim; ++i) sum += bf16_to_f32(f32_to_bf16(row[i] * row[i]));
-    const float mean = bf16_to_f32(f32_to_bf16(sum / static_cast<float>(dim)));
-    const float inv = bf16_to_f32(f32_to_bf16(1.0f / std::sqrt(bf16_to_f32(f32_to_bf16(mean + eps)))));
-    for (int64_t i = 0; i < dim; ++i) row[i] = bf16_to_f32(f32_to_bf16(row[i] * inv));
-  }
-}
-
 // The reference's indexer score on bf16 tensors (§8 step 6): q·k (the einsum: double accumulation → fp32) → bf16,
 // relu, × w → bf16, head sum (fp32 accumulate) → bf16. `head_weights` already carry index_head_dim^-0.5 · heads^-0.5.
 void indexer_scores_bf16(const IndexerParams& p, const float* q, const float* head_weights, const float* const* keys,

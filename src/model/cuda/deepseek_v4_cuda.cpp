@@ -1344,12 +1344,11 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
   float* kv = buffer<float>("kv", N * d);
   project(kv_overlap ? *kv_gemm : *gemm, l.wkv, x_operand, N, kv, kvs, "fp8_kv_activation");
   uint16_t* kv_bf16 = tuned ? buffer<uint16_t>("kv_bf16", N * d) : nullptr;
-  DSV4_CU(cu::head_norm_rope({N, 1, d, rope_dim, true, eps, rope_scaling}, kv, l.kv_norm, step.positions, inv_freq,
-                             kv_bf16, kvs));
+  DSV4_CU(cu::head_norm_rope({N, 1, d, rope_dim, true, eps, rope_scaling, /*keep_fp32=*/true, deepseek}, kv,
+                             l.kv_norm, step.positions, inv_freq, kv_bf16, kvs));
   if (deepseek) {
-    // The reference's K=V vector: bf16, its non-rope channels through e4m3 per 64 (what its FP8 cache stores, here
-    // in bf16 entries); the step's own rows and the window read the same values.
-    DSV4_CU(cu::round_to_bf16(kv, N * d, kvs));
+    // The reference's K=V vector (bf16 from head_norm_rope): its non-rope channels through e4m3 per 64 (what its
+    // FP8 cache stores, here in bf16 entries); the step's own rows and the window read the same values.
     simulate_fp8(kv, false, N, d - rope_dim, d, 64, kvs);
     if (kv_bf16) DSV4_CU(cu::f32_to_bf16(kv, kv_bf16, N * d, kvs));
   }
@@ -1413,9 +1412,8 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
   // The tuned attention kernel reads bf16 q and this step's K=V rows; the norm + RoPE passes write them.
   uint16_t* q_bf16 = tuned ? buffer<uint16_t>("q_bf16", N * H * d) : nullptr;
   // The tuned attention reads only q_bf16: the fp32 q is not written back.
-  DSV4_CU(cu::head_norm_rope({N, H, d, rope_dim, true, eps, rope_scaling, /*keep_fp32=*/!tuned}, q, nullptr,
-                             step.positions, inv_freq, q_bf16, stream));
-  if (deepseek && !tuned) DSV4_CU(cu::round_to_bf16(q, N * H * d, stream));  // q is a bf16 tensor after RoPE
+  DSV4_CU(cu::head_norm_rope({N, H, d, rope_dim, true, eps, rope_scaling, /*keep_fp32=*/!tuned, deepseek}, q,
+                             nullptr, step.positions, inv_freq, q_bf16, stream));
 
   // Indexer (CSA): its compressor, q_I, weights, scores and top-k on the index stream.
   const bool csa = type == AttentionType::kCompressedSparse;

@@ -11,6 +11,8 @@ namespace {
 
 constexpr int kMaxWarps = 8;
 
+__device__ __forceinline__ float bf16_round(float v) { return bf16_bits_to_f32(f32_to_bf16_bits(v)); }
+
 // Block (row, group of up to 8 heads), one warp per head: lane l owns the channel pairs l, l + 32, … of its head,
 // so the two channels a rotation mixes are in one thread and the norm is a warp reduction (no block barrier after
 // the rope table). The table — the same angles for every head of a row — is computed once per block. One block per
@@ -19,7 +21,7 @@ constexpr int kMaxWarps = 8;
 __global__ void head_norm_rope_kernel(float* x, const float* __restrict__ norm_weight,
                                       const int32_t* __restrict__ positions, const float* __restrict__ inv_freq,
                                       uint16_t* x_bf16, int heads, int head_dim, int rope_pairs, bool normalize,
-                                      float eps, float attention_scaling, bool keep_fp32) {
+                                      float eps, float attention_scaling, bool keep_fp32, bool deepseek) {
   wait_for_prior_grid();
   allow_dependents();
   extern __shared__ float table[];  // cos [rope_pairs], then sin [rope_pairs]
@@ -34,14 +36,23 @@ __global__ void head_norm_rope_kernel(float* x, const float* __restrict__ norm_w
   float2* values = reinterpret_cast<float2*>(x + head_index * head_dim);
   float scale = 1.0f;
   if (normalize) {
+    const bool bf16_norm = deepseek && norm_weight == nullptr;
     float sum = 0.0f;
 #pragma unroll 4
     for (int j = lane; j < pairs; j += 32) {
       const float2 v = values[j];
-      sum += v.x * v.x + v.y * v.y;
+      if (bf16_norm)
+        sum = __fadd_rn(__fadd_rn(sum, bf16_round(__fmul_rn(v.x, v.x))), bf16_round(__fmul_rn(v.y, v.y)));
+      else
+        sum += v.x * v.x + v.y * v.y;
     }
     for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    scale = rsqrtf(sum / static_cast<float>(head_dim) + eps);
+    if (bf16_norm) {
+      const float mean = bf16_round(__fdiv_rn(sum, static_cast<float>(head_dim)));
+      scale = bf16_round(__fdiv_rn(1.0f, __fsqrt_rn(bf16_round(__fadd_rn(mean, eps)))));
+    } else {
+      scale = rsqrtf(sum / static_cast<float>(head_dim) + eps);
+    }
   }
   uint32_t* out_bf16 = x_bf16 ? reinterpret_cast<uint32_t*>(x_bf16 + head_index * head_dim) : nullptr;
 #pragma unroll 4
@@ -51,6 +62,10 @@ __global__ void head_norm_rope_kernel(float* x, const float* __restrict__ norm_w
       const float w0 = norm_weight ? norm_weight[2 * j] : 1.0f, w1 = norm_weight ? norm_weight[2 * j + 1] : 1.0f;
       v.x = w0 * (v.x * scale);
       v.y = w1 * (v.y * scale);
+      if (deepseek) {
+        v.x = bf16_round(v.x);
+        v.y = bf16_round(v.y);
+      }
     }
     if (j >= first_rope_pair) {
       const int i = j - first_rope_pair;
@@ -58,6 +73,10 @@ __global__ void head_norm_rope_kernel(float* x, const float* __restrict__ norm_w
       const float a = v.x, b = v.y;
       v.x = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
       v.y = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+    }
+    if (deepseek) {
+      v.x = bf16_round(v.x);
+      v.y = bf16_round(v.y);
     }
     if (keep_fp32) values[j] = v;
     if (out_bf16)
@@ -84,7 +103,8 @@ cudaError_t head_norm_rope(const HeadNormRopeParams& p, float* x, const float* n
   const dim3 grid(static_cast<unsigned>(p.rows), static_cast<unsigned>((p.heads + warps - 1) / warps));
   launch_dependent(head_norm_rope_kernel, grid, 32 * warps, shared, stream,
                    x, norm_weight, positions, inv_freq, x_bf16, static_cast<int>(p.heads),
-                   static_cast<int>(p.head_dim), rope_pairs, p.normalize, p.eps, p.attention_scaling, p.keep_fp32);
+                   static_cast<int>(p.head_dim), rope_pairs, p.normalize, p.eps, p.attention_scaling, p.keep_fp32,
+                   p.deepseek_roundings);
   return cudaGetLastError();
 }
 

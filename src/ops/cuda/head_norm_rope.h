@@ -23,6 +23,10 @@ struct HeadNormRopeParams {
   // only the bf16 operand (the tuned attention's q, the tuned indexer's q) skips the fp32 write-back, a third of
   // the bytes (at a 4,096-token prefill 537 MB per q call).
   bool keep_fp32 = true;
+  // Numerics::kDeepSeek (docs/numerics.md): the reference's bf16 tensors — a weighted norm's output rounded before
+  // RoPE; an unweighted per-head norm with every intermediate in bf16 (model.py's q norm, the CPU's
+  // head_rms_norm_bf16: bf16 squares summed in fp32, bf16 mean, bf16 rsqrt, bf16 products); the result rounded.
+  bool deepseek_roundings = false;
 };
 
 // x [rows, heads, head_dim] fp32, updated in place; norm_weight: fp32 device [head_dim] or nullptr (unweighted);
