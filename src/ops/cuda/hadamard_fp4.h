@@ -5,7 +5,7 @@
 // with H the Sylvester Walsh–Hadamard matrix, its butterflies in double and rounded once (the oracle's exact
 // accumulation) — the twin of src/model/deepseek_v4.cpp's kDeepSeek indexer path (ops/cpu/quantize.h
 // hadamard_transform + quantize_e2m1_blocks between bf16 roundings), bit for bit. A step towards `--numerics
-// deepseek` on the GPU (issue 7); not wired into the CUDA model yet.
+// deepseek` on the GPU (issue 7): the CUDA model runs it on the indexer queries in that mode.
 #pragma once
 #include <cstdint>
 
