@@ -616,10 +616,11 @@ void DeepseekV4CudaModel::upload_layer(const LayerWeights& l) {
   d.indexer_compressor = compressor(l.indexer_compressor);
   d.indexer_wq_b = m.fp8_linear(l.indexer_wq_b);
   // The head weights' H_I^-1/2 (transformers: weights_proj(x) · n_heads^-0.5) folded into the matrix: exact
-  // when H_I is a power of 4 (V4: 64), otherwise one fp32 rounding of each weight.
+  // when H_I is a power of 4 (V4: 64), otherwise one fp32 rounding of each weight. kDeepSeek scales the bf16
+  // output instead (attention()).
   if (!l.indexer_weights_proj.empty()) {
     Tensor scaled = l.indexer_weights_proj;
-    const float head_scale = 1.0f / std::sqrt(static_cast<float>(m.config.index_n_heads));
+    const float head_scale = m.deepseek ? 1.0f : 1.0f / std::sqrt(static_cast<float>(m.config.index_n_heads));
     for (float& value : scaled.data) value *= head_scale;
     d.indexer_weights_proj = m.linear(scaled);
   }
@@ -1455,7 +1456,15 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
     }
     float* index_weights = buffer<float>("index_weights", N * IH);
     ig.linear(l.indexer_weights_proj, x_operand, N, index_weights, is);  // H_I^-1/2 is in the weights
-    if (deepseek) DSV4_CU(cu::round_to_bf16(index_weights, N * IH, is));  // a bf16 F.linear's output
+    if (deepseek) {
+      // model.py: weights_proj(x) (bf16) · (softmax_scale · n_heads^-1/2), a Python double applied to a bf16 tensor;
+      // the scores then take no further scale.
+      const float head_scale = static_cast<float>(std::pow(static_cast<double>(ID), -0.5) *
+                                                  std::pow(static_cast<double>(IH), -0.5));
+      DSV4_CU(cu::round_to_bf16(index_weights, N * IH, is));
+      DSV4_CU(cu::scale_inplace(index_weights, head_scale, N * IH, is));
+      DSV4_CU(cu::round_to_bf16(index_weights, N * IH, is));
+    }
     const int64_t max_entries = (step.max_position + 1) / c.compress_rate_csa;
     topk_indices = buffer<int32_t>("topk_indices", N * topk);
     topk_lengths = buffer<int32_t>("topk_lengths", N);
@@ -1463,7 +1472,7 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
       DSV4_CU(cudaMemsetAsync(topk_lengths, 0, N * sizeof(int32_t), is));
     } else {
       float* scores = buffer<float>("index_scores", N * max_entries);
-      const float softmax_scale = 1.0f / std::sqrt(static_cast<float>(ID));
+      const float softmax_scale = deepseek ? 1.0f : 1.0f / std::sqrt(static_cast<float>(ID));
       if (tuned_scores) {
         ops::IndexerScoresParams ip;
         ip.num_tokens = N;
