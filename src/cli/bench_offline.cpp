@@ -36,6 +36,8 @@ void add_common(CLI::App* cmd, BenchOfflineOptions& o) {
       ->capture_default_str();
   cmd->add_option("--device", o.device, "auto, cpu, cuda or cuda:N")->capture_default_str();
   cmd->add_option("--dtype", o.dtype, "CUDA precision: auto/bf16 or f32")->capture_default_str();
+  cmd->add_option("--numerics", o.numerics, "hf (default) or deepseek (DeepSeek's FP8/FP4 recipe)")
+      ->capture_default_str();
   cmd->add_option("--kv-cache-dtype", o.kv_cache_dtype, "main K=V cache entries: auto/bf16 or fp8")
       ->capture_default_str();
   cmd->add_option("--gpu-memory-utilization", o.gpu_memory_utilization, "CUDA: share of device memory")
@@ -62,6 +64,7 @@ Setup make_setup(const BenchOfflineOptions& o) {
   BackendOptions backend;
   backend.device = o.device;
   backend.dtype = o.dtype;
+  backend.numerics = o.numerics;
   backend.kv_cache_dtype = o.kv_cache_dtype;
   backend.gpu_memory_utilization = o.gpu_memory_utilization;
   backend.load_format = o.load_format;

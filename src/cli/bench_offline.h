@@ -11,6 +11,7 @@ namespace dsv4::cli {
 struct BenchOfflineOptions {
   std::string model_dir;  // empty: the embedded default model
   std::string device = "auto", dtype = "auto";
+  std::string numerics = "hf";  // cli/model_loading.h BackendOptions::numerics
   std::string kv_cache_dtype = "auto";  // cli/model_loading.h BackendOptions::kv_cache_dtype
   double gpu_memory_utilization = 0.9;
   std::string load_format = "auto";  // auto or dummy (random weights of the config, seeded by --seed)

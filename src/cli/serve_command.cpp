@@ -36,6 +36,8 @@ CLI::App* add_serve_command(CLI::App& app, ServeOptions& o) {
       ->each([&o](const std::string&) { o.kv_cache_gib_given = true; });
   cmd->add_option("--device", o.device, "auto (CUDA when a GPU is visible), cpu, cuda or cuda:N");
   cmd->add_option("--dtype", o.dtype, "CUDA precision: auto/bf16 (serving) or f32 (exact)");
+  cmd->add_option("--numerics", o.numerics,
+                  "hf (transformers' math, default) or deepseek (DeepSeek's FP8/FP4 recipe; CUDA: bf16 mode)");
   cmd->add_option("--kv-cache-dtype", o.kv_cache_dtype,
                   "main K=V cache entries: auto/bf16, or fp8 (DeepSeek's 584-byte FP8 entry; CUDA bf16 mode)");
   cmd->add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", o.enable_prefix_caching,
@@ -62,6 +64,7 @@ int serve(const ServeOptions& options) {
   BackendOptions backend_options;
   backend_options.device = options.device;
   backend_options.dtype = options.dtype;
+  backend_options.numerics = options.numerics;
   backend_options.kv_cache_dtype = options.kv_cache_dtype;
   backend_options.gpu_memory_utilization = options.gpu_memory_utilization;
   backend_options.load_format = options.load_format;

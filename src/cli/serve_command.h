@@ -21,6 +21,7 @@ struct ServeOptions {
   int64_t max_num_seqs = 256;
   int64_t max_num_batched_tokens = 2048;
   std::string device = "auto", dtype = "auto";  // cli/model_loading.h BackendOptions
+  std::string numerics = "hf";                   // BackendOptions::numerics
   std::string kv_cache_dtype = "auto";  // cli/model_loading.h BackendOptions::kv_cache_dtype
   double gpu_memory_utilization = 0.9;
   std::string load_format = "auto";  // auto or dummy (random weights of the config, seed 0)

@@ -1184,6 +1184,8 @@ float* DeepseekV4CudaModel::Impl::run(const Step& step, LogitsMode mode) {
 
   cu::HyperConnectionParams hp{N, hc, D, c.hc_sinkhorn_iters, static_cast<float>(c.hc_eps),
                                static_cast<float>(c.rms_norm_eps)};
+  cu::HyperConnectionParams post_params = hp;  // kDeepSeek: model.py's order, the new streams bf16
+  post_params.deepseek = deepseek;
   const size_t hc_workspace_bytes = cu::hc_workspace_bytes(std::max<int64_t>(N, step.rows), hc);
   void* hc_workspace = buffer<std::byte>("hc_workspace", hc_workspace_bytes);
   float* collapsed = buffer<float>("collapsed", N * D);
@@ -1202,9 +1204,8 @@ float* DeepseekV4CudaModel::Impl::run(const Step& step, LogitsMode mode) {
       // model.py's Block: the streams are bf16 after hc_post, hc_pre's collapsed row is bf16, RMSNorm computes in
       // fp32 and returns bf16 (the fp32 `collapsed`, which the router reads, then holds the operand's values).
       if (after_post) {
-        DSV4_CU(cu::hc_post(hp, sublayer_out, streams, post, comb, next_streams, stream));
+        DSV4_CU(cu::hc_post(post_params, sublayer_out, streams, post, comb, next_streams, stream));
         std::swap(streams, next_streams);
-        DSV4_CU(cu::round_to_bf16(streams, N * hc * D, stream));
       }
       DSV4_CU(cu::hc_pre(hp, streams, fn, base, scale, collapsed, post, comb, hc_workspace, hc_workspace_bytes,
                          stream, nullptr));
@@ -1238,9 +1239,8 @@ float* DeepseekV4CudaModel::Impl::run(const Step& step, LogitsMode mode) {
       attn_operand = collapse_and_norm(true, next.hc_attn_fn, next.hc_attn_base, next.hc_attn_scale, next.attn_norm,
                                        "attn_in");
     } else {
-      DSV4_CU(cu::hc_post(hp, sublayer_out, streams, post, comb, next_streams, stream));
+      DSV4_CU(cu::hc_post(post_params, sublayer_out, streams, post, comb, next_streams, stream));
       std::swap(streams, next_streams);
-      if (deepseek) DSV4_CU(cu::round_to_bf16(streams, N * hc * D, stream));
     }
   }
 
@@ -1876,6 +1876,7 @@ void DeepseekV4CudaModel::Impl::moe(int64_t layer, const Step& step, const float
   mp.intermediate = c.moe_intermediate_size;
   mp.swiglu_limit = static_cast<float>(c.swiglu_limit);
   mp.dtype = l.routed_dtype;
+  mp.deepseek = deepseek;
   const cu::MoeExpertWeights ew{
       l.expert_w13_pointers, l.expert_w2_pointers,        l.shared_w13,
       l.shared_w2,           l.expert_w13_scale_pointers, l.expert_w2_scale_pointers};
@@ -1897,8 +1898,9 @@ void DeepseekV4CudaModel::Impl::moe(int64_t layer, const Step& step, const float
   // combine waits for it. Bitwise the fused call's result (MoeSharedExpert). Measured on the 4-layer model:
   // −10 µs a step at batch 1 and 8, but prefill 5 % slower (the two grids contend), hence decode-sized steps.
   // (Low-bit experts: cuBLASLt cannot read them; the grouped kernel decodes them at every size.)
-  const bool host_grouped =
-      N >= host_grouped_moe_min_tokens() && !capturing && !l.low_bit_experts() && expert_parallel == nullptr;
+  // (kDeepSeek runs the grouped kernel always: its roundings live there.)
+  const bool host_grouped = N >= host_grouped_moe_min_tokens() && !capturing && !l.low_bit_experts() &&
+                            expert_parallel == nullptr && !deepseek;
   constexpr int64_t kSplitSharedMaxTokens = 64;
   const bool split_shared =
       options.shared_expert_stream && N <= kSplitSharedMaxTokens && !host_grouped && expert_parallel == nullptr;
@@ -1910,7 +1912,7 @@ void DeepseekV4CudaModel::Impl::moe(int64_t layer, const Step& step, const float
     // At ≤ 8 rows the shared expert is a pair of weight streams: two GEMVs (ops/cuda/skinny_gemm through
     // Gemm::linear) and the SwiGLU, where the grouped kernel paid a permutation, its tiles' ramp and a combine
     // for one expert (ncu, H100, one row: 4.0 + 23.2 + 13.1 + 4.1 µs for 50 MB).
-    if (options.shared_expert_gemv && N <= 8) {
+    if (options.shared_expert_gemv && N <= 8 && !deepseek) {
       run_expert(l.shared_w13, l.shared_w2, expert_operand, N, shared_out, /*shared_lane=*/true);
     } else {
       cu::MoeExpertsParams sp = mp;
@@ -1947,7 +1949,7 @@ void DeepseekV4CudaModel::Impl::moe(int64_t layer, const Step& step, const float
     moe_host_grouped(layer, step, expert_operand, chosen, weights, out);
     return;
   }
-  if (options.routed_expert_gemv && bf16 && N == 1 && l.routed_dtype == cu::MoeWeightDtype::kBf16) {
+  if (options.routed_expert_gemv && bf16 && N == 1 && l.routed_dtype == cu::MoeWeightDtype::kBf16 && !deepseek) {
     routed_experts_gemv(layer, expert_operand, chosen, weights, shared_out, out);
     return;
   }

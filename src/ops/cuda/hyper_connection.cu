@@ -53,6 +53,17 @@ __device__ __forceinline__ float4 scale_rn(float w, float4 v) {
   return make_float4(__fmul_rn(w, v.x), __fmul_rn(w, v.y), __fmul_rn(w, v.z), __fmul_rn(w, v.w));
 }
 
+// kDeepSeek's hc_post: sublayer + mixed (the sublayer term is the left operand, as model.py's `post · x + mixed`;
+// IEEE addition commutes), then bf16.
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ float4 add_rn(float4 a, float4 b) {
+  return make_float4(__fadd_rn(a.x, b.x), __fadd_rn(a.y, b.y), __fadd_rn(a.z, b.z), __fadd_rn(a.w, b.w));
+}
+__device__ __forceinline__ float round_bf16(float v) { return bf16_bits_to_f32(f32_to_bf16_bits(v)); }
+__device__ __forceinline__ float4 round_bf16(float4 v) {
+  return make_float4(round_bf16(v.x), round_bf16(v.y), round_bf16(v.z), round_bf16(v.w));
+}
+
 __device__ __forceinline__ float sigmoid(float x) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x))); }
 // m·scale + base, each operation rounded (the CPU's expression, never an FMA).
 __device__ __forceinline__ float affine(float m, float scale, float base) { return __fadd_rn(__fmul_rn(m, scale), base); }
@@ -558,8 +569,9 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
   }
 }
 
-// grid (tokens, column blocks): out[t, k] = post[t, k]·y[t] + Σ_j comb[t, j, k]·h[t, j].
-template <int HC, int VEC>
+// grid (tokens, column blocks): out[t, k] = post[t, k]·y[t] + Σ_j comb[t, j, k]·h[t, j]; kDeepSeek: Σ_j first,
+// the sublayer term last, the sum rounded to bf16.
+template <int HC, int VEC, bool kDeepSeek = false>
 __global__ void __launch_bounds__(kThreads) hc_post_kernel(const float* __restrict__ y,
                                                            const float* __restrict__ streams,
                                                            const float* __restrict__ post,
@@ -585,10 +597,17 @@ __global__ void __launch_bounds__(kThreads) hc_post_kernel(const float* __restri
     for (int j = 0; j < HC; ++j) hv[j] = load<VEC>(h + j * D, c);
 #pragma unroll
     for (int k = 0; k < HC; ++k) {
-      V sum = scale_rn(w[k], yv);
+      if constexpr (kDeepSeek) {
+        V mixed = zero_vec(V{});
 #pragma unroll
-      for (int j = 0; j < HC; ++j) sum = axpy_rn(sum, cm[j][k], hv[j]);
-      store<VEC>(out + (t * HC + k) * D, c, sum);
+        for (int j = 0; j < HC; ++j) mixed = axpy_rn(mixed, cm[j][k], hv[j]);
+        store<VEC>(out + (t * HC + k) * D, c, round_bf16(add_rn(scale_rn(w[k], yv), mixed)));
+      } else {
+        V sum = scale_rn(w[k], yv);
+#pragma unroll
+        for (int j = 0; j < HC; ++j) sum = axpy_rn(sum, cm[j][k], hv[j]);
+        store<VEC>(out + (t * HC + k) * D, c, sum);
+      }
     }
   }
 }
@@ -687,10 +706,9 @@ cudaError_t launch_post(const HyperConnectionParams& p, const float* y, const fl
   const int64_t n = vec4 ? p.hidden / 4 : p.hidden;
   const dim3 grid(static_cast<unsigned>(p.tokens),
                   static_cast<unsigned>(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535)));
-  if (vec4)
-    launch_dependent(hc_post_kernel<HC, 4>, grid, kThreads, 0, stream, y, streams, post, comb, out, p.hidden);
-  else
-    launch_dependent(hc_post_kernel<HC, 1>, grid, kThreads, 0, stream, y, streams, post, comb, out, p.hidden);
+  const auto kernel = p.deepseek ? (vec4 ? hc_post_kernel<HC, 4, true> : hc_post_kernel<HC, 1, true>)
+                                 : (vec4 ? hc_post_kernel<HC, 4, false> : hc_post_kernel<HC, 1, false>);
+  launch_dependent(kernel, grid, kThreads, 0, stream, y, streams, post, comb, out, p.hidden);
   return cudaGetLastError();
 }
 
@@ -791,6 +809,7 @@ cudaError_t hc_post_pre(const HyperConnectionParams& p, const float* y, const fl
   if (!valid_params(p)) return cudaErrorInvalidValue;
   if (p.tokens == 0) return cudaSuccess;
   if (norm && norm->bf16 && reinterpret_cast<uintptr_t>(norm->bf16) % 2 != 0) return cudaErrorInvalidValue;
+  if (p.deepseek) return cudaErrorInvalidValue;  // the fused paths keep kHf's order: hc_post, then hc_pre
   switch (p.hc) {
     case 1: return launch_post_pre<1>(p, y, streams, post, comb, out, fn, base, scale, collapsed, next_post, next_comb, workspace, workspace_bytes, norm, stream);
     case 2: return launch_post_pre<2>(p, y, streams, post, comb, out, fn, base, scale, collapsed, next_post, next_comb, workspace, workspace_bytes, norm, stream);

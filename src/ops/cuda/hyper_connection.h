@@ -23,6 +23,9 @@ struct HyperConnectionParams {
   int64_t sinkhorn_iters = 20;
   float hc_eps = 1e-6f;        // Sinkhorn floor and the `pre` offset
   float norm_eps = 1e-6f;      // the unweighted RMSNorm over the flattened streams
+  // hc_post only, Numerics::kDeepSeek: model.py's order (the weighted streams summed first, the sublayer term added
+  // last: ops::cpu::hc_post_deepseek) and the new streams rounded to bf16, as the reference holds them.
+  bool deepseek = false;
 };
 
 // The RMSNorm that follows every collapse in the model (attn_norm / ffn_norm after hc_pre, the final norm after

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "core/linear_weight.h"
+#include "ops/cuda/fp8_quantize.h"
 #include "ops/cuda/launch.cuh"
 
 namespace dsv4::ops::cuda {
@@ -34,6 +35,7 @@ int64_t items_bound(const MoeExpertsParams& p, int64_t tile_rows) {
 
 struct Layout {
   size_t offsets = 0, num_items = 0, items = 0, row_token = 0, row_expert = 0, slot_row = 0, xb = 0, h = 0, y = 0;
+  size_t row_weight = 0;  // kDeepSeek: each row's routing weight (1 for the shared expert's)
   size_t total = 0;
 };
 
@@ -57,9 +59,12 @@ Layout layout(const MoeExpertsParams& p) {
   l.xb = take(bf16 ? static_cast<size_t>(p.tokens * p.hidden) * 2 : 0);
   l.h = take(rows * static_cast<size_t>(p.intermediate) * (bf16 ? 2 : 4));
   l.y = take(rows * static_cast<size_t>(p.hidden) * 4);
+  l.row_weight = take(p.deepseek ? rows * 4 : 0);
   l.total = at;
   return l;
 }
+
+__device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 __device__ __forceinline__ float swiglu(float gate, float up, float limit) {
   const float g = fminf(gate, limit);
@@ -81,6 +86,8 @@ struct PrepArgs {
   int32_t* row_token;
   int32_t* row_expert;
   int32_t* slot_row;
+  const float* weights;  // kDeepSeek: the routing weights [tokens, top_k], copied to row_weight in row order
+  float* row_weight;     // nullptr unless kDeepSeek
   int tokens, top_k, experts, tile_rows;  // top_k 0: no routed rows (the shared expert alone)
   int with_shared;                        // 0: no shared-expert rows (its output is added in the combine)
   int64_t x_elems;
@@ -170,6 +177,7 @@ __global__ void __launch_bounds__(kPrepThreads) moe_prep_kernel(const PrepArgs a
   for (int t = tid; a.with_shared && t < N; t += kPrepThreads) {
     a.row_token[shared0 + t] = t;
     a.row_expert[shared0 + t] = E;
+    if (a.row_weight) a.row_weight[shared0 + t] = 1.0f;
   }
   // Stable permutation, 1024 entries per chunk: rank within the warp by __match_any_sync, then the rows of the
   // same expert in earlier warps of the chunk (table), then the rows of earlier chunks (running).
@@ -190,6 +198,7 @@ __global__ void __launch_bounds__(kPrepThreads) moe_prep_kernel(const PrepArgs a
       a.row_token[pos] = i / K;
       a.row_expert[pos] = e;
       a.slot_row[i] = pos;
+      if (a.row_weight) a.row_weight[pos] = a.weights[i];
     } else if (i < routed) {
       a.slot_row[i] = -1;
     }
@@ -239,6 +248,7 @@ struct GemmArgs {
   const int2* items;            // (expert, row tile)
   const int32_t* num_items;
   void* out;                    // gemm1: h bf16 [rows, N]; gemm2: y fp32 [rows, N]
+  const float* row_weight;      // kDeepSeek: the rows' routing weights (gemm1's epilogue); nullptr otherwise
   int experts;
   int K;                        // reduction length (D, then I)
   int N;                        // output columns (I, then D)
@@ -598,8 +608,20 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, int expert, int row
         for (int p = 0; p < C::kNTiles / 2; ++p) {
           const int col = blockIdx.x * (C::kBN / 2) + (warp_n * (C::kNTiles / 2) + p) * 8 + 2 * t;
           if (col >= a.N) continue;
-          const float v0 = swiglu(acc[mt][2 * p][2 * half], acc[mt][2 * p + 1][2 * half], a.limit);
-          const float v1 = swiglu(acc[mt][2 * p][2 * half + 1], acc[mt][2 * p + 1][2 * half + 1], a.limit);
+          float g0 = acc[mt][2 * p][2 * half], u0 = acc[mt][2 * p + 1][2 * half];
+          float g1 = acc[mt][2 * p][2 * half + 1], u1 = acc[mt][2 * p + 1][2 * half + 1];
+          if (a.row_weight) {  // kDeepSeek: w1 / w3 return bf16 tensors
+            g0 = bf16_round(g0);
+            u0 = bf16_round(u0);
+            g1 = bf16_round(g1);
+            u1 = bf16_round(u1);
+          }
+          float v0 = swiglu(g0, u0, a.limit), v1 = swiglu(g1, u1, a.limit);
+          if (a.row_weight) {  // kDeepSeek: the routing weight before w2, on the fp32 activation
+            const float weight = a.row_weight[out_row];
+            v0 = __fmul_rn(v0, weight);
+            v1 = __fmul_rn(v1, weight);
+          }
           const __nv_bfloat162 packed = __floats2bfloat162_rn(v0, v1);
           *reinterpret_cast<__nv_bfloat162*>(h + out_row * a.N + col) = packed;
         }
@@ -609,8 +631,9 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& a, int expert, int row
         for (int nt = 0; nt < C::kNTiles; ++nt) {
           const int col = blockIdx.x * C::kBN + warp_n * C::kNTiles * 8 + nt * 8 + 2 * t;
           if (col >= a.N) continue;
-          *reinterpret_cast<float2*>(y + out_row * a.N + col) =
-              make_float2(acc[mt][nt][2 * half], acc[mt][nt][2 * half + 1]);
+          float2 value = make_float2(acc[mt][nt][2 * half], acc[mt][nt][2 * half + 1]);
+          if (a.row_weight) value = make_float2(bf16_round(value.x), bf16_round(value.y));  // kDeepSeek: bf16 out
+          *reinterpret_cast<float2*>(y + out_row * a.N + col) = value;
         }
       }
     }
@@ -739,7 +762,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const float* _
   __shared__ float row_weights[kCombineMaxTopK];
   if (threadIdx.x < top_k) {
     rows[threadIdx.x] = slot_row[t * top_k + threadIdx.x];
-    row_weights[threadIdx.x] = weights[t * top_k + threadIdx.x];
+    row_weights[threadIdx.x] = weights ? weights[t * top_k + threadIdx.x] : 1.0f;  // nullptr: applied already
   }
   if (threadIdx.x == 0 && !addend) rows[top_k] = offsets[experts] + static_cast<int32_t>(t);  // the shared row
   __syncthreads();
@@ -821,6 +844,14 @@ cudaError_t run_bf16_gemms(const MoeExpertsParams& p, GemmArgs args, const uint1
                    static_cast<unsigned>(items));
   launch_dependent(expert_gemm_kernel<C, true, F>, grid1, C::kThreads, kSmem, stream, args);
   if ((status = cudaGetLastError()) != cudaSuccess) return status;
+  if (p.deepseek) {  // w2's input quantized per 128 (the reference's act_quant), in place on the bf16 h
+    Fp8SimulateParams sim;
+    sim.rows = routed_rows(p) + shared_rows(p);
+    sim.cols = p.intermediate;
+    sim.block = kFp8Block;
+    sim.bf16 = true;
+    if ((status = simulate_e4m3_blocks(sim, h, stream)) != cudaSuccess) return status;
+  }
   // gemm2: h · w2ᵀ -> y
   args.a = h;
   args.weights = w.w2;
@@ -995,6 +1026,7 @@ cudaError_t moe_experts(const MoeExpertsParams& p, const MoeExpertWeights& w, co
   const Layout l = layout(p);
   if (workspace_bytes < l.total) return cudaErrorInvalidValue;
   const bool bf16 = p.dtype != MoeWeightDtype::kFp32;
+  if (p.deepseek && !bf16) return cudaErrorInvalidValue;  // the recipe's roundings are the bf16 kernels'
   const bool grouped = p.dtype == MoeWeightDtype::kMxfp4 || p.dtype == MoeWeightDtype::kQ3G32 ||
                        p.dtype == MoeWeightDtype::kQ2G32;
   if (grouped && (p.hidden % 32 != 0 || p.intermediate % 32 != 0 || !w.w13_scales || !w.w2_scales))
@@ -1021,9 +1053,11 @@ cudaError_t moe_experts(const MoeExpertsParams& p, const MoeExpertWeights& w, co
   void* h = base + l.h;
   auto* y = reinterpret_cast<float*>(base + l.y);
 
+  auto* row_weight = p.deepseek ? reinterpret_cast<float*>(base + l.row_weight) : nullptr;
   PrepArgs prep{chosen,    x,          xb,
                 offsets,   num_items,  items,
                 row_token, row_expert, slot_row,
+                weights,   row_weight,
                 static_cast<int>(p.tokens), shared_only ? 0 : static_cast<int>(p.top_k), static_cast<int>(p.experts),
                 bf16 ? tile_rows : 16, shared_added ? 0 : 1, p.tokens * p.hidden};
   const size_t prep_smem = static_cast<size_t>(35 * p.experts + 3) * 4;
@@ -1043,6 +1077,7 @@ cudaError_t moe_experts(const MoeExpertsParams& p, const MoeExpertWeights& w, co
     args.num_items = num_items;
     args.experts = static_cast<int>(p.experts);
     args.limit = p.swiglu_limit;
+    args.row_weight = row_weight;
     auto* hb = static_cast<uint16_t*>(h);
     switch (p.dtype) {
       case MoeWeightDtype::kMxfp4:
@@ -1079,7 +1114,7 @@ cudaError_t moe_experts(const MoeExpertsParams& p, const MoeExpertWeights& w, co
   launch_dependent(
       combine_kernel,
       dim3(static_cast<unsigned>(p.tokens), static_cast<unsigned>(std::min<int64_t>(column_blocks, 64))),
-      kCombineThreads, 0, stream, y, slot_row, weights, offsets, shared_out, out,
+      kCombineThreads, 0, stream, y, slot_row, p.deepseek ? nullptr : weights, offsets, shared_out, out,
       shared_only ? 0 : static_cast<int>(p.top_k), static_cast<int>(p.experts), static_cast<int>(p.hidden));
   return cudaGetLastError();
 }

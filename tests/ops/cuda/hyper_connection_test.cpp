@@ -141,6 +141,38 @@ TEST_F(CudaHyperConnection, PostMatchesCpuTwin) {
     check_post(s);
 }
 
+// kDeepSeek's hc_post (model.py's order, the new streams in bf16) against ops::cpu::hc_post_deepseek then the
+// bf16 rounding: the same fp32 operations in the same order, so bit for bit. hc_post_pre refuses the flag.
+void check_post_deepseek(const Shape& s) {
+  SCOPED_TRACE(::testing::Message() << s.tokens << " tokens, hc " << s.hc << ", D " << s.hidden << ", deepseek");
+  std::mt19937 rng(static_cast<uint32_t>(s.tokens * 29 + s.hidden));
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> uniform(0.0f, 2.0f);
+  std::vector<float> y(static_cast<size_t>(s.tokens * s.hidden)), streams(static_cast<size_t>(s.tokens * s.hc * s.hidden));
+  std::vector<float> post(static_cast<size_t>(s.tokens * s.hc)), comb(static_cast<size_t>(s.tokens * s.hc * s.hc));
+  auto bf16 = [](float v) { return bf16_to_f32(f32_to_bf16(v)); };
+  for (auto& v : y) v = bf16(normal(rng));  // the sublayer's bf16 output and bf16 streams, as the model feeds it
+  for (auto& v : streams) v = bf16(normal(rng));
+  for (auto& v : post) v = uniform(rng);
+  for (auto& v : comb) v = 0.5f * uniform(rng);
+  const cpu::HyperConnectionParams cp{s.hc, s.hidden, 20, 1e-6f, 1e-6f};
+  std::vector<float> expected(streams.size());
+  cpu::hc_post_deepseek(cp, y.data(), streams.data(), s.tokens, post.data(), comb.data(), expected.data());
+  for (float& v : expected) v = bf16(v);
+  DeviceArray<float> d_y(y), d_streams(streams), d_post(post), d_comb(comb), d_out(expected.size());
+  HyperConnectionParams p{s.tokens, s.hc, s.hidden, 20, 1e-6f, 1e-6f};
+  p.deepseek = true;
+  ASSERT_EQ(hc_post(p, d_y.get(), d_streams.get(), d_post.get(), d_comb.get(), d_out.get(), nullptr), cudaSuccess);
+  EXPECT_TRUE(bitwise_equal(d_out.download(), expected));
+  EXPECT_EQ(hc_post_pre(p, d_y.get(), d_streams.get(), d_post.get(), d_comb.get(), d_out.get(), nullptr, nullptr,
+                        nullptr, nullptr, nullptr, nullptr, nullptr, 0, nullptr, nullptr),
+            cudaErrorInvalidValue);
+}
+
+TEST_F(CudaHyperConnection, PostInDeepSeekOrderMatchesCpuTwinBitwise) {
+  for (const Shape& s : {Shape{1, 4, 4096}, Shape{37, 4, 4096}, Shape{4, 2, 7}, Shape{2, 1, 5}}) check_post_deepseek(s);
+}
+
 void check_head(const Shape& s) {
   SCOPED_TRACE(::testing::Message() << s.tokens << " tokens, hc " << s.hc << ", D " << s.hidden);
   const Inputs in = random_inputs(s, s.hc, 1, static_cast<uint32_t>(s.tokens * 7 + s.hidden * 3 + s.hc));
