@@ -20,6 +20,7 @@
 #include "core/linear_weight.h"
 #include "ops/cpu/linear.h"
 #include "ops/cpu/moe.h"
+#include "ops/cpu/quantize.h"
 #include "ops/cuda/device.h"
 
 namespace dsv4::ops::cuda {
@@ -382,6 +383,65 @@ TEST_F(CudaMoeExperts, Bf16MatchesCpuFlashShape) {
         const std::vector<float> forced = dev.run(tile_rows);
         EXPECT_LE(rel_l2(forced, expected), 1e-2) << "tokens " << tokens << " tile_rows " << tile_rows;
       }
+  }
+}
+
+// kDeepSeek's expert order (MoeExpertsParams::deepseek) against a CPU reference built like
+// DeepseekV4Model::moe_deepseek on the same (FP8-simulated) input: gate/up bf16, SwiGLU, × routing weight, bf16,
+// e4m3 per 128, w2, bf16, summed. fp32 GEMMs on both sides in different orders, so a bf16 rounding that lands the
+// other way can move an e4m3 code: the device must be within 2e-2 of it and closer to it than the kHf kernel is.
+std::vector<float> deepseek_reference(const Problem& pr, const ExpertSets& sets) {
+  const int64_t N = pr.tokens, K = pr.top_k, D = sets.D, I = sets.I;
+  auto bf16 = [](std::vector<float>& v) {
+    for (float& e : v) e = bf16_to_f32(f32_to_bf16(e));
+  };
+  std::vector<float> out(static_cast<size_t>(N * D), 0.0f);
+  auto expert = [&](const std::vector<float>& rows, int64_t n, int set, const std::vector<float>& row_weights) {
+    std::vector<float> gate_up(static_cast<size_t>(n * 2 * I)), activated(static_cast<size_t>(n * I));
+    cpu::linear(rows.data(), n, D, sets.w13[set].data(), 2 * I, gate_up.data());
+    bf16(gate_up);
+    cpu::swiglu_clamped(gate_up.data(), n, I, pr.limit, activated.data());
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < I; ++j) activated[i * I + j] *= row_weights[i];
+    bf16(activated);
+    for (int64_t i = 0; i < n; ++i) cpu::quantize_e4m3_blocks(&activated[i * I], I, 128);
+    std::vector<float> y(static_cast<size_t>(n * D));
+    cpu::linear(activated.data(), n, I, sets.w2[set].data(), D, y.data());
+    bf16(y);
+    return y;
+  };
+  for (int64_t t = 0; t < N; ++t)  // token by token, experts in top-k order (the device's combine order)
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t e = pr.chosen[t * K + k];
+      if (e < 0 || e >= pr.experts) continue;
+      const std::vector<float> row(pr.x.begin() + t * D, pr.x.begin() + (t + 1) * D);
+      const std::vector<float> y = expert(row, 1, pr.expert_set[e], {pr.weights[t * K + k]});
+      for (int64_t j = 0; j < D; ++j) out[t * D + j] += y[j];
+    }
+  const std::vector<float> shared = expert(pr.x, N, sets.routed_sets(), std::vector<float>(static_cast<size_t>(N), 1.0f));
+  for (size_t i = 0; i < out.size(); ++i) out[i] += shared[i];
+  return out;
+}
+
+TEST_F(CudaMoeExperts, DeepSeekOrderTracksItsCpuRecipe) {
+  static const ExpertSets sets(1024, 512, 4, true, 77);
+  for (const int64_t tokens : {1, 5, 130}) {
+    Problem pr = random_problem(tokens, 6, 16, sets.D, sets.routed_sets(), 10.0f, static_cast<uint32_t>(tokens + 90));
+    for (float& v : pr.x) v = bf16_to_f32(f32_to_bf16(v));
+    for (int64_t t = 0; t < tokens; ++t) cpu::quantize_e4m3_blocks(&pr.x[t * sets.D], sets.D, 128);
+    const std::vector<float> expected = deepseek_reference(pr, sets);
+    DeviceRun dev(pr, sets);
+    const std::vector<float> plain = dev.run();
+    dev.params.deepseek = true;
+    const std::vector<float> actual = dev.run();
+    const double err = rel_l2(actual, expected), plain_err = rel_l2(plain, expected);
+    std::printf("deepseek order, tokens %lld: rel L2 %.3g to its recipe (the kHf kernel: %.3g)\n",
+                static_cast<long long>(tokens), err, plain_err);
+    EXPECT_LE(err, 2e-2) << "tokens " << tokens;
+    EXPECT_LT(err, plain_err) << "tokens " << tokens;
+    EXPECT_TRUE(bitwise_equal(actual, dev.run())) << "tokens " << tokens << ": not bitwise repeatable";
+    const std::vector<float> split = dev.run_split();
+    EXPECT_TRUE(bitwise_equal(actual, split)) << "tokens " << tokens << ": the split shared expert differs";
   }
 }
 
