@@ -271,25 +271,29 @@ TEST_F(CudaFp8, QuantizerPaddedStridesAndScalarPath) {
   check_quantizer(x, rows, cols, true, cols + 2, cols + 1, rows);
 }
 
-TEST_F(CudaFp8, QuantizerEdgeValues) {
-  // Per row: tiny values (amax under the 1e-4 floor), huge values, exact e4m3 rounding ties after scaling
-  // (odd multiples of half a quantum, both signs), values that saturate just above 448 · s, subnormal e4m3
-  // codes.
-  const int64_t rows = 6, cols = 256;
+// Six rows of `cols` edge values for quantization blocks of `block` columns: tiny values (amax under the 1e-4
+// floor), huge values, exact e4m3 rounding ties after scaling (odd multiples of half a quantum, both signs; the
+// block's amax 448, scale 1), values that saturate just above 448 · s, subnormal e4m3 codes, powers of two.
+std::vector<float> edge_values(int64_t cols, int64_t block) {
   std::mt19937 rng(9);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-  std::vector<float> x(static_cast<size_t>(rows * cols));
+  std::vector<float> x(static_cast<size_t>(6 * cols));
   for (int64_t c = 0; c < cols; ++c) {
     x[0 * cols + c] = u(rng) * 1e-6f + (c % 2 ? 3e-7f : -3e-7f);
     x[1 * cols + c] = u(rng) * 1e30f + 1e25f;
-    // Row 2: block amax 448 exactly (scale 1), ties k + 1/2 quantum between e4m3 values in [1, 448).
     const float grid = std::ldexp(1.0f, static_cast<int>(c % 8)) * (1.0f + static_cast<float>(c % 7) / 8.0f);
     const float tie = grid + std::ldexp(1.0f, static_cast<int>(c % 8) - 4);
-    x[2 * cols + c] = c % 128 == 0 ? 448.0f : (c % 3 ? tie : -tie);
-    x[3 * cols + c] = c % 128 == 1 ? 1.0f : u(rng) * 0.01f;  // mostly e4m3 subnormals after scaling
-    x[4 * cols + c] = u(rng) * 447.9f + (c % 128 == 5 ? 460.0f : 0.0f);
+    x[2 * cols + c] = c % block == 0 ? 448.0f : (c % 3 ? tie : -tie);
+    x[3 * cols + c] = c % block == 1 ? 1.0f : u(rng) * 0.01f;  // mostly e4m3 subnormals after scaling
+    x[4 * cols + c] = u(rng) * 447.9f + (c % block == 5 ? 460.0f : 0.0f);
     x[5 * cols + c] = (c % 2 ? 1.0f : -1.0f) * std::ldexp(1.0f, static_cast<int>(c % 40) - 20);
   }
+  return x;
+}
+
+TEST_F(CudaFp8, QuantizerEdgeValues) {
+  const int64_t rows = 6, cols = 256;
+  const std::vector<float> x = edge_values(cols, 128);
   check_quantizer(x, rows, cols, false, cols, cols, rows);
   check_quantizer(x, rows, cols, true, cols, cols, rows);
 }
@@ -347,19 +351,8 @@ TEST_F(CudaFp8, SimulationIsBitExactWithTheCpuTwin) {
 }
 
 TEST_F(CudaFp8, SimulationEdgeValues) {
-  // The quantizer's edge rows (QuantizerEdgeValues): under the amax floor, huge, ties, saturation, subnormal codes.
-  const int64_t rows = 4, cols = 256;
-  std::mt19937 rng(19);
-  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-  std::vector<float> x(static_cast<size_t>(rows * cols));
-  for (int64_t c = 0; c < cols; ++c) {
-    x[0 * cols + c] = u(rng) * 1e-6f + (c % 2 ? 3e-7f : -3e-7f);
-    x[1 * cols + c] = u(rng) * 1e30f + 1e25f;
-    x[2 * cols + c] = c % 64 == 1 ? 1.0f : u(rng) * 0.01f;
-    x[3 * cols + c] = u(rng) * 447.9f + (c % 64 == 5 ? 460.0f : 0.0f);
-  }
   for (const bool bf16 : {false, true})
-    for (const int64_t block : {64, 128}) check_simulation(x, rows, cols, cols, block, bf16);
+    for (const int64_t block : {64, 128}) check_simulation(edge_values(256, block), 6, 256, 256, block, bf16);
 }
 
 // ---- GEMM ----
