@@ -1502,6 +1502,7 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
         ip.ratio = c.compress_rate_csa;
         ip.softmax_scale = softmax_scale;
         ip.bf16_keys = bf16;
+        ip.deepseek_roundings = deepseek;
         ip.keys = keys;
         ip.token_row = step.token_row;
         ip.positions = step.positions;

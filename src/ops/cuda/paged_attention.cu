@@ -131,8 +131,14 @@ __global__ void paged_indexer_scores_kernel(PagedIndexerScoresParams p) {
         for (int i = 0; i < per_lane; ++i)
           if (lane + 32 * i < p.head_dim) dot += q_shared[h * p.head_dim + lane + 32 * i] * k[i];
         dot = warp_sum(dot);
-        score += fmaxf(dot, 0.0f) * p.softmax_scale * weights[h];
+        if (p.deepseek_roundings) {
+          const float relu = fmaxf(bf16_bits_to_f32(f32_to_bf16_bits(dot)), 0.0f);
+          score = __fadd_rn(score, bf16_bits_to_f32(f32_to_bf16_bits(__fmul_rn(relu, weights[h]))));
+        } else {
+          score += fmaxf(dot, 0.0f) * p.softmax_scale * weights[h];
+        }
       }
+      if (p.deepseek_roundings) score = bf16_bits_to_f32(f32_to_bf16_bits(score));
     }
     if (lane == 0) p.scores[t * p.max_entries + e] = score;
   }

@@ -47,6 +47,9 @@ struct PagedIndexerScoresParams {
   int64_t max_entries = 0, ratio = 4;
   float softmax_scale = 0;
   bool bf16_keys = false;
+  // Numerics::kDeepSeek (model.py's indexer on bf16 tensors, the CPU's indexer_scores_bf16): each head's q·k
+  // rounded to bf16, relu, × w rounded to bf16, the heads summed in fp32, the score rounded to bf16.
+  bool deepseek_roundings = false;
   PagedGroupView keys;
   const int32_t* token_row = nullptr;
   const int32_t* positions = nullptr;
