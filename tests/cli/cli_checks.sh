@@ -50,6 +50,11 @@ for dummy_model in "$work/config.json" "$work/config_only"; do
 done
 expect_success "bench latency --load-format dummy" "$dsv4" bench latency --model "$work/config.json" --load-format dummy \
   --input-len 8 --output-len 4 --batch-size 2 --num-iters 1 --device cpu
+# DeepSeek's numerics through the offline benchmark's engine (the CPU recipe), and a bad value named.
+expect_success "bench latency --numerics deepseek" "$dsv4" bench latency --model "$work/config.json" \
+  --load-format dummy --input-len 8 --output-len 4 --batch-size 2 --num-iters 1 --device cpu --numerics deepseek
+expect_failure "unknown numerics" "--numerics 'fp8'" "$dsv4" bench latency --model "$work/config.json" \
+  --load-format dummy --input-len 8 --output-len 2 --batch-size 1 --num-iters 1 --device cpu --numerics fp8
 # bench throughput over 2 expert-parallel ranks: every request completes (run_batch checks each) and the JSON says so.
 expect_success "bench throughput --enable-expert-parallel" "$dsv4" bench throughput --input-len 16 --output-len 4 \
   --num-prompts 6 --data-parallel-size 2 --enable-expert-parallel --device cpu --output-json "$work/throughput.json"
