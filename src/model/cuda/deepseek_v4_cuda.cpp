@@ -1534,11 +1534,14 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
 
   const int64_t G = c.o_groups, group_width = H * d / G, o_lora = c.o_lora_rank;
   const void* attended_operand = nullptr;
+  // head_dim^-1/2: kDeepSeek as model.py's Python double rounded to fp32 (the CPU's inverse_sqrt_f64).
+  const float softmax_scale = deepseek ? static_cast<float>(std::pow(static_cast<double>(d), -0.5))
+                                       : 1.0f / std::sqrt(static_cast<float>(d));
   if (tuned) {
     ops::SparseAttentionParams ap;
     ap.tokens = N;
     ap.heads = H;
-    ap.scale = 1.0f / std::sqrt(static_cast<float>(d));
+    ap.scale = softmax_scale;
     ap.format = kv_format;
     ap.window = kv_pool(step, CacheGroupKind::kSwaKv, layer);
     ap.window_size = c.sliding_window;
@@ -1577,8 +1580,9 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
     ap.tokens = N;
     ap.heads = H;
     ap.head_dim = d;
-    ap.scale = 1.0f / std::sqrt(static_cast<float>(d));
+    ap.scale = softmax_scale;
     ap.bf16_entries = bf16;
+    ap.deepseek_softmax = deepseek;
     ap.window = view(step, CacheGroupKind::kSwaKv, layer);
     ap.window_size = c.sliding_window;
     if (type == AttentionType::kHeavilyCompressed) {

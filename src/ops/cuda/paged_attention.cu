@@ -21,7 +21,44 @@ __device__ __forceinline__ float warp_sum(float value) {
   return value;
 }
 
+// Key j of query token t (the window's num_window first, then the compressed ones), or nullptr when it holds
+// none; `bf16` says how its values are stored.
+struct KeyList {
+  int64_t row, first, num_window, total, chunk_start, chunk_offset;
+};
+__device__ __forceinline__ KeyList key_list(const PagedSinkAttentionParams& p, int64_t t) {
+  KeyList k;
+  const int64_t position = p.positions[t];
+  k.row = p.token_row[t];
+  k.chunk_start = p.chunk_start[k.row];
+  k.chunk_offset = p.chunk_offset[k.row];
+  k.first = position - p.window_size + 1 > 0 ? position - p.window_size + 1 : 0;
+  k.num_window = position - k.first + 1;
+  int64_t num_compressed = 0;
+  if (p.dense_ratio > 0) num_compressed = (position + 1) / p.dense_ratio;
+  else if (p.compressed_lengths) num_compressed = p.compressed_lengths[t];
+  k.total = k.num_window + num_compressed;
+  return k;
+}
+__device__ __forceinline__ const std::byte* key_entry(const PagedSinkAttentionParams& p, const KeyList& k, int64_t t,
+                                                       int64_t j, bool& bf16) {
+  bf16 = p.bf16_entries;
+  if (j < k.num_window) {
+    const int64_t key_position = k.first + j;
+    if (key_position >= k.chunk_start) {
+      bf16 = false;
+      return reinterpret_cast<const std::byte*>(p.chunk_kv + (k.chunk_offset + key_position - k.chunk_start) * p.head_dim);
+    }
+    return paged_entry(p.window, k.row, key_position);
+  }
+  const int64_t slot = j - k.num_window;
+  const int64_t index = p.dense_ratio > 0 ? slot : p.compressed_indices[t * p.compressed_stride + slot];
+  if (index < 0) return nullptr;
+  return paged_entry(p.compressed, k.row, index);  // nullptr for an unallocated block (never in a valid step)
+}
+
 // One CTA per (token, head); each warp runs an online softmax over every 4th key, then the warps merge.
+// deepseek_softmax: the max over every key first (a pass of dot products), then the fixed-max accumulation.
 __global__ void paged_sink_attention_kernel(PagedSinkAttentionParams p) {
   wait_for_prior_grid();
   allow_dependents();
@@ -34,39 +71,41 @@ __global__ void paged_sink_attention_kernel(PagedSinkAttentionParams p) {
     qv[i] = lane + 32 * i < p.head_dim ? q[lane + 32 * i] : 0.0f;
     acc[i] = 0.0f;
   }
-  const int64_t position = p.positions[t], row = p.token_row[t];
-  const int64_t chunk_start = p.chunk_start[row], chunk_offset = p.chunk_offset[row];
-  const int64_t first = position - p.window_size + 1 > 0 ? position - p.window_size + 1 : 0;
-  const int64_t num_window = position - first + 1;
-  int64_t num_compressed = 0;
-  if (p.dense_ratio > 0) num_compressed = (position + 1) / p.dense_ratio;
-  else if (p.compressed_lengths) num_compressed = p.compressed_lengths[t];
-  const int64_t total = num_window + num_compressed;
+  const KeyList keys = key_list(p, t);
+  const int64_t total = keys.total;
   float running_max = -FLT_MAX, running_sum = 0.0f;
-  for (int64_t j = warp; j < total; j += kWarps) {
-    const std::byte* entry = nullptr;
-    bool bf16 = p.bf16_entries;
-    if (j < num_window) {
-      const int64_t key_position = first + j;
-      if (key_position >= chunk_start) {
-        entry = reinterpret_cast<const std::byte*>(p.chunk_kv + (chunk_offset + key_position - chunk_start) * p.head_dim);
-        bf16 = false;
-      } else {
-        entry = paged_entry(p.window, row, key_position);
-      }
-    } else {
-      const int64_t slot = j - num_window;
-      const int64_t index = p.dense_ratio > 0 ? slot : p.compressed_indices[t * p.compressed_stride + slot];
-      if (index < 0) continue;
-      entry = paged_entry(p.compressed, row, index);
+  __shared__ float logit_max[kWarps];
+  if (p.deepseek_softmax) {
+    for (int64_t j = warp; j < total; j += kWarps) {
+      bool bf16 = false;
+      const std::byte* entry = key_entry(p, keys, t, j, bf16);
+      if (entry == nullptr) continue;
+      float dot = 0.0f;
+      for (int i = 0; i < per_lane; ++i)
+        if (lane + 32 * i < p.head_dim) dot += qv[i] * load_value(entry, bf16, lane + 32 * i);
+      running_max = fmaxf(running_max, warp_sum(dot) * p.scale);
     }
-    if (entry == nullptr) continue;  // an unallocated block holds no key (never the case in a valid step)
+    if (lane == 0) logit_max[warp] = running_max;
+    __syncthreads();
+    for (int w = 0; w < kWarps; ++w) running_max = fmaxf(running_max, logit_max[w]);  // every warp: the CTA's max
+  }
+  for (int64_t j = warp; j < total; j += kWarps) {
+    bool bf16 = false;
+    const std::byte* entry = key_entry(p, keys, t, j, bf16);
+    if (entry == nullptr) continue;
     float kv[kMaxPerLane], dot = 0.0f;
     for (int i = 0; i < per_lane; ++i) {
       kv[i] = lane + 32 * i < p.head_dim ? load_value(entry, bf16, lane + 32 * i) : 0.0f;
       dot += qv[i] * kv[i];
     }
     const float logit = warp_sum(dot) * p.scale;
+    if (p.deepseek_softmax) {  // the max is final: no rescaling; P·V takes p in bf16
+      const float weight = expf(logit - running_max);
+      running_sum += weight;
+      const float rounded = bf16_bits_to_f32(f32_to_bf16_bits(weight));
+      for (int i = 0; i < per_lane; ++i) acc[i] += rounded * kv[i];
+      continue;
+    }
     const float new_max = fmaxf(running_max, logit);
     const float correction = expf(running_max - new_max), weight = expf(logit - new_max);
     running_sum = running_sum * correction + weight;
@@ -87,7 +126,8 @@ __global__ void paged_sink_attention_kernel(PagedSinkAttentionParams p) {
     for (int64_t i = threadIdx.x; i < p.head_dim; i += blockDim.x) out[i] = 0.0f;
     return;
   }
-  float global_max = p.sinks[h];
+  // kDeepSeek: the logits' max alone (every warp holds it), the sink only in the denominator.
+  float global_max = p.deepseek_softmax ? warp_max[0] : p.sinks[h];
   for (int w = 0; w < kWarps; ++w) global_max = fmaxf(global_max, warp_max[w]);
   float denominator = expf(p.sinks[h] - global_max), factor[kWarps];
   for (int w = 0; w < kWarps; ++w) {
@@ -97,7 +137,7 @@ __global__ void paged_sink_attention_kernel(PagedSinkAttentionParams p) {
   for (int64_t i = threadIdx.x; i < p.head_dim; i += blockDim.x) {
     float value = 0.0f;
     for (int w = 0; w < kWarps; ++w) value += warp_acc[w][i] * factor[w];
-    out[i] = value / denominator;
+    out[i] = p.deepseek_softmax ? bf16_bits_to_f32(f32_to_bf16_bits(value / denominator)) : value / denominator;
   }
 }
 

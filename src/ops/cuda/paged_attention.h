@@ -22,6 +22,10 @@ struct PagedSinkAttentionParams {
   int64_t tokens = 0, heads = 0, head_dim = 0;  // head_dim ≤ 512
   float scale = 0;
   bool bf16_entries = false;
+  // Numerics::kDeepSeek (the reference's sparse_attn, the CPU's sink_attention_bf16): two passes — the max over
+  // the keys' logits first, then p = exp(logit − max) in fp32 summed in fp32 for the denominator (plus the sink's
+  // exp) and cast to bf16 before P·V; the output rounded to bf16. Otherwise one pass of online softmax.
+  bool deepseek_softmax = false;
   PagedGroupView window;  // indexed by absolute position
   int64_t window_size = 0;
   PagedGroupView compressed;
