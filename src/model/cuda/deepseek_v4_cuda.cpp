@@ -1184,8 +1184,11 @@ float* DeepseekV4CudaModel::Impl::run(const Step& step, LogitsMode mode) {
 
   cu::HyperConnectionParams hp{N, hc, D, c.hc_sinkhorn_iters, static_cast<float>(c.hc_eps),
                                static_cast<float>(c.rms_norm_eps)};
-  cu::HyperConnectionParams post_params = hp;  // kDeepSeek: model.py's order, the new streams bf16
-  post_params.deepseek = deepseek;
+  // kDeepSeek: hc_post in model.py's order with the new streams bf16; hc_pre / hc_head's pre, post and comb in
+  // double with the config's hc_eps.
+  cu::HyperConnectionParams deepseek_params = hp;
+  deepseek_params.deepseek = deepseek;
+  deepseek_params.deepseek_hc_eps = c.hc_eps;
   const size_t hc_workspace_bytes = cu::hc_workspace_bytes(std::max<int64_t>(N, step.rows), hc);
   void* hc_workspace = buffer<std::byte>("hc_workspace", hc_workspace_bytes);
   float* collapsed = buffer<float>("collapsed", N * D);
@@ -1204,11 +1207,11 @@ float* DeepseekV4CudaModel::Impl::run(const Step& step, LogitsMode mode) {
       // model.py's Block: the streams are bf16 after hc_post, hc_pre's collapsed row is bf16, RMSNorm computes in
       // fp32 and returns bf16 (the fp32 `collapsed`, which the router reads, then holds the operand's values).
       if (after_post) {
-        DSV4_CU(cu::hc_post(post_params, sublayer_out, streams, post, comb, next_streams, stream));
+        DSV4_CU(cu::hc_post(deepseek_params, sublayer_out, streams, post, comb, next_streams, stream));
         std::swap(streams, next_streams);
       }
-      DSV4_CU(cu::hc_pre(hp, streams, fn, base, scale, collapsed, post, comb, hc_workspace, hc_workspace_bytes,
-                         stream, nullptr));
+      DSV4_CU(cu::hc_pre(deepseek_params, streams, fn, base, scale, collapsed, post, comb, hc_workspace,
+                         hc_workspace_bytes, stream, nullptr));
       DSV4_CU(cu::round_to_bf16(collapsed, N * D, stream));
       DSV4_CU(cu::rms_norm_with_bf16({N, D, eps}, collapsed, norm_weight, collapsed, fused.bf16, stream));
       DSV4_CU(cu::round_to_bf16(collapsed, N * D, stream));
@@ -1239,7 +1242,7 @@ float* DeepseekV4CudaModel::Impl::run(const Step& step, LogitsMode mode) {
       attn_operand = collapse_and_norm(true, next.hc_attn_fn, next.hc_attn_base, next.hc_attn_scale, next.attn_norm,
                                        "attn_in");
     } else {
-      DSV4_CU(cu::hc_post(post_params, sublayer_out, streams, post, comb, next_streams, stream));
+      DSV4_CU(cu::hc_post(deepseek_params, sublayer_out, streams, post, comb, next_streams, stream));
       std::swap(streams, next_streams);
     }
   }
@@ -1253,7 +1256,7 @@ float* DeepseekV4CudaModel::Impl::run(const Step& step, LogitsMode mode) {
     selected = gathered;
   }
   float* final_hidden = buffer<float>("final_hidden", R * D);
-  cu::HyperConnectionParams head_params = hp;
+  cu::HyperConnectionParams head_params = deepseek_params;
   head_params.tokens = R;
   const cu::CollapseNorm final_norm{norm, eps, bf16 ? buffer<uint16_t>("head_in", R * D) : nullptr};
   if (deepseek) {  // ParallelHead: the collapsed row bf16, the norm's output bf16 (the LM head's operand)

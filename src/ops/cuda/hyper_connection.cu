@@ -451,7 +451,7 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
                                                           const float* __restrict__ scale, int64_t D, float hc_eps,
                                                           float norm_eps, int iters, float* __restrict__ collapsed,
                                                           float* __restrict__ post, float* __restrict__ comb,
-                                                          CollapseNorm norm) {
+                                                          CollapseNorm norm, bool deepseek, double hc_eps_d) {
   wait_for_prior_grid();
   allow_dependents();
   using V = typename VecOf<VEC>::T;
@@ -476,9 +476,24 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
     const float rms = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sumsq, static_cast<float>(HC * D)), norm_eps)));
     if (lane < NOUT) mix[lane] = __fmul_rn(s, rms);
     __syncwarp();
-    if (lane < HC) pre[lane] = __fadd_rn(sigmoid(affine(mix[lane], scale[0], base[lane])), hc_eps);
-    if constexpr (!kHead) {
-      if (lane < HC) post[t * HC + lane] = __fmul_rn(2.0f, sigmoid(affine(mix[HC + lane], scale[1], base[HC + lane])));
+    if (deepseek) {
+      auto sigmoid_d = [](double x) { return 1.0 / (1.0 + exp(-x)); };
+      if constexpr (kHead) {  // hc_head_deepseek: the affine in fp32, the sigmoid in double, + eps in fp32
+        if (lane < HC)
+          pre[lane] = __fadd_rn(static_cast<float>(sigmoid_d(affine(mix[lane], scale[0], base[lane]))), hc_eps);
+      } else {  // hc_pre_deepseek: everything in double, rounded once
+        if (lane < HC) {
+          pre[lane] = static_cast<float>(sigmoid_d(static_cast<double>(mix[lane]) * scale[0] + base[lane]) + hc_eps_d);
+          post[t * HC + lane] =
+              static_cast<float>(2.0 * sigmoid_d(static_cast<double>(mix[HC + lane]) * scale[1] + base[HC + lane]));
+        }
+      }
+    } else {
+      if (lane < HC) pre[lane] = __fadd_rn(sigmoid(affine(mix[lane], scale[0], base[lane])), hc_eps);
+      if constexpr (!kHead) {
+        if (lane < HC)
+          post[t * HC + lane] = __fmul_rn(2.0f, sigmoid(affine(mix[HC + lane], scale[1], base[HC + lane])));
+      }
     }
   }
   __syncthreads();
@@ -492,6 +507,36 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
       // Lane l < HC² holds comb[j][k], l = j·HC + k; every sum is the CPU's sequential one (gathered by shuffles).
       const int l = lane < HC * HC ? lane : 0;
       const int j = l / HC, k = l - j * HC;
+      if (deepseek) {  // hc_pre_deepseek: the same chain in double, rounded once
+        double c = static_cast<double>(mix[2 * HC + l]) * scale[2] + base[2 * HC + l];
+        double row_max = -INFINITY;
+#pragma unroll
+        for (int kk = 0; kk < HC; ++kk) row_max = fmax(row_max, __shfl_sync(kFull, c, j * HC + kk));
+        const double e = exp(c - row_max);
+        double sum = 0.0;
+#pragma unroll
+        for (int kk = 0; kk < HC; ++kk) sum += __shfl_sync(kFull, e, j * HC + kk);
+        c = e / sum + hc_eps_d;
+        auto normalise_columns = [&] {
+          double column = 0.0;
+#pragma unroll
+          for (int jj = 0; jj < HC; ++jj) column += __shfl_sync(kFull, c, jj * HC + k);
+          c /= column + hc_eps_d;
+        };
+        auto normalise_rows = [&] {
+          double row = 0.0;
+#pragma unroll
+          for (int kk = 0; kk < HC; ++kk) row += __shfl_sync(kFull, c, j * HC + kk);
+          c /= row + hc_eps_d;
+        };
+        normalise_columns();
+        for (int iter = 1; iter < iters; ++iter) {
+          normalise_rows();
+          normalise_columns();
+        }
+        if (lane < HC * HC) comb[t * HC * HC + lane] = static_cast<float>(c);
+        return;
+      }
       float c = affine(mix[2 * HC + l], scale[2], base[2 * HC + l]);
       float row_max = -INFINITY;
 #pragma unroll
@@ -646,7 +691,8 @@ void launch_finish(const HyperConnectionParams& p, const float* partial, int spl
   const CollapseNorm fused = norm ? *norm : CollapseNorm{};
   const auto kernel = norm ? finish_kernel<HC, kHead, VEC, true> : finish_kernel<HC, kHead, VEC, false>;
   launch_dependent(kernel, static_cast<unsigned>(p.tokens), kThreads, 0, stream, partial, splits, streams, base, scale,
-                   p.hidden, p.hc_eps, p.norm_eps, static_cast<int>(p.sinkhorn_iters), collapsed, post, comb, fused);
+                   p.hidden, p.hc_eps, p.norm_eps, static_cast<int>(p.sinkhorn_iters), collapsed, post, comb, fused,
+                   p.deepseek, p.deepseek_hc_eps);
 }
 
 // The mix kernel then the finish kernel, for hc_pre (kHead false) and hc_head.

@@ -23,9 +23,12 @@ struct HyperConnectionParams {
   int64_t sinkhorn_iters = 20;
   float hc_eps = 1e-6f;        // Sinkhorn floor and the `pre` offset
   float norm_eps = 1e-6f;      // the unweighted RMSNorm over the flattened streams
-  // hc_post only, Numerics::kDeepSeek: model.py's order (the weighted streams summed first, the sublayer term added
-  // last: ops::cpu::hc_post_deepseek) and the new streams rounded to bf16, as the reference holds them.
+  // Numerics::kDeepSeek. hc_post: model.py's order (the weighted streams summed first, the sublayer term added
+  // last: ops::cpu::hc_post_deepseek) and the new streams rounded to bf16, as the reference holds them. hc_pre /
+  // hc_head: pre, post and the Sinkhorn comb evaluated in double from the fp32 mixes and rounded once, with the
+  // double hc_eps below (ops::cpu::hc_pre_deepseek / hc_head_deepseek). hc_post_pre refuses it.
   bool deepseek = false;
+  double deepseek_hc_eps = 1e-6;  // the config's hc_eps as model.py's Python float
 };
 
 // The RMSNorm that follows every collapse in the model (attn_norm / ffn_norm after hc_pre, the final norm after

@@ -105,6 +105,53 @@ TEST_F(CudaHyperConnection, PreMatchesCpuTwinAtV4Shapes) {
   check_pre(Shape{515, 2, 2048});
 }
 
+// kDeepSeek's hc_pre and hc_head (pre, post, comb in double from the fp32 mixes, HyperConnectionParams::deepseek)
+// against ops::cpu::hc_pre_deepseek / hc_head_deepseek on bf16 streams. The mixes are fp32 split-K sums here and
+// double sums there, so the bounds are the fp32 path's.
+void check_deepseek_pre_and_head(const Shape& s) {
+  SCOPED_TRACE(::testing::Message() << s.tokens << " tokens, hc " << s.hc << ", D " << s.hidden << ", deepseek");
+  const int64_t mix = (2 + s.hc) * s.hc;
+  Inputs in = random_inputs(s, mix, 3, static_cast<uint32_t>(s.tokens * 433 + s.hidden));
+  for (float& v : in.streams) v = bf16_to_f32(f32_to_bf16(v));
+  const double hc_eps = 1e-6;
+  const cpu::HyperConnectionParams cp{s.hc, s.hidden, 20, static_cast<float>(hc_eps), 1e-6f};
+  PreOut expected{std::vector<float>(static_cast<size_t>(s.tokens * s.hidden)),
+                  std::vector<float>(static_cast<size_t>(s.tokens * s.hc)),
+                  std::vector<float>(static_cast<size_t>(s.tokens * s.hc * s.hc))};
+  cpu::hc_pre_deepseek(cp, hc_eps, in.streams.data(), s.tokens, in.fn.data(), in.base.data(), in.scale.data(),
+                       expected.collapsed.data(), expected.post.data(), expected.comb.data());
+  HyperConnectionParams p{s.tokens, s.hc, s.hidden, 20, static_cast<float>(hc_eps), 1e-6f};
+  p.deepseek = true;
+  p.deepseek_hc_eps = hc_eps;
+  const PreOut actual = run_pre(p, in);
+  EXPECT_LE(rel_l2(actual.collapsed, expected.collapsed), 1e-5);
+  EXPECT_LE(max_rel(actual.post, expected.post), 1e-5);
+  EXPECT_LE(max_rel(actual.comb, expected.comb), 2e-5);
+  // The fp32 path is farther from the double recipe than this one (its Sinkhorn rounds at every step).
+  p.deepseek = false;
+  const PreOut fp32 = run_pre(p, in);
+  EXPECT_LE(rel_l2(actual.comb, expected.comb), rel_l2(fp32.comb, expected.comb));
+
+  const Inputs head = random_inputs(s, s.hc, 1, static_cast<uint32_t>(s.tokens * 77 + s.hidden));
+  std::vector<float> head_streams = in.streams, head_expected(static_cast<size_t>(s.tokens * s.hidden));
+  cpu::hc_head_deepseek(cp, head_streams.data(), s.tokens, head.fn.data(), head.base.data(), head.scale.data(),
+                        head_expected.data());
+  DeviceArray<float> d_streams(head_streams), d_fn(head.fn), d_base(head.base), d_scale(head.scale),
+      d_out(head_expected.size());
+  p.deepseek = true;
+  const size_t bytes = hc_workspace_bytes(s.tokens, s.hc);
+  DeviceArray<uint8_t> workspace(bytes);
+  ASSERT_EQ(hc_head(p, d_streams.get(), d_fn.get(), d_base.get(), d_scale.get(), d_out.get(), workspace.get(), bytes,
+                    nullptr),
+            cudaSuccess);
+  EXPECT_LE(rel_l2(d_out.download(), head_expected), 1e-5);
+}
+
+TEST_F(CudaHyperConnection, DeepSeekPreAndHeadMatchCpuTwin) {
+  for (const Shape& s : {Shape{1, 4, 4096}, Shape{37, 4, 4096}, Shape{3, 4, 128}, Shape{4, 2, 10}})
+    check_deepseek_pre_and_head(s);
+}
+
 TEST_F(CudaHyperConnection, PreMatchesCpuTwinAtTinyShapes) {
   for (const Shape& s : {Shape{3, 4, 256}, Shape{2, 4, 6}, Shape{4, 2, 10}, Shape{5, 1, 64}, Shape{9, 2, 7}})
     check_pre(s);
