@@ -131,20 +131,6 @@ float dot_f64(const float* a, const float* b, int64_t n) {
 // evaluated in double, rounded to fp32.
 float inverse_sqrt_f64(double n) { return static_cast<float>(std::pow(n, -0.5)); }
 
-// The reference's indexer score on bf16 tensors (§8 step 6): q·k (the einsum: double accumulation → fp32) → bf16,
-// relu, × w → bf16, head sum (fp32 accumulate) → bf16. `head_weights` already carry index_head_dim^-0.5 · heads^-0.5.
-void indexer_scores_bf16(const IndexerParams& p, const float* q, const float* head_weights, const float* const* keys,
-                         int64_t num_entries, float* scores) {
-  for (int64_t s = 0; s < num_entries; ++s) {
-    float score = 0;
-    for (int64_t h = 0; h < p.heads; ++h) {
-      const float dot = dot_f64(q + h * p.head_dim, keys[s], p.head_dim);
-      score += bf16_to_f32(f32_to_bf16(std::max(bf16_to_f32(f32_to_bf16(dot)), 0.0f) * head_weights[h]));
-    }
-    scores[s] = bf16_to_f32(f32_to_bf16(score));
-  }
-}
-
 // sparse_attn as the reference kernel computes it (§6.5), in the oracle's exact accumulation
 // (kernel_standin.sparse_attn, EXACT): logits fp32(Σ_double q·k) · scale; p = fp32(exp(logit − m)) through double;
 // l = fp32(Σ_double p) + fp32(exp(sink − m)); o = fp32(Σ_double bf16(p)·v); out = bf16(o / l). This is the kernel's

@@ -1483,6 +1483,7 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
         ip.max_entries = max_entries;
         ip.compress_ratio = c.compress_rate_csa;
         ip.softmax_scale = softmax_scale;
+        ip.deepseek_roundings = deepseek;
         ip.keys = IndexKeyPagedLayout{fp8_keys ? IndexKeyDtype::kFp8 : IndexKeyDtype::kBf16, static_cast<int32_t>(ID),
                                       static_cast<int32_t>(keys.entries_per_block), static_cast<int32_t>(keys.layer_index),
                                       keys.block_bytes, keys.page_bytes, keys.max_blocks_per_page};

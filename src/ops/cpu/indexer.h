@@ -17,6 +17,12 @@ struct IndexerParams {
 void indexer_scores(const IndexerParams& p, const float* q, const float* head_weights, const float* const* keys,
                     int64_t num_entries, float* scores);
 
+// Numerics::kDeepSeek: the reference's indexer score on bf16 tensors (research model_spec.md §8 step 6): each
+// head's q·k (double accumulation → fp32) rounded to bf16, relu, × w rounded to bf16, the heads summed in fp32 in
+// order, the score rounded to bf16. `head_weights` carry index_head_dim^-0.5 · heads^-0.5 already.
+void indexer_scores_bf16(const IndexerParams& p, const float* q, const float* head_weights, const float* const* keys,
+                         int64_t num_entries, float* scores);
+
 // Indices of the k largest scores among [0, num_valid), ordered by descending score; equal scores keep the lower
 // index first, so the selection is deterministic. Returns min(k, num_valid) indices.
 std::vector<int32_t> top_k_indices(const float* scores, int64_t num_valid, int64_t k);

@@ -30,9 +30,14 @@ void indexer_scores_paged(const IndexerScoresParams& p) {
       key_ptrs[s] = &keys[s * d];
     }
     for (int64_t i = 0; i < p.heads * d; ++i) q[i] = bf16_to_f32(p.q[t * p.heads * d + i]);
-    for (int64_t h = 0; h < p.heads; ++h) weights[h] = p.weights[t * p.heads + h] * ratio;
     float* row = p.scores + t * p.max_entries;
-    indexer_scores(params, q.data(), weights.data(), key_ptrs.data(), shown, row);
+    if (p.deepseek_roundings) {
+      for (int64_t h = 0; h < p.heads; ++h) weights[h] = p.weights[t * p.heads + h] * p.softmax_scale;
+      indexer_scores_bf16(params, q.data(), weights.data(), key_ptrs.data(), shown, row);
+    } else {
+      for (int64_t h = 0; h < p.heads; ++h) weights[h] = p.weights[t * p.heads + h] * ratio;
+      indexer_scores(params, q.data(), weights.data(), key_ptrs.data(), shown, row);
+    }
     std::fill(row + shown, row + p.max_entries, -std::numeric_limits<float>::infinity());
   }
 }

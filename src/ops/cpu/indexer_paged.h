@@ -28,6 +28,10 @@ struct IndexerScoresParams {
   const uint16_t* q = nullptr;               // bf16 [num_tokens, heads, head_dim]
   const float* weights = nullptr;            // [num_tokens, heads] (weights_proj(x) · heads^-0.5)
   float* scores = nullptr;                   // [num_tokens, max_entries]
+  // Numerics::kDeepSeek (ops/cpu/indexer.h indexer_scores_bf16): each head's q·k and its weighted relu rounded to
+  // bf16, the heads summed in fp32, the score bf16; softmax_scale is then applied to the weights (1 when they carry
+  // it, as the CUDA model's do in that mode). bf16 keys only.
+  bool deepseek_roundings = false;
 };
 
 struct TopKParams {

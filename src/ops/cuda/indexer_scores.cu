@@ -148,12 +148,18 @@ __device__ __forceinline__ void load_head_weights(const float* w_smem, int t, fl
   }
 }
 
+__device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+// kDeepSeek's term of one head (indexer_scores_bf16): bf16(w · relu(bf16(q·k))).
+__device__ __forceinline__ float deepseek_term(float w, float dot) {
+  return bf16_round(__fmul_rn(fmaxf(bf16_round(dot), 0.0f), w));
+}
+
 // part[m][h]: a lane's sums over its heads for its rows of group m, h; the quad (lanes sharing g) adds them up,
 // then lane t writes the score of `row` (its part[t >> 1][t & 1]): the FP8 scale (positive, so it commutes with
 // relu) applied, −inf past the visible entries.
 template <IndexKeyDtype kDtype>
 __device__ __forceinline__ void write_score(float (&part)[2][2], int t, int64_t row, const TokenView& view,
-                                            int64_t max_entries, float scale) {
+                                            int64_t max_entries, float scale, bool deepseek) {
 #pragma unroll
   for (int m = 0; m < 2; ++m)
 #pragma unroll
@@ -161,7 +167,8 @@ __device__ __forceinline__ void write_score(float (&part)[2][2], int t, int64_t 
       part[m][h] += __shfl_xor_sync(0xffffffffu, part[m][h], 1);
       part[m][h] += __shfl_xor_sync(0xffffffffu, part[m][h], 2);
     }
-  const float mine = t == 0 ? part[0][0] : t == 1 ? part[0][1] : t == 2 ? part[1][0] : part[1][1];
+  float mine = t == 0 ? part[0][0] : t == 1 ? part[0][1] : t == 2 ? part[1][0] : part[1][1];
+  if (deepseek) mine = bf16_round(mine);  // kDeepSeek: the score is a bf16 tensor
   if (row < max_entries)
     view.out[row] = row < view.visible ? (kDtype == IndexKeyDtype::kFp8 ? mine * scale : mine) : -INFINITY;
 }
@@ -230,16 +237,26 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
           mma_bf16(acc[1][j], a[1], b.x, b.y);
         }
       }
+      if (p.deepseek_roundings) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j)
+        for (int j = 0; j < 8; ++j)
 #pragma unroll
-        for (int m = 0; m < 2; ++m) {
-          part[m][0] += w[j][0] * fmaxf(acc[m][j][0], 0.0f) + w[j][1] * fmaxf(acc[m][j][1], 0.0f);
-          part[m][1] += w[j][0] * fmaxf(acc[m][j][2], 0.0f) + w[j][1] * fmaxf(acc[m][j][3], 0.0f);
-        }
+          for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) part[m][e / 2] += deepseek_term(w[j][e % 2], acc[m][j][e]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int m = 0; m < 2; ++m) {
+            part[m][0] += w[j][0] * fmaxf(acc[m][j][0], 0.0f) + w[j][1] * fmaxf(acc[m][j][1], 0.0f);
+            part[m][1] += w[j][0] * fmaxf(acc[m][j][2], 0.0f) + w[j][1] * fmaxf(acc[m][j][3], 0.0f);
+          }
+      }
     }
     // Lane t writes row 16·(t>>1) + 8·(t&1) + g.
-    write_score<kDtype>(part, t, entry0 + 16 * (t >> 1) + 8 * (t & 1) + g, view, p.max_entries, current.scale);
+    write_score<kDtype>(part, t, entry0 + 16 * (t >> 1) + 8 * (t & 1) + g, view, p.max_entries, current.scale,
+                        p.deepseek_roundings);
   }
 #endif
 }
@@ -406,17 +423,25 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
         wgmma_wait<0>();
         // acc[4j + e]: entry row 16·warp + g + 8·(e / 2) of group m, head 8j + 2t + e % 2. Fused multiply-adds:
         // fewer instructions than the mma.sync kernel's sum of products (the issue rate is a limit here).
+        if (p.deepseek_roundings) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          part[m][0] = fmaf(w[j][0], fmaxf(acc[4 * j], 0.0f), part[m][0]);
-          part[m][0] = fmaf(w[j][1], fmaxf(acc[4 * j + 1], 0.0f), part[m][0]);
-          part[m][1] = fmaf(w[j][0], fmaxf(acc[4 * j + 2], 0.0f), part[m][1]);
-          part[m][1] = fmaf(w[j][1], fmaxf(acc[4 * j + 3], 0.0f), part[m][1]);
+          for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) part[m][e / 2] += deepseek_term(w[j][e % 2], acc[4 * j + e]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            part[m][0] = fmaf(w[j][0], fmaxf(acc[4 * j], 0.0f), part[m][0]);
+            part[m][0] = fmaf(w[j][1], fmaxf(acc[4 * j + 1], 0.0f), part[m][0]);
+            part[m][1] = fmaf(w[j][0], fmaxf(acc[4 * j + 2], 0.0f), part[m][1]);
+            part[m][1] = fmaf(w[j][1], fmaxf(acc[4 * j + 3], 0.0f), part[m][1]);
+          }
         }
       }
     }
     // Lane t writes row 64·(t>>1) + 16·warp + 8·(t&1) + g.
-    write_score<kDtype>(part, t, tile0 + 64 * (t >> 1) + 16 * warp + 8 * (t & 1) + g, view, p.max_entries, scale);
+    write_score<kDtype>(part, t, tile0 + 64 * (t >> 1) + 16 * warp + 8 * (t & 1) + g, view, p.max_entries, scale,
+                        p.deepseek_roundings);
   }
 #else
   __trap();  // not sm_90a code: use_warpgroup_mma (ops/cuda/warpgroup_dispatch.h) never launches it there
