@@ -464,6 +464,37 @@ TEST(CudaModel, DeepSeekNumericsTrackTheCpuRecipe) {
   EXPECT_THROW(DeepseekV4CudaModel(config, weights, fp32), Error);
 }
 
+// The same at V4's attention shapes, where the tuned kernels run (the attention's running-max P rounding, the
+// wgmma indexer with kDeepSeek's roundings): random weights with the release's encodings — the FP8 projections
+// block-quantized, the routed experts MXFP4 — so that both sides quantize the same linears.
+TEST(CudaModel, DeepSeekNumericsTrackTheCpuRecipeOnAV4ShapedModel) {
+  SKIP_WITHOUT_GPU();
+  ModelConfig config = v4_shaped_config();
+  ModelWeights weights = random_weights(config, 5);
+  for (LayerWeights& l : weights.layers) {
+    for (LinearWeight* w : {&l.wq_a, &l.wq_b, &l.wkv, &l.wo_b, &l.indexer_wq_b, &l.shared_w13, &l.shared_w2})
+      if (!w->empty()) *w = LinearWeight::quantize_fp8_blocks(w->dense());
+    for (LinearWeight& w : l.experts_w13) w = LinearWeight::quantize_mxfp4_groups(w.dense());
+    for (LinearWeight& w : l.experts_w2) w = LinearWeight::quantize_mxfp4_groups(w.dense());
+  }
+  const std::vector<Script> scripts = {{random_ids(300, config.vocab_size, 18), 128, 6},
+                                       {random_ids(40, config.vocab_size, 19), 40, 10}};
+  const Comparison plain = compare(config, weights, CudaPrecision::kBf16, scripts, true, /*cpu_twin=*/false, true,
+                                   {}, Numerics::kDeepSeek);
+  config.numerics = Numerics::kDeepSeek;
+  const Comparison recipe = compare(config, weights, CudaPrecision::kBf16, scripts, true, /*cpu_twin=*/false);
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[v.size() / 2];
+  };
+  for (const auto& [name, c] : {std::pair{"deepseek numerics", &recipe}, std::pair{"hf numerics (bf16)", &plain}})
+    std::printf("V4 shapes, GPU %s vs the CPU's deepseek numerics: median rel L2 %.3g, worst %.3g, top-1 %lld of %lld\n",
+                name, median(c->errors), c->worst_relative_l2, static_cast<long long>(c->agreed),
+                static_cast<long long>(c->compared));
+  EXPECT_LT(median(recipe.errors), median(plain.errors));
+  EXPECT_GE(static_cast<double>(recipe.agreed), 0.7 * static_cast<double>(recipe.compared));
+}
+
 // MXFP4 routed experts decoded inside the grouped expert kernel (the default in bf16 mode) against the same
 // experts decoded to bf16 at upload: every decoded value is exact in bf16 and the kernel's mma order is the
 // bf16 path's, so the logits must be bitwise equal — while the device holds the experts in 4.25 bits instead
