@@ -23,6 +23,7 @@
 #include "ops/cpu/linear.h"
 #include "ops/cpu/quantize.h"
 #include "ops/cuda/fp8_quantize.h"
+#include "fp8_test_inputs.h"
 #include "ops/cuda/gemm.h"
 #include "small_ops_util.h"
 
@@ -30,37 +31,14 @@ namespace dsv4::ops::cuda {
 namespace {
 
 using testing::small_ops::DeviceArray;
+using testing::fp8_edge_values;
+using testing::random_activations;
+using testing::same_bits;
 
 class CudaFp8 : public testing::small_ops::GpuTest {};
 
 int64_t blocks(int64_t n) { return (n + 127) / 128; }
 
-bool same_bits(float a, float b) {
-  if (std::isnan(a) && std::isnan(b)) return true;
-  uint32_t ua, ub;
-  std::memcpy(&ua, &a, 4);
-  std::memcpy(&ub, &b, 4);
-  return ua == ub;
-}
-
-// Activations: normal values with a per-row magnitude from 1e-3 to 1e3 (rows of very different scales, as a
-// residual stream has), a few outliers.
-std::vector<float> random_activations(int64_t rows, int64_t cols, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::uniform_real_distribution<float> log_scale(-3.0f, 3.0f);
-  std::vector<float> x(static_cast<size_t>(rows * cols));
-  for (int64_t r = 0; r < rows; ++r) {
-    const float scale = std::pow(10.0f, log_scale(rng));
-    for (int64_t c = 0; c < cols; ++c) {
-      float v = normal(rng) * scale;
-      if (rng() % 97 == 0) v *= 30.0f;
-      if (v == 0.0f) v = scale;
-      x[r * cols + c] = v;
-    }
-  }
-  return x;
-}
 
 // A checkpoint-like FP8 weight: fp32 normal values quantized per 128 × 128 block with a UE8M0 scale (amax /
 // 448 rounded up to a power of two), as DeepSeek's release stores them.
@@ -271,88 +249,11 @@ TEST_F(CudaFp8, QuantizerPaddedStridesAndScalarPath) {
   check_quantizer(x, rows, cols, true, cols + 2, cols + 1, rows);
 }
 
-// Six rows of `cols` edge values for quantization blocks of `block` columns: tiny values (amax under the 1e-4
-// floor), huge values, exact e4m3 rounding ties after scaling (odd multiples of half a quantum, both signs; the
-// block's amax 448, scale 1), values that saturate just above 448 · s, subnormal e4m3 codes, powers of two.
-std::vector<float> edge_values(int64_t cols, int64_t block) {
-  std::mt19937 rng(9);
-  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-  std::vector<float> x(static_cast<size_t>(6 * cols));
-  for (int64_t c = 0; c < cols; ++c) {
-    x[0 * cols + c] = u(rng) * 1e-6f + (c % 2 ? 3e-7f : -3e-7f);
-    x[1 * cols + c] = u(rng) * 1e30f + 1e25f;
-    const float grid = std::ldexp(1.0f, static_cast<int>(c % 8)) * (1.0f + static_cast<float>(c % 7) / 8.0f);
-    const float tie = grid + std::ldexp(1.0f, static_cast<int>(c % 8) - 4);
-    x[2 * cols + c] = c % block == 0 ? 448.0f : (c % 3 ? tie : -tie);
-    x[3 * cols + c] = c % block == 1 ? 1.0f : u(rng) * 0.01f;  // mostly e4m3 subnormals after scaling
-    x[4 * cols + c] = u(rng) * 447.9f + (c % block == 5 ? 460.0f : 0.0f);
-    x[5 * cols + c] = (c % 2 ? 1.0f : -1.0f) * std::ldexp(1.0f, static_cast<int>(c % 40) - 20);
-  }
-  return x;
-}
-
 TEST_F(CudaFp8, QuantizerEdgeValues) {
   const int64_t rows = 6, cols = 256;
-  const std::vector<float> x = edge_values(cols, 128);
+  const std::vector<float> x = fp8_edge_values(cols, 128);
   check_quantizer(x, rows, cols, false, cols, cols, rows);
   check_quantizer(x, rows, cols, true, cols, cols, rows);
-}
-
-// The in-place FP8 simulation (kDeepSeek) against ops::cpu::quantize_e4m3_blocks on each row's leading `cols`
-// of `stride` columns, bit for bit; the columns past `cols` untouched.
-void check_simulation(const std::vector<float>& x, int64_t rows, int64_t stride, int64_t cols, int64_t block,
-                      bool bf16) {
-  SCOPED_TRACE(::testing::Message() << "rows " << rows << " cols " << cols << "/" << stride << " block " << block
-                                    << (bf16 ? " bf16" : " fp32"));
-  std::vector<float> host(x.begin(), x.begin() + rows * stride);
-  if (bf16)
-    for (float& v : host) v = bf16_to_f32(f32_to_bf16(v));
-  std::vector<float> expected = host;
-  for (int64_t r = 0; r < rows; ++r) cpu::quantize_e4m3_blocks(&expected[r * stride], cols, block);
-  Fp8SimulateParams p;
-  p.rows = rows;
-  p.cols = cols;
-  p.stride = stride;
-  p.block = block;
-  p.bf16 = bf16;
-  std::vector<float> got(host.size());
-  if (bf16) {
-    std::vector<uint16_t> bits(host.size());
-    for (size_t i = 0; i < host.size(); ++i) bits[i] = f32_to_bf16(host[i]);
-    DeviceArray<uint16_t> d(bits);
-    ASSERT_EQ(simulate_e4m3_blocks(p, d.get(), nullptr), cudaSuccess);
-    const std::vector<uint16_t> out = d.download();
-    for (size_t i = 0; i < out.size(); ++i) got[i] = bf16_to_f32(out[i]);
-  } else {
-    DeviceArray<float> d(host);
-    ASSERT_EQ(simulate_e4m3_blocks(p, d.get(), nullptr), cudaSuccess);
-    got = d.download();
-  }
-  int64_t mismatches = 0;
-  for (size_t i = 0; i < got.size(); ++i)
-    if (!same_bits(got[i], expected[i]) && mismatches++ < 5)
-      ADD_FAILURE() << "element " << i << ": " << got[i] << " vs " << expected[i] << " from " << host[i];
-  EXPECT_EQ(mismatches, 0);
-}
-
-TEST_F(CudaFp8, SimulationIsBitExactWithTheCpuTwin) {
-  for (const bool bf16 : {false, true}) {
-    // The K=V vectors' 448 non-rope channels of 512 per 64; the experts' input per 128; odd widths.
-    check_simulation(random_activations(37, 512, 5), 37, 512, 448, 64, bf16);
-    check_simulation(random_activations(9, 4096, 6), 9, 4096, 4096, 128, bf16);
-    check_simulation(random_activations(5, 200, 7), 5, 200, 197, 64, bf16);
-    check_simulation(random_activations(3, 96, 8), 3, 96, 96, 32, bf16);
-  }
-  Fp8SimulateParams bad;
-  bad.rows = 1;
-  bad.cols = 64;
-  bad.block = 48;
-  EXPECT_EQ(simulate_e4m3_blocks(bad, nullptr, nullptr), cudaErrorInvalidValue);
-}
-
-TEST_F(CudaFp8, SimulationEdgeValues) {
-  for (const bool bf16 : {false, true})
-    for (const int64_t block : {64, 128}) check_simulation(edge_values(256, block), 6, 256, 256, block, bf16);
 }
 
 // ---- GEMM ----

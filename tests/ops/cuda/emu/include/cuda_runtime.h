@@ -1,5 +1,5 @@
-// Host emulation of the CUDA runtime subset used by ops/cuda/compressor.*, ops/cuda/hadamard_fp4.* and their tests
-// (run_compressor_emu.sh, run_hadamard_fp4_emu.sh).
+// Host emulation of the CUDA runtime subset used by ops/cuda/compressor.*, ops/cuda/hadamard_fp4.*,
+// ops/cuda/fp8_quantize.* and their tests (run_compressor_emu.sh, run_hadamard_fp4_emu.sh, run_fp8_simulate_emu.sh).
 #pragma once
 #include <cstddef>
 #include <cstdlib>
