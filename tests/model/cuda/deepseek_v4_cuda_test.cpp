@@ -430,17 +430,12 @@ TEST(CudaModel, Bf16WithFp8LinearsTracksCpuOnAnFp8Checkpoint) {
 }
 
 // Numerics::kDeepSeek on the device (docs/numerics.md "kDeepSeek on the GPU") against the CPU's kDeepSeek, the
-// recipe's exact twin, on the FP8 / MXFP4 checkpoint; beside it the bf16 mode (kHf numerics, FP8 linears) against
-// the same CPU recipe. Accumulation order still differs (fp32 GEMMs against the CPU's double ones), and on random
-// weights one flipped e4m3 / e2m1 rounding moves a logit row by percents, so the check is that the device recipe
-// is closer to the CPU recipe than the plain bf16 mode is, and that greedy top-1 mostly agrees.
-TEST(CudaModel, DeepSeekNumericsTrackTheCpuRecipe) {
-  SKIP_WITHOUT_GPU();
-  const std::filesystem::path dir = fp8_fp4_fixture_dir();
-  if (!std::filesystem::is_regular_file(dir / "model.safetensors")) GTEST_SKIP() << "no fixture at " << dir;
-  ModelConfig config = ModelConfig::from_file((dir / "config.json").string());
-  const ModelWeights weights = ModelWeights::load(config, dir.string());
-  const auto scripts = mixed_scripts(config.vocab_size);
+// recipe's exact twin; beside it the bf16 mode (kHf numerics, FP8 linears) against the same CPU recipe.
+// Accumulation order still differs (fp32 GEMMs against the CPU's double ones), and on random weights one flipped
+// e4m3 / e2m1 rounding moves a logit row by percents, so the check is that the device recipe is closer to the CPU
+// recipe than the plain bf16 mode is, and that greedy top-1 mostly agrees.
+void expect_closer_to_the_recipe(ModelConfig config, const ModelWeights& weights, const std::vector<Script>& scripts,
+                                 const char* label) {
   const Comparison plain = compare(config, weights, CudaPrecision::kBf16, scripts, true, /*cpu_twin=*/false, true,
                                    {}, Numerics::kDeepSeek);
   config.numerics = Numerics::kDeepSeek;
@@ -450,12 +445,22 @@ TEST(CudaModel, DeepSeekNumericsTrackTheCpuRecipe) {
     return v.empty() ? 0.0 : v[v.size() / 2];
   };
   for (const auto& [name, c] : {std::pair{"deepseek numerics", &recipe}, std::pair{"hf numerics (bf16)", &plain}})
-    std::printf("GPU %s vs the CPU's deepseek numerics: median rel L2 %.3g, worst %.3g, top-1 %lld of %lld\n", name,
-                median(c->errors), c->worst_relative_l2, static_cast<long long>(c->agreed),
+    std::printf("%s, GPU %s vs the CPU's deepseek numerics: median rel L2 %.3g, worst %.3g, top-1 %lld of %lld\n",
+                label, name, median(c->errors), c->worst_relative_l2, static_cast<long long>(c->agreed),
                 static_cast<long long>(c->compared));
   EXPECT_LT(median(recipe.errors), median(plain.errors));
   EXPECT_GE(static_cast<double>(recipe.agreed), 0.7 * static_cast<double>(recipe.compared));
-  // The recipe's preconditions are checked with a reason.
+}
+
+// The committed FP8 / MXFP4 checkpoint (the general kernels); the mode's preconditions refused with a reason.
+TEST(CudaModel, DeepSeekNumericsTrackTheCpuRecipe) {
+  SKIP_WITHOUT_GPU();
+  const std::filesystem::path dir = fp8_fp4_fixture_dir();
+  if (!std::filesystem::is_regular_file(dir / "model.safetensors")) GTEST_SKIP() << "no fixture at " << dir;
+  ModelConfig config = ModelConfig::from_file((dir / "config.json").string());
+  const ModelWeights weights = ModelWeights::load(config, dir.string());
+  expect_closer_to_the_recipe(config, weights, mixed_scripts(config.vocab_size), "FP8/FP4 checkpoint");
+  config.numerics = Numerics::kDeepSeek;
   ModelConfig fp8_cache = config;
   fp8_cache.fp8_kv_cache = true;
   EXPECT_THROW(DeepseekV4CudaModel(fp8_cache, weights), Error);
@@ -469,7 +474,7 @@ TEST(CudaModel, DeepSeekNumericsTrackTheCpuRecipe) {
 // block-quantized, the routed experts MXFP4 — so that both sides quantize the same linears.
 TEST(CudaModel, DeepSeekNumericsTrackTheCpuRecipeOnAV4ShapedModel) {
   SKIP_WITHOUT_GPU();
-  ModelConfig config = v4_shaped_config();
+  const ModelConfig config = v4_shaped_config();
   ModelWeights weights = random_weights(config, 5);
   for (LayerWeights& l : weights.layers) {
     for (LinearWeight* w : {&l.wq_a, &l.wq_b, &l.wkv, &l.wo_b, &l.indexer_wq_b, &l.shared_w13, &l.shared_w2})
@@ -477,22 +482,10 @@ TEST(CudaModel, DeepSeekNumericsTrackTheCpuRecipeOnAV4ShapedModel) {
     for (LinearWeight& w : l.experts_w13) w = LinearWeight::quantize_mxfp4_groups(w.dense());
     for (LinearWeight& w : l.experts_w2) w = LinearWeight::quantize_mxfp4_groups(w.dense());
   }
-  const std::vector<Script> scripts = {{random_ids(300, config.vocab_size, 18), 128, 6},
-                                       {random_ids(40, config.vocab_size, 19), 40, 10}};
-  const Comparison plain = compare(config, weights, CudaPrecision::kBf16, scripts, true, /*cpu_twin=*/false, true,
-                                   {}, Numerics::kDeepSeek);
-  config.numerics = Numerics::kDeepSeek;
-  const Comparison recipe = compare(config, weights, CudaPrecision::kBf16, scripts, true, /*cpu_twin=*/false);
-  auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0.0 : v[v.size() / 2];
-  };
-  for (const auto& [name, c] : {std::pair{"deepseek numerics", &recipe}, std::pair{"hf numerics (bf16)", &plain}})
-    std::printf("V4 shapes, GPU %s vs the CPU's deepseek numerics: median rel L2 %.3g, worst %.3g, top-1 %lld of %lld\n",
-                name, median(c->errors), c->worst_relative_l2, static_cast<long long>(c->agreed),
-                static_cast<long long>(c->compared));
-  EXPECT_LT(median(recipe.errors), median(plain.errors));
-  EXPECT_GE(static_cast<double>(recipe.agreed), 0.7 * static_cast<double>(recipe.compared));
+  expect_closer_to_the_recipe(config, weights,
+                              {{random_ids(300, config.vocab_size, 18), 128, 6},
+                               {random_ids(40, config.vocab_size, 19), 40, 10}},
+                              "V4 shapes");
 }
 
 // MXFP4 routed experts decoded inside the grouped expert kernel (the default in bf16 mode) against the same
