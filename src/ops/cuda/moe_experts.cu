@@ -766,6 +766,17 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const float* _
   }
   if (threadIdx.x == 0 && !addend) rows[top_k] = offsets[experts] + static_cast<int32_t>(t);  // the shared row
   __syncthreads();
+  if (threadIdx.x == 0 && !weights) {
+    // kDeepSeek (weights applied already): the reference adds a token's experts in expert order, and rows are laid
+    // out expert by expert, so ascending rows are that order (an insertion sort of ≤ 16; −1 slots stay skipped).
+    for (int k = 1; k < top_k; ++k)
+      for (int i = k; i > 0 && rows[i - 1] > rows[i]; --i) {
+        const int32_t swap = rows[i];
+        rows[i] = rows[i - 1];
+        rows[i - 1] = swap;
+      }
+  }
+  __syncthreads();
   for (int c = blockIdx.y * kCombineThreads + threadIdx.x; c < D4; c += gridDim.y * kCombineThreads) {
     float4 v[kCombineMaxTopK + 1];
 #pragma unroll

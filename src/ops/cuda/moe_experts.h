@@ -68,8 +68,8 @@ struct MoeExpertsParams {
   // Numerics::kDeepSeek (bf16 weights or grouped formats): model.py's Expert and MoE order (research model_spec.md
   // §9; ops::cpu in DeepseekV4Model::moe_deepseek) — the gate/up outputs rounded to bf16 before the SwiGLU, the
   // routing weight applied to the SwiGLU output before its bf16 rounding, that input of w2 through e4m3 per 128
-  // (simulate_e4m3_blocks), w2's output rounded to bf16, the combine a plain sum (k order, the shared expert
-  // last). x is expected FP8-simulated already (the model does it once for the router-free experts' input).
+  // (simulate_e4m3_blocks), w2's output rounded to bf16, the combine a plain sum in expert order, the shared expert
+  // last. x is expected FP8-simulated already (the model does it once for the router-free experts' input).
   bool deepseek = false;
 };
 

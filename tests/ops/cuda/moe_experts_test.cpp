@@ -410,14 +410,14 @@ std::vector<float> deepseek_reference(const Problem& pr, const ExpertSets& sets)
     bf16(y);
     return y;
   };
-  for (int64_t t = 0; t < N; ++t)  // token by token, experts in top-k order (the device's combine order)
-    for (int64_t k = 0; k < K; ++k) {
-      const int32_t e = pr.chosen[t * K + k];
-      if (e < 0 || e >= pr.experts) continue;
-      const std::vector<float> row(pr.x.begin() + t * D, pr.x.begin() + (t + 1) * D);
-      const std::vector<float> y = expert(row, 1, pr.expert_set[e], {pr.weights[t * K + k]});
-      for (int64_t j = 0; j < D; ++j) out[t * D + j] += y[j];
-    }
+  for (int64_t t = 0; t < N; ++t)  // token by token, its experts in expert order (moe_deepseek's sum)
+    for (int32_t e = 0; e < pr.experts; ++e)
+      for (int64_t k = 0; k < K; ++k) {
+        if (pr.chosen[t * K + k] != e) continue;
+        const std::vector<float> row(pr.x.begin() + t * D, pr.x.begin() + (t + 1) * D);
+        const std::vector<float> y = expert(row, 1, pr.expert_set[e], {pr.weights[t * K + k]});
+        for (int64_t j = 0; j < D; ++j) out[t * D + j] += y[j];
+      }
   const std::vector<float> shared = expert(pr.x, N, sets.routed_sets(), std::vector<float>(static_cast<size_t>(N), 1.0f));
   for (size_t i = 0; i < out.size(); ++i) out[i] += shared[i];
   return out;
