@@ -22,7 +22,7 @@ using testing::small_ops::DeviceArray;
 using testing::random_activations;
 using testing::same_bits;
 
-class CudaFp8 : public testing::small_ops::GpuTest {};
+class CudaFp8Simulation : public testing::small_ops::GpuTest {};
 
 // The in-place FP8 simulation (kDeepSeek) against ops::cpu::quantize_e4m3_blocks on each row's leading `cols`
 // of `stride` columns, bit for bit; the columns past `cols` untouched.
@@ -61,7 +61,7 @@ void check_simulation(const std::vector<float>& x, int64_t rows, int64_t stride,
   EXPECT_EQ(mismatches, 0);
 }
 
-TEST_F(CudaFp8, SimulationIsBitExactWithTheCpuTwin) {
+TEST_F(CudaFp8Simulation, IsBitExactWithTheCpuTwin) {
   for (const bool bf16 : {false, true}) {
     // The K=V vectors' 448 non-rope channels of 512 per 64; the experts' input per 128; odd widths.
     check_simulation(random_activations(37, 512, 5), 37, 512, 448, 64, bf16);
@@ -76,7 +76,7 @@ TEST_F(CudaFp8, SimulationIsBitExactWithTheCpuTwin) {
   EXPECT_EQ(simulate_e4m3_blocks(bad, nullptr, nullptr), cudaErrorInvalidValue);
 }
 
-TEST_F(CudaFp8, SimulationEdgeValues) {
+TEST_F(CudaFp8Simulation, EdgeValues) {
   for (const bool bf16 : {false, true})
     for (const int64_t block : {64, 128}) check_simulation(testing::fp8_edge_values(256, block), 6, 256, 256, block, bf16);
 }

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the CudaFp8.Simulation* tests on the host, without a GPU: src/ops/cuda/fp8_quantize.cu is compiled as C++
+# Runs the CudaFp8Simulation.* tests on the host, without a GPU: src/ops/cuda/fp8_quantize.cu is compiled as C++
 # against the CUDA emulation (emu.h: 256 threads per CTA with real barriers and warp shuffles; a 2-D grid launched
 # row by row through the launch_dependent shim below), under ASan + UBSan, against ops::cpu::quantize_e4m3_blocks
 # bit for bit. Usage: tests/ops/cuda/emu/run_fp8_simulate_emu.sh [gtest args]
