@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -290,6 +291,45 @@ TEST(DeepSeekNumerics, PrefillAndDecodeAgree) {
   const double error = testing::relative_l2(stepped.data(), one_shot.data(), one_shot.size());
   std::printf("kDeepSeek one-shot vs 12 + 25 decode steps: relative L2 %.3g\n", error);
   EXPECT_EQ(stepped, one_shot);
+}
+
+// V4's attention shapes (64 heads × 512, an indexer of 64 × 128) with the release's encodings — FP8 projections,
+// MXFP4 routed experts — through kDeepSeek: finite logits, within quantization noise of kHf on the same weights.
+TEST(DeepSeekNumerics, V4ShapesWithTheReleaseEncodingsGiveFiniteLogits) {
+  ModelConfig config = ModelConfig::from_json(nlohmann::json{
+      {"model_type", "deepseek_v4"}, {"vocab_size", 4096}, {"hidden_size", 512}, {"num_hidden_layers", 4},
+      {"num_attention_heads", 64}, {"head_dim", 512}, {"qk_rope_head_dim", 64}, {"q_lora_rank", 256},
+      {"o_groups", 8}, {"o_lora_rank", 128}, {"sliding_window", 128}, {"compress_ratios", {0, 4, 128, 4}},
+      {"num_hash_layers", 1}, {"n_routed_experts", 8}, {"num_experts_per_tok", 2}, {"moe_intermediate_size", 256},
+      {"index_n_heads", 64}, {"index_head_dim", 128}, {"index_topk", 64}});
+  ModelWeights weights = random_weights(config, 5);
+  for (LayerWeights& l : weights.layers) {
+    for (LinearWeight* w : {&l.wq_a, &l.wq_b, &l.wkv, &l.wo_b, &l.indexer_wq_b, &l.shared_w13, &l.shared_w2})
+      if (!w->empty()) *w = LinearWeight::quantize_fp8_blocks(w->dense());
+    for (LinearWeight& w : l.experts_w13) w = LinearWeight::quantize_mxfp4_groups(w.dense());
+    for (LinearWeight& w : l.experts_w2) w = LinearWeight::quantize_mxfp4_groups(w.dense());
+  }
+  DeepseekV4Model hf(config, weights);
+  config.numerics = Numerics::kDeepSeek;
+  DeepseekV4Model deepseek(config, weights);
+  // 300 tokens in chunks of 128: the window, 75 CSA entries against a top-k of 64, 2 HCA entries.
+  const std::vector<int32_t> ids = testing::random_ids(300, config.vocab_size, 18);
+  const std::vector<float> a = last_logits(hf, ids, {128, 128, 44}), b = last_logits(deepseek, ids, {128, 128, 44});
+  int64_t finite = 0;
+  for (const float v : b) finite += std::isfinite(v);
+  EXPECT_EQ(finite, static_cast<int64_t>(b.size()));
+  const double error = testing::relative_l2(b.data(), a.data(), a.size());
+  std::printf("V4 shapes, 300 tokens: kDeepSeek vs kHf relative L2 %.4g\n", error);
+  EXPECT_LT(error, 0.5);
+  // Two requests in one step (as the engine batches them): each row finite.
+  auto first = deepseek.new_sequence_state(), second = deepseek.new_sequence_state();
+  const std::vector<int32_t> other = testing::random_ids(40, config.vocab_size, 19);
+  const SequenceChunk batch[2] = {{first.get(), std::span<const int32_t>(ids).first(128)},
+                                  {second.get(), std::span<const int32_t>(other)}};
+  const Tensor both = deepseek.forward(batch, LogitsMode::kLastPerSequence);
+  finite = 0;
+  for (const float v : both.data) finite += std::isfinite(v);
+  EXPECT_EQ(finite, static_cast<int64_t>(both.data.size()));
 }
 
 }  // namespace

@@ -66,6 +66,7 @@ struct Comparison {
   double worst_relative_l2 = 0;
   int64_t compared = 0, agreed = 0;
   int64_t within_bf16 = 0;  // rows with rel L2 ≤ 3e-2
+  int64_t gpu_non_finite = 0, cpu_non_finite = 0;  // logits that are NaN or infinite, on each side
   std::vector<double> errors;                  // every compared row's rel L2
   std::vector<std::vector<float>> gpu_logits;  // every step's, for the repeat check
 };
@@ -161,6 +162,10 @@ Comparison compare(const ModelConfig& config, const ModelWeights& weights, CudaP
       const size_t r = rows[i];
       const float* e = expected.ptr() + i * vocab;
       const float* a = actual.ptr() + i * vocab;
+      for (int64_t v = 0; v < vocab; ++v) {
+        result.gpu_non_finite += !std::isfinite(a[v]);
+        result.cpu_non_finite += !std::isfinite(e[v]);
+      }
       const double error = relative_l2(a, e, vocab);
       if (error > result.worst_relative_l2 && error > 1e-3)
         std::printf("  step %zu request %zu (position %lld, %zu tokens): rel L2 %.3g\n", result.gpu_logits.size(), r,
@@ -445,9 +450,11 @@ void expect_closer_to_the_recipe(ModelConfig config, const ModelWeights& weights
     return v.empty() ? 0.0 : v[v.size() / 2];
   };
   for (const auto& [name, c] : {std::pair{"deepseek numerics", &recipe}, std::pair{"hf numerics (bf16)", &plain}})
-    std::printf("%s, GPU %s vs the CPU's deepseek numerics: median rel L2 %.3g, worst %.3g, top-1 %lld of %lld\n",
+    std::printf("%s, GPU %s vs the CPU's deepseek numerics: median rel L2 %.3g, worst %.3g, top-1 %lld of %lld "
+                "(non-finite logits: GPU %lld, CPU %lld)\n",
                 label, name, median(c->errors), c->worst_relative_l2, static_cast<long long>(c->agreed),
-                static_cast<long long>(c->compared));
+                static_cast<long long>(c->compared), static_cast<long long>(c->gpu_non_finite),
+                static_cast<long long>(c->cpu_non_finite));
   EXPECT_LT(median(recipe.errors), median(plain.errors));
   EXPECT_GE(static_cast<double>(recipe.agreed), 0.7 * static_cast<double>(recipe.compared));
 }

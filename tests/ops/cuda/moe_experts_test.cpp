@@ -432,7 +432,10 @@ TEST_F(CudaMoeExperts, DeepSeekOrderTracksItsCpuRecipe) {
     const std::vector<float> expected = deepseek_reference(pr, sets);
     DeviceRun dev(pr, sets);
     const std::vector<float> plain = dev.run();
-    dev.params.deepseek = true;
+    dev.params.deepseek = true;  // its workspace holds the rows' routing weights too
+    cudaFree(dev.workspace);
+    dev.workspace_bytes = moe_experts_workspace_bytes(dev.params);
+    ASSERT_EQ(cudaMalloc(&dev.workspace, dev.workspace_bytes), cudaSuccess);
     const std::vector<float> actual = dev.run();
     const double err = rel_l2(actual, expected), plain_err = rel_l2(plain, expected);
     std::printf("deepseek order, tokens %lld: rel L2 %.3g to its recipe (the kHf kernel: %.3g)\n",
