@@ -296,19 +296,8 @@ TEST(DeepSeekNumerics, PrefillAndDecodeAgree) {
 // V4's attention shapes (64 heads × 512, an indexer of 64 × 128) with the release's encodings — FP8 projections,
 // MXFP4 routed experts — through kDeepSeek: finite logits, within quantization noise of kHf on the same weights.
 TEST(DeepSeekNumerics, V4ShapesWithTheReleaseEncodingsGiveFiniteLogits) {
-  ModelConfig config = ModelConfig::from_json(nlohmann::json{
-      {"model_type", "deepseek_v4"}, {"vocab_size", 4096}, {"hidden_size", 512}, {"num_hidden_layers", 4},
-      {"num_attention_heads", 64}, {"head_dim", 512}, {"qk_rope_head_dim", 64}, {"q_lora_rank", 256},
-      {"o_groups", 8}, {"o_lora_rank", 128}, {"sliding_window", 128}, {"compress_ratios", {0, 4, 128, 4}},
-      {"num_hash_layers", 1}, {"n_routed_experts", 8}, {"num_experts_per_tok", 2}, {"moe_intermediate_size", 256},
-      {"index_n_heads", 64}, {"index_head_dim", 128}, {"index_topk", 64}});
-  ModelWeights weights = random_weights(config, 5);
-  for (LayerWeights& l : weights.layers) {
-    for (LinearWeight* w : {&l.wq_a, &l.wq_b, &l.wkv, &l.wo_b, &l.indexer_wq_b, &l.shared_w13, &l.shared_w2})
-      if (!w->empty()) *w = LinearWeight::quantize_fp8_blocks(w->dense());
-    for (LinearWeight& w : l.experts_w13) w = LinearWeight::quantize_mxfp4_groups(w.dense());
-    for (LinearWeight& w : l.experts_w2) w = LinearWeight::quantize_mxfp4_groups(w.dense());
-  }
+  ModelConfig config = testing::v4_shaped_config();
+  const ModelWeights weights = testing::with_release_encodings(random_weights(config, 5));
   DeepseekV4Model hf(config, weights);
   config.numerics = Numerics::kDeepSeek;
   DeepseekV4Model deepseek(config, weights);

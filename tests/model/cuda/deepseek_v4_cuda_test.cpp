@@ -31,27 +31,13 @@ namespace {
 
 using testing::random_ids;
 using testing::relative_l2;
+using testing::v4_shaped_config;
 
 #define SKIP_WITHOUT_GPU() \
   if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device"
 
 // The embedded default model's shape (every layer kind, the real vocabulary).
 ModelConfig tiny_config() { return ModelConfig::preset("tiny"); }
-
-// V4-Flash's attention shapes at a small width: 64 heads × 512 with 64 rope channels, an indexer of 64 × 128,
-// every layer kind, top-k far below the entries of the test's contexts.
-ModelConfig v4_shaped_config() {
-  const nlohmann::json config = {
-      {"model_type", "deepseek_v4"}, {"vocab_size", 4096}, {"hidden_size", 512}, {"num_hidden_layers", 4},
-      {"num_attention_heads", 64}, {"head_dim", 512}, {"qk_rope_head_dim", 64}, {"q_lora_rank", 256},
-      {"o_groups", 8}, {"o_lora_rank", 128}, {"sliding_window", 128}, {"compress_ratios", {0, 4, 128, 4}},
-      {"num_hash_layers", 1}, {"n_routed_experts", 8}, {"num_experts_per_tok", 2}, {"moe_intermediate_size", 256},
-      {"index_n_heads", 64}, {"index_head_dim", 128}, {"index_topk", 64},
-      {"rope_scaling",
-       {{"type", "yarn"}, {"factor", 16}, {"original_max_position_embeddings", 65536}, {"beta_fast", 32},
-        {"beta_slow", 1}}}};
-  return ModelConfig::from_json(config);
-}
 
 // One request's schedule: its prompt in chunks, then `decode_steps` greedy tokens.
 struct Script {
@@ -482,13 +468,7 @@ TEST(CudaModel, DeepSeekNumericsTrackTheCpuRecipe) {
 TEST(CudaModel, DeepSeekNumericsTrackTheCpuRecipeOnAV4ShapedModel) {
   SKIP_WITHOUT_GPU();
   const ModelConfig config = v4_shaped_config();
-  ModelWeights weights = random_weights(config, 5);
-  for (LayerWeights& l : weights.layers) {
-    for (LinearWeight* w : {&l.wq_a, &l.wq_b, &l.wkv, &l.wo_b, &l.indexer_wq_b, &l.shared_w13, &l.shared_w2})
-      if (!w->empty()) *w = LinearWeight::quantize_fp8_blocks(w->dense());
-    for (LinearWeight& w : l.experts_w13) w = LinearWeight::quantize_mxfp4_groups(w.dense());
-    for (LinearWeight& w : l.experts_w2) w = LinearWeight::quantize_mxfp4_groups(w.dense());
-  }
+  const ModelWeights weights = testing::with_release_encodings(random_weights(config, 5));
   expect_closer_to_the_recipe(config, weights,
                               {{random_ids(300, config.vocab_size, 18), 128, 6},
                                {random_ids(40, config.vocab_size, 19), 40, 10}},
