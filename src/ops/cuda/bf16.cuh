@@ -16,4 +16,8 @@ __device__ __forceinline__ float bf16_bits_to_f32(uint16_t bits) {
   return __uint_as_float(static_cast<uint32_t>(bits) << 16);
 }
 
+// v rounded to the nearest bf16, as an fp32 value (ops/cpu/quantize.h round_to_bf16): where the reference holds a
+// bf16 tensor.
+__device__ __forceinline__ float bf16_round(float v) { return bf16_bits_to_f32(f32_to_bf16_bits(v)); }
+
 }  // namespace dsv4::ops::cuda

@@ -39,6 +39,7 @@
 
 #include "cache/kv_entry_format.h"
 #include "core/weight_quantizer.h"
+#include "ops/cuda/bf16.cuh"
 #include "ops/cuda/fp4_simulation.cuh"
 #include "ops/cuda/launch.cuh"
 
@@ -254,8 +255,6 @@ __device__ inline std::byte* block_base(const PagedGroupView& g, int32_t block) 
   if (block < 0) return nullptr;
   return g.arena + (block / g.max_blocks_per_page) * g.page_bytes + (block % g.max_blocks_per_page) * g.block_bytes;
 }
-
-__device__ inline float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 __device__ inline uint8_t to_e4m3(float v) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));

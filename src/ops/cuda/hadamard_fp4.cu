@@ -10,9 +10,6 @@ namespace {
 constexpr int kWarpsPerBlock = 8;
 constexpr unsigned kFull = 0xffffffffu;
 
-// ops/cpu/quantize.h round_to_bf16 (core/dtype.h's rounding, NaN quieted).
-__device__ __forceinline__ float bf16_round(float v) { return bf16_bits_to_f32(f32_to_bf16_bits(v)); }
-
 // One warp per row; lane l holds elements l·V … l·V + V − 1 (V = dim / 32). Butterfly stage `half` pairs element
 // i with i ^ half: within a lane while half < V, across lanes (lane ^ half / V) above.
 template <int V>

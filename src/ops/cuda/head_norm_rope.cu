@@ -11,7 +11,6 @@ namespace {
 
 constexpr int kMaxWarps = 8;
 
-__device__ __forceinline__ float bf16_round(float v) { return bf16_bits_to_f32(f32_to_bf16_bits(v)); }
 
 // Block (row, group of up to 8 heads), one warp per head: lane l owns the channel pairs l, l + 32, … of its head,
 // so the two channels a rotation mixes are in one thread and the norm is a warp reduction (no block barrier after

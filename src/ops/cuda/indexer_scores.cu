@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "ops/cuda/bf16.cuh"
 #include "ops/cuda/launch.cuh"
 #include "ops/cuda/warpgroup_dispatch.h"
 #include "ops/cuda/wgmma.cuh"
@@ -148,7 +149,6 @@ __device__ __forceinline__ void load_head_weights(const float* w_smem, int t, fl
   }
 }
 
-__device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 // kDeepSeek's term of one head (indexer_scores_bf16): bf16(w · relu(bf16(q·k))).
 __device__ __forceinline__ float deepseek_term(float w, float dot) {
   return bf16_round(__fmul_rn(fmaxf(bf16_round(dot), 0.0f), w));

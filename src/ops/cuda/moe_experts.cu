@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "core/linear_weight.h"
+#include "ops/cuda/bf16.cuh"
 #include "ops/cuda/fp8_quantize.h"
 #include "ops/cuda/launch.cuh"
 
@@ -63,8 +64,6 @@ Layout layout(const MoeExpertsParams& p) {
   l.total = at;
   return l;
 }
-
-__device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 __device__ __forceinline__ float swiglu(float gate, float up, float limit) {
   const float g = fminf(gate, limit);

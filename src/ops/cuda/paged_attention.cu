@@ -102,7 +102,7 @@ __global__ void paged_sink_attention_kernel(PagedSinkAttentionParams p) {
     if (p.deepseek_softmax) {  // the max is final: no rescaling; P·V takes p in bf16
       const float weight = expf(logit - running_max);
       running_sum += weight;
-      const float rounded = bf16_bits_to_f32(f32_to_bf16_bits(weight));
+      const float rounded = bf16_round(weight);
       for (int i = 0; i < per_lane; ++i) acc[i] += rounded * kv[i];
       continue;
     }
@@ -137,7 +137,7 @@ __global__ void paged_sink_attention_kernel(PagedSinkAttentionParams p) {
   for (int64_t i = threadIdx.x; i < p.head_dim; i += blockDim.x) {
     float value = 0.0f;
     for (int w = 0; w < kWarps; ++w) value += warp_acc[w][i] * factor[w];
-    out[i] = p.deepseek_softmax ? bf16_bits_to_f32(f32_to_bf16_bits(value / denominator)) : value / denominator;
+    out[i] = p.deepseek_softmax ? bf16_round(value / denominator) : value / denominator;
   }
 }
 
@@ -172,13 +172,12 @@ __global__ void paged_indexer_scores_kernel(PagedIndexerScoresParams p) {
           if (lane + 32 * i < p.head_dim) dot += q_shared[h * p.head_dim + lane + 32 * i] * k[i];
         dot = warp_sum(dot);
         if (p.deepseek_roundings) {
-          const float relu = fmaxf(bf16_bits_to_f32(f32_to_bf16_bits(dot)), 0.0f);
-          score = __fadd_rn(score, bf16_bits_to_f32(f32_to_bf16_bits(__fmul_rn(relu, weights[h]))));
+          score = __fadd_rn(score, bf16_round(__fmul_rn(fmaxf(bf16_round(dot), 0.0f), weights[h])));
         } else {
           score += fmaxf(dot, 0.0f) * p.softmax_scale * weights[h];
         }
       }
-      if (p.deepseek_roundings) score = bf16_bits_to_f32(f32_to_bf16_bits(score));
+      if (p.deepseek_roundings) score = bf16_round(score);
     }
     if (lane == 0) p.scores[t * p.max_entries + e] = score;
   }

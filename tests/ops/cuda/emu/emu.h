@@ -13,6 +13,7 @@
 #define __device__
 #define __host__
 #define __launch_bounds__(x)
+#define __forceinline__ inline
 struct Dim3 { unsigned x = 0, y = 0, z = 0; };
 extern thread_local Dim3 threadIdx;
 extern Dim3 blockIdx, gridDim;

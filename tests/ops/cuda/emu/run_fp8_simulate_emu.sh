@@ -39,7 +39,7 @@ sed -e 's|#include <cuda_fp8.h>|#include "launch_shim.h"\n#include "cache/kv_ent
     -e 's|#include "ops/cuda/launch.cuh"||' \
     "$root/src/ops/cuda/fp8_quantize.cu" > "$out/fp8_quantize_emu.cpp"
 s="$root/src"
-g++ -std=c++20 -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -pthread -D__forceinline__=inline \
+g++ -std=c++20 -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -pthread \
   -I"$out" -I"$emu/include" -I"$emu" -I"$s" -I"$root/tests/ops/cuda" \
   "$emu/emu.cpp" "$out/fp8_quantize_emu.cpp" "$root/tests/ops/cuda/fp8_simulate_test.cpp" "$s/ops/cpu/quantize.cpp" \
   "$s/core/dtype.cpp" -lgtest -lgtest_main -o "$out/emu_tests"

@@ -16,7 +16,7 @@ sed -e '1i #include "emu.h"' \
     "$root/src/ops/cuda/hadamard_fp4.cu" > "$out/hadamard_fp4_emu.cpp"
 grep -q emu_launch "$out/hadamard_fp4_emu.cpp" || { echo "the launch was not rewritten"; exit 1; }
 s="$root/src"
-g++ -std=c++20 -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -pthread -D__forceinline__=inline \
+g++ -std=c++20 -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -pthread \
   -I"$emu/include" -I"$emu" -I"$s" -I"$root/tests/ops/cuda" \
   "$emu/emu.cpp" "$out/hadamard_fp4_emu.cpp" "$root/tests/ops/cuda/hadamard_fp4_test.cpp" "$s/ops/cpu/quantize.cpp" \
   "$s/core/dtype.cpp" -lgtest -lgtest_main -o "$out/emu_tests"
