@@ -38,9 +38,9 @@
 #include <cmath>
 
 #include "cache/kv_entry_format.h"
-#include "core/weight_quantizer.h"
 #include "ops/cuda/bf16.cuh"
 #include "ops/cuda/fp4_simulation.cuh"
+#include "ops/cuda/fp8_simulation.cuh"
 #include "ops/cuda/launch.cuh"
 
 namespace dsv4::ops::cuda {
@@ -259,12 +259,6 @@ __device__ inline std::byte* block_base(const PagedGroupView& g, int32_t block) 
 __device__ inline uint8_t to_e4m3(float v) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
 }
-// v (|v| ≤ 448) rounded to the e4m3 grid, nearest even: its code's value.
-__device__ inline float e4m3_value(float v) {
-  const uint8_t code = to_e4m3(v);
-  const float magnitude = quantizer::e4m3_magnitude(code & 0x7f);
-  return (code & 0x80) != 0 ? -magnitude : magnitude;
-}
 
 // Stores channels (c, c + 1) of entry w (in history block id `block`). `valid`: the group has an entry this round
 // (uniform over the group); `active`: this thread's pair exists. Called by every thread of the CTA (the FP8 index
@@ -325,11 +319,9 @@ __device__ void store_entry(const Kernel& k, const Plan& q, int w, int32_t block
         float amax = active ? fmaxf(fabsf(x0), fabsf(x1)) : 0.0f;
         for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
         // ue8m0_scale(amax, 448, 1e-4), then x = e4m3(clamp(x / s, ±448)) · s (s a power of two: both exact).
-        const uint32_t bits = __float_as_uint(__fdiv_rn(fmaxf(amax, 1e-4f), kE4m3Max));
-        const int exponent = static_cast<int>((bits >> 23) & 0xffu) - 127 + ((bits & 0x7fffffu) != 0 ? 1 : 0);
-        const float scale = ldexpf(1.0f, exponent);
-        x0 = __fmul_rn(e4m3_value(fminf(fmaxf(__fdiv_rn(x0, scale), -kE4m3Max), kE4m3Max)), scale);
-        x1 = __fmul_rn(e4m3_value(fminf(fmaxf(__fdiv_rn(x1, scale), -kE4m3Max), kE4m3Max)), scale);
+        const float scale = e4m3_block_scale(amax);
+        x0 = e4m3_simulate(x0, scale);
+        x1 = e4m3_simulate(x1, scale);
       }
       if (base && active)
         reinterpret_cast<__nv_bfloat162*>(base + (h.layer_index * h.entries_per_block + e) * h.entry_bytes)[c / 2] =

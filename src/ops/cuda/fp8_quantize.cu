@@ -1,22 +1,13 @@
 #include <cuda_fp8.h>
 
-#include "core/weight_quantizer.h"
 #include "ops/cuda/fp8_quantize.h"
+#include "ops/cuda/fp8_simulation.cuh"
 #include "ops/cuda/launch.cuh"
 
 namespace dsv4::ops::cuda {
 namespace {
 
 constexpr int kWarps = 8;  // rows per CTA: warp w quantizes row blockIdx.y · 8 + w
-constexpr float kE4m3Max = 448.0f;
-
-// Each step as ops::cpu::quantize_e4m3_blocks does it: IEEE division by the power-of-two scale, clamp to ±448
-// (NaN passes through, as std::clamp lets it), RNE to e4m3 with saturation (the hardware cvt.rn.satfinite).
-__device__ __forceinline__ uint32_t to_e4m3(float v, float scale) {
-  float q = __fdiv_rn(v, scale);
-  if (!isnan(q)) q = fminf(fmaxf(q, -kE4m3Max), kE4m3Max);
-  return static_cast<uint32_t>(__nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3));
-}
 
 template <bool kBf16, bool kVector>
 __global__ void __launch_bounds__(kWarps * 32)
@@ -64,20 +55,16 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2)
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-  // ue8m0_scale(amax, 448, 1e-4): 2^(exponent − 127 + (mantissa ≠ 0)) of the fp32 quotient.
-  const uint32_t bits = __float_as_uint(__fdiv_rn(fmaxf(amax, 1e-4f), kE4m3Max));
-  const int exponent = static_cast<int>((bits >> 23) & 0xffu) - 127 + ((bits & 0x7fffffu) != 0 ? 1 : 0);
-  const float scale =
-      exponent <= 127 ? __uint_as_float(static_cast<uint32_t>(exponent + 127) << 23) : INFINITY;
+  const float scale = e4m3_block_scale(amax);  // ue8m0_scale(amax, 448, 1e-4)
   if (lane == 0) scales[block * p.scale_stride + row] = scale;
   uint8_t* out = codes + row * p.code_stride + c0;
   if (kVector && full) {
-    *reinterpret_cast<uint32_t*>(out) = to_e4m3(v[0], scale) | to_e4m3(v[1], scale) << 8 |
-                                        to_e4m3(v[2], scale) << 16 | to_e4m3(v[3], scale) << 24;
+    *reinterpret_cast<uint32_t*>(out) = e4m3_scaled_code(v[0], scale) | e4m3_scaled_code(v[1], scale) << 8 |
+                                        e4m3_scaled_code(v[2], scale) << 16 | e4m3_scaled_code(v[3], scale) << 24;
   } else {
 #pragma unroll
     for (int i = 0; i < 4; ++i)
-      if (c0 + i < p.cols) out[i] = static_cast<uint8_t>(to_e4m3(v[i], scale));
+      if (c0 + i < p.cols) out[i] = static_cast<uint8_t>(e4m3_scaled_code(v[i], scale));
   }
 }
 
@@ -107,16 +94,12 @@ __global__ void __launch_bounds__(kWarps * 32) simulate_e4m3_kernel(const Fp8Sim
   }
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-  const uint32_t bits = __float_as_uint(__fdiv_rn(fmaxf(amax, 1e-4f), kE4m3Max));
-  const int exponent = static_cast<int>((bits >> 23) & 0xffu) - 127 + ((bits & 0x7fffffu) != 0 ? 1 : 0);
-  const float scale = exponent <= 127 ? __uint_as_float(static_cast<uint32_t>(exponent + 127) << 23) : INFINITY;
+  const float scale = e4m3_block_scale(amax);
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     const int64_t c = c0 + lane + 32 * i;
     if (c >= p.cols) continue;
-    const uint32_t code = to_e4m3(v[i], scale);
-    const float magnitude = quantizer::e4m3_magnitude(static_cast<int>(code & 0x7fu));
-    const float value = code == 0x7fu || code == 0xffu ? NAN : __fmul_rn((code & 0x80u) ? -magnitude : magnitude, scale);
+    const float value = e4m3_simulate(v[i], scale);
     if constexpr (kBf16)
       static_cast<uint16_t*>(x)[row * p.stride + c] = static_cast<uint16_t>(__float_as_uint(value) >> 16);  // exact
     else
