@@ -1185,10 +1185,9 @@ float* DeepseekV4CudaModel::Impl::run(const Step& step, LogitsMode mode) {
   cu::HyperConnectionParams hp{N, hc, D, c.hc_sinkhorn_iters, static_cast<float>(c.hc_eps),
                                static_cast<float>(c.rms_norm_eps)};
   // kDeepSeek: hc_post in model.py's order with the new streams bf16; hc_pre / hc_head's pre, post and comb in
-  // double with the config's hc_eps.
-  cu::HyperConnectionParams deepseek_params = hp;
-  deepseek_params.deepseek = deepseek;
-  deepseek_params.deepseek_hc_eps = c.hc_eps;
+  // double with the config's hc_eps (hc_post_pre, which refuses the flag, runs only without it).
+  hp.deepseek = deepseek;
+  hp.deepseek_hc_eps = c.hc_eps;
   const size_t hc_workspace_bytes = cu::hc_workspace_bytes(std::max<int64_t>(N, step.rows), hc);
   void* hc_workspace = buffer<std::byte>("hc_workspace", hc_workspace_bytes);
   float* collapsed = buffer<float>("collapsed", N * D);
@@ -1207,11 +1206,11 @@ float* DeepseekV4CudaModel::Impl::run(const Step& step, LogitsMode mode) {
       // model.py's Block: the streams are bf16 after hc_post, hc_pre's collapsed row is bf16, RMSNorm computes in
       // fp32 and returns bf16 (the fp32 `collapsed`, which the router reads, then holds the operand's values).
       if (after_post) {
-        DSV4_CU(cu::hc_post(deepseek_params, sublayer_out, streams, post, comb, next_streams, stream));
+        DSV4_CU(cu::hc_post(hp, sublayer_out, streams, post, comb, next_streams, stream));
         std::swap(streams, next_streams);
       }
-      DSV4_CU(cu::hc_pre(deepseek_params, streams, fn, base, scale, collapsed, post, comb, hc_workspace,
-                         hc_workspace_bytes, stream, nullptr));
+      DSV4_CU(cu::hc_pre(hp, streams, fn, base, scale, collapsed, post, comb, hc_workspace, hc_workspace_bytes,
+                         stream, nullptr));
       DSV4_CU(cu::round_to_bf16(collapsed, N * D, stream));
       DSV4_CU(cu::rms_norm_with_bf16({N, D, eps}, collapsed, norm_weight, collapsed, fused.bf16, stream));
       DSV4_CU(cu::round_to_bf16(collapsed, N * D, stream));
@@ -1242,7 +1241,7 @@ float* DeepseekV4CudaModel::Impl::run(const Step& step, LogitsMode mode) {
       attn_operand = collapse_and_norm(true, next.hc_attn_fn, next.hc_attn_base, next.hc_attn_scale, next.attn_norm,
                                        "attn_in");
     } else {
-      DSV4_CU(cu::hc_post(deepseek_params, sublayer_out, streams, post, comb, next_streams, stream));
+      DSV4_CU(cu::hc_post(hp, sublayer_out, streams, post, comb, next_streams, stream));
       std::swap(streams, next_streams);
     }
   }
@@ -1256,7 +1255,7 @@ float* DeepseekV4CudaModel::Impl::run(const Step& step, LogitsMode mode) {
     selected = gathered;
   }
   float* final_hidden = buffer<float>("final_hidden", R * D);
-  cu::HyperConnectionParams head_params = deepseek_params;
+  cu::HyperConnectionParams head_params = hp;
   head_params.tokens = R;
   const cu::CollapseNorm final_norm{norm, eps, bf16 ? buffer<uint16_t>("head_in", R * D) : nullptr};
   if (deepseek) {  // ParallelHead: the collapsed row bf16, the norm's output bf16 (the LM head's operand)
@@ -1349,10 +1348,11 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
   project(kv_overlap ? *kv_gemm : *gemm, l.wkv, x_operand, N, kv, kvs, "fp8_kv_activation");
   uint16_t* kv_bf16 = tuned ? buffer<uint16_t>("kv_bf16", N * d) : nullptr;
   DSV4_CU(cu::head_norm_rope({N, 1, d, rope_dim, true, eps, rope_scaling, /*keep_fp32=*/true, deepseek}, kv,
-                             l.kv_norm, step.positions, inv_freq, kv_bf16, kvs));
+                             l.kv_norm, step.positions, inv_freq, deepseek ? nullptr : kv_bf16, kvs));
   if (deepseek) {
     // The reference's K=V vector (bf16 from head_norm_rope): its non-rope channels through e4m3 per 64 (what its
-    // FP8 cache stores, here in bf16 entries); the step's own rows and the window read the same values.
+    // FP8 cache stores, here in bf16 entries), then its bf16 copy; the step's own rows and the window read the
+    // same values.
     simulate_fp8(kv, false, N, d - rope_dim, d, 64, kvs);
     if (kv_bf16) DSV4_CU(cu::f32_to_bf16(kv, kv_bf16, N * d, kvs));
   }
@@ -1890,17 +1890,13 @@ void DeepseekV4CudaModel::Impl::moe(int64_t layer, const Step& step, const float
       l.expert_w13_pointers, l.expert_w2_pointers,        l.shared_w13,
       l.shared_w2,           l.expert_w13_scale_pointers, l.expert_w2_scale_pointers};
   // kDeepSeek: every expert (routed FP4, shared FP8) reads its input quantized to e4m3 per 128 (one quantization
-  // serves w1 and w3, §9); the router reads x itself.
+  // serves w1 and w3, §9); the router reads x itself. Only the grouped kernel runs in that mode, and it reads fp32.
   const float* expert_x = x;
-  const void* expert_operand = x_operand;
   if (deepseek) {
     float* simulated = buffer<float>("moe_expert_in", N * D);
     DSV4_CU(cudaMemcpyAsync(simulated, x, N * D * sizeof(float), cudaMemcpyDeviceToDevice, stream));
     simulate_fp8(simulated, false, N, D, D, 128, stream);
-    uint16_t* simulated_bf16 = buffer<uint16_t>("moe_expert_in_bf16", N * D);
-    DSV4_CU(cu::f32_to_bf16(simulated, simulated_bf16, N * D, stream));
     expert_x = simulated;
-    expert_operand = simulated_bf16;
   }
   // Decode: the shared expert needs no routing, so on its own stream its GEMMs stream their 50 MB (V4-Flash)
   // while the router GEMM, route and the routed prep run (a few µs each, HBM idle), and the routed call's
@@ -1922,7 +1918,7 @@ void DeepseekV4CudaModel::Impl::moe(int64_t layer, const Step& step, const float
     // Gemm::linear) and the SwiGLU, where the grouped kernel paid a permutation, its tiles' ramp and a combine
     // for one expert (ncu, H100, one row: 4.0 + 23.2 + 13.1 + 4.1 µs for 50 MB).
     if (options.shared_expert_gemv && N <= 8 && !deepseek) {
-      run_expert(l.shared_w13, l.shared_w2, expert_operand, N, shared_out, /*shared_lane=*/true);
+      run_expert(l.shared_w13, l.shared_w2, x_operand, N, shared_out, /*shared_lane=*/true);
     } else {
       cu::MoeExpertsParams sp = mp;
       sp.shared = cu::MoeSharedExpert::kOnly;
@@ -1955,11 +1951,11 @@ void DeepseekV4CudaModel::Impl::moe(int64_t layer, const Step& step, const float
   DSV4_CHECK(options.expert_parallel_size == 1,
              "this model holds one rank's partition of the routed experts: it runs only with set_expert_parallel");
   if (host_grouped) {
-    moe_host_grouped(layer, step, expert_operand, chosen, weights, out);
+    moe_host_grouped(layer, step, x_operand, chosen, weights, out);
     return;
   }
   if (options.routed_expert_gemv && bf16 && N == 1 && l.routed_dtype == cu::MoeWeightDtype::kBf16 && !deepseek) {
-    routed_experts_gemv(layer, expert_operand, chosen, weights, shared_out, out);
+    routed_experts_gemv(layer, x_operand, chosen, weights, shared_out, out);
     return;
   }
   const size_t workspace_bytes = cu::moe_experts_workspace_bytes(mp);
