@@ -425,12 +425,8 @@ void DeepseekV4Model::attention(int64_t layer, const StepLayout& step, std::span
     index_q = fp8_linear(q_residual.data(), N, c.q_lora_rank, l.indexer_wq_b);
     apply_rope(index_q.data(), N, ip.heads * ip.head_dim, ip.heads, ip.head_dim, step.positions.data(), rope_compress_);
     if (deepseek) {  // Hadamard rotation, then FP4 simulation per 32 (§3.5, §8 step 3)
-      bf16(index_q);
       const float scale = inverse_sqrt_f64(static_cast<double>(ip.head_dim));  // rotate_activation's n ** -0.5
-      for (int64_t row = 0; row < N * ip.heads; ++row) hadamard_transform(&index_q[row * ip.head_dim], ip.head_dim, scale);
-      bf16(index_q);
-      for (int64_t row = 0; row < N * ip.heads; ++row) quantize_e2m1_blocks(&index_q[row * ip.head_dim], ip.head_dim, 32);
-      bf16(index_q);
+      for (int64_t row = 0; row < N * ip.heads; ++row) hadamard_fp4(&index_q[row * ip.head_dim], ip.head_dim, scale, 32);
     }
     index_weights = deepseek ? project_bf16(x, N, D, l.indexer_weights_proj) : project(x, N, D, l.indexer_weights_proj);
     // kDeepSeek folds index_head_dim^-0.5 into the weights (a bf16 product, §8 step 5; model.py's

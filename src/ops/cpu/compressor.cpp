@@ -50,10 +50,8 @@ void finish_entry_deepseek(float* entry, int64_t head_dim, const float* norm_wei
   if (!index_key) {
     quantize_e4m3_blocks(entry, head_dim - rope.rope_dim(), 64);  // FP8 simulation, one UE8M0 scale per 64 (§3.3)
   } else {
-    // rotate_activation's scale n ** -0.5: a Python float (double) applied to an fp32 tensor.
-    hadamard_transform(entry, head_dim, static_cast<float>(std::pow(static_cast<double>(head_dim), -0.5)));
-    round_to_bf16(entry, head_dim);
-    quantize_e2m1_blocks(entry, head_dim, 32);  // FP4 simulation per 32 (§3.5, §8)
+    // rotate_activation's scale n ** -0.5 (a Python float, double, applied to an fp32 tensor), FP4 per 32 (§3.5, §8).
+    hadamard_fp4(entry, head_dim, static_cast<float>(std::pow(static_cast<double>(head_dim), -0.5)), 32);
   }
   round_to_bf16(entry, head_dim);
 }

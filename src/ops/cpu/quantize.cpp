@@ -85,4 +85,12 @@ void round_to_bf16(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = bf16_to_f32(f32_to_bf16(x[i]));
 }
 
+void hadamard_fp4(float* x, int64_t n, float scale, int64_t block) {
+  round_to_bf16(x, n);
+  hadamard_transform(x, n, scale);
+  round_to_bf16(x, n);
+  quantize_e2m1_blocks(x, n, block);
+  round_to_bf16(x, n);
+}
+
 }  // namespace dsv4::ops::cpu

@@ -33,6 +33,11 @@ void quantize_e2m1_blocks(float* x, int64_t n, int64_t block);
 // rounded once to fp32 before the fp32 scaling (the oracle's exact accumulation, docs/numerics.md).
 void hadamard_transform(float* x, int64_t n, float scale);
 
+// In place, DeepSeek's FP4 simulation of one indexer query or key of n values (§3.5, §8; rotate_activation then
+// fp4 act_quant): x ← bf16(x); x ← bf16(fp32(H_n · x) · scale); per `block`: quantize_e2m1_blocks; bf16. The twin
+// of ops/cuda/hadamard_fp4.h.
+void hadamard_fp4(float* x, int64_t n, float scale, int64_t block);
+
 // In place, every value rounded to the nearest bf16 (ties to even): where the reference holds a bf16 tensor.
 void round_to_bf16(float* x, int64_t n);
 

@@ -3,8 +3,7 @@
 //   x ← bf16(x);  x ← bf16(fp32(H_dim · x) · scale);  per `block` values: s = 2^ceil(log2(max(amax, 6·2^-126) / 6))
 //   (UE8M0), x ← bf16(e2m1_round(clamp(x / s, ±6)) · s)
 // with H the Sylvester Walsh–Hadamard matrix, its butterflies in double and rounded once (the oracle's exact
-// accumulation) — the twin of src/model/deepseek_v4.cpp's kDeepSeek indexer path (ops/cpu/quantize.h
-// hadamard_transform + quantize_e2m1_blocks between bf16 roundings), bit for bit. A step towards `--numerics
+// accumulation) — the twin of ops/cpu/quantize.h hadamard_fp4 (kDeepSeek's indexer path on the CPU), bit for bit. A step towards `--numerics
 // deepseek` on the GPU (issue 7): the CUDA model runs it on the indexer queries in that mode.
 #pragma once
 #include <cstdint>

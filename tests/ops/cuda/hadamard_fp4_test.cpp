@@ -1,6 +1,6 @@
-// ops/cuda/hadamard_fp4 (DeepSeek's FP4 simulation of the indexer's queries and keys) against its CPU twin, the
-// kDeepSeek sequence of src/model/deepseek_v4.cpp: round_to_bf16, hadamard_transform(dim^-0.5), round_to_bf16,
-// quantize_e2m1_blocks(block), round_to_bf16 — bit for bit. Random rows whose magnitudes span 2^-20 … 2^20, a row
+// ops/cuda/hadamard_fp4 (DeepSeek's FP4 simulation of the indexer's queries and keys) against its CPU twin
+// ops::cpu::hadamard_fp4 (round_to_bf16, hadamard_transform(dim^-0.5), round_to_bf16, quantize_e2m1_blocks(block),
+// round_to_bf16), which kDeepSeek runs on the CPU — bit for bit. Random rows whose magnitudes span 2^-20 … 2^20, a row
 // with one block of zeros (its scale floor), dims 64 / 128 / 256, blocks 32 and 16; rejected shapes.
 #include <gtest/gtest.h>
 
@@ -33,14 +33,7 @@ std::vector<float> random_rows(int64_t rows, int64_t dim, uint32_t seed) {
 }
 
 std::vector<float> cpu_twin(std::vector<float> x, const HadamardFp4Params& p) {
-  for (int64_t r = 0; r < p.rows; ++r) {
-    float* row = x.data() + r * p.dim;
-    cpu::round_to_bf16(row, p.dim);
-    cpu::hadamard_transform(row, p.dim, p.scale);
-    cpu::round_to_bf16(row, p.dim);
-    cpu::quantize_e2m1_blocks(row, p.dim, p.block);
-    cpu::round_to_bf16(row, p.dim);
-  }
+  for (int64_t r = 0; r < p.rows; ++r) cpu::hadamard_fp4(x.data() + r * p.dim, p.dim, p.scale, p.block);
   return x;
 }
 
