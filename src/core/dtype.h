@@ -34,6 +34,10 @@ DSV4_HOST_DEVICE inline uint16_t f32_to_bf16(float value) {
   return static_cast<uint16_t>(word >> 16);
 }
 
+// v rounded to the nearest bf16, as an fp32 value: where DeepSeek's reference holds a bf16 tensor (one copy for
+// the CPU recipe and the device kernels).
+DSV4_HOST_DEVICE inline float bf16_round(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+
 float f16_to_f32(uint16_t bits);
 // OCP FP8 E4M3 (finite-only, 0x7f/0xff are NaN), as torch.float8_e4m3fn.
 float f8e4m3_to_f32(uint8_t bits);

@@ -153,13 +153,13 @@ void sink_attention_bf16(const SinkAttentionParams& p, const float* q, const flo
     for (int64_t j = 0; j < num_keys; ++j) {
       const float weight = static_cast<float>(std::exp(static_cast<double>(logits[j] - max_logit)));
       weight_sum += weight;
-      const double rounded = bf16_to_f32(f32_to_bf16(weight));
+      const double rounded = bf16_round(weight);
       for (int64_t i = 0; i < d; ++i) acc[i] += rounded * keys[j][i];
     }
     const float sink = static_cast<float>(std::exp(static_cast<double>(sinks[h] - max_logit)));
     const float denominator = static_cast<float>(weight_sum) + sink;
     for (int64_t i = 0; i < d; ++i)
-      oh[i] = bf16_to_f32(f32_to_bf16(num_keys ? static_cast<float>(acc[i]) / denominator : 0.0f));
+      oh[i] = bf16_round(num_keys ? static_cast<float>(acc[i]) / denominator : 0.0f);
   }
 }
 
@@ -637,7 +637,7 @@ void DeepseekV4Model::moe_deepseek(int64_t layer, int64_t tokens, const float* x
       for (int64_t j = 0; j < D; ++j) out[tokens[i].first * D + j] += y[i * D + j];
   }
   const std::vector<float> shared = expert(x, tokens, l.shared_w13, l.shared_w2, nullptr, kFp8GemmBlock);
-  for (int64_t i = 0; i < tokens * D; ++i) out[i] = bf16_to_f32(f32_to_bf16(out[i] + shared[i]));
+  for (int64_t i = 0; i < tokens * D; ++i) out[i] = bf16_round(out[i] + shared[i]);
 }
 
 }  // namespace dsv4

@@ -39,15 +39,14 @@ std::vector<int32_t> top_k_indices(const float* scores, int64_t num_valid, int64
 
 void indexer_scores_bf16(const IndexerParams& p, const float* q, const float* head_weights, const float* const* keys,
                          int64_t num_entries, float* scores) {
-  auto bf16 = [](float v) { return bf16_to_f32(f32_to_bf16(v)); };
   for (int64_t s = 0; s < num_entries; ++s) {
     float score = 0;
     for (int64_t h = 0; h < p.heads; ++h) {
       double dot = 0.0;  // the einsum, exact products summed in double
       for (int64_t i = 0; i < p.head_dim; ++i) dot += static_cast<double>(q[h * p.head_dim + i]) * keys[s][i];
-      score += bf16(std::max(bf16(static_cast<float>(dot)), 0.0f) * head_weights[h]);
+      score += bf16_round(std::max(bf16_round(static_cast<float>(dot)), 0.0f) * head_weights[h]);
     }
-    scores[s] = bf16(score);
+    scores[s] = bf16_round(score);
   }
 }
 

@@ -22,14 +22,13 @@ void rms_norm(const float* x, int64_t rows, int64_t dim, int64_t stride, const f
 }
 
 void head_rms_norm_bf16(float* q, int64_t rows, int64_t dim, float eps) {
-  auto bf16 = [](float v) { return bf16_to_f32(f32_to_bf16(v)); };
   for (int64_t r = 0; r < rows; ++r) {
     float* row = q + r * dim;
     float sum = 0;
-    for (int64_t i = 0; i < dim; ++i) sum += bf16(row[i] * row[i]);
-    const float mean = bf16(sum / static_cast<float>(dim));
-    const float inv = bf16(1.0f / std::sqrt(bf16(mean + eps)));
-    for (int64_t i = 0; i < dim; ++i) row[i] = bf16(row[i] * inv);
+    for (int64_t i = 0; i < dim; ++i) sum += bf16_round(row[i] * row[i]);
+    const float mean = bf16_round(sum / static_cast<float>(dim));
+    const float inv = bf16_round(1.0f / std::sqrt(bf16_round(mean + eps)));
+    for (int64_t i = 0; i < dim; ++i) row[i] = bf16_round(row[i] * inv);
   }
 }
 

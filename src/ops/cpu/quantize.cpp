@@ -82,7 +82,7 @@ void hadamard_transform(float* x, int64_t n, float scale) {
 }
 
 void round_to_bf16(float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) x[i] = bf16_to_f32(f32_to_bf16(x[i]));
+  for (int64_t i = 0; i < n; ++i) x[i] = bf16_round(x[i]);
 }
 
 void hadamard_fp4(float* x, int64_t n, float scale, int64_t block) {

@@ -3,6 +3,8 @@
 #pragma once
 #include <cstdint>
 
+#include "core/dtype.h"  // bf16_round, shared with the CPU recipe
+
 namespace dsv4::ops::cuda {
 
 __device__ __forceinline__ uint16_t f32_to_bf16_bits(float value) {
@@ -15,9 +17,5 @@ __device__ __forceinline__ uint16_t f32_to_bf16_bits(float value) {
 __device__ __forceinline__ float bf16_bits_to_f32(uint16_t bits) {
   return __uint_as_float(static_cast<uint32_t>(bits) << 16);
 }
-
-// v rounded to the nearest bf16, as an fp32 value (ops/cpu/quantize.h round_to_bf16): where the reference holds a
-// bf16 tensor.
-__device__ __forceinline__ float bf16_round(float v) { return bf16_bits_to_f32(f32_to_bf16_bits(v)); }
 
 }  // namespace dsv4::ops::cuda
