@@ -475,6 +475,30 @@ TEST(CudaModel, DeepSeekNumericsTrackTheCpuRecipeOnAV4ShapedModel) {
                               "V4 shapes");
 }
 
+// The release's encodings at V4's shapes must give finite logits in the plain bf16 mode, whichever of the two
+// quantized paths runs: the FP8 projections (block-scaled, cuBLASLt or the skinny kernel by M) and the MXFP4
+// experts decoded in the grouped kernel, each on and off (the CPU runs the same weights and stays finite:
+// DeepSeekNumerics.V4ShapesWithTheReleaseEncodingsGiveFiniteLogits).
+TEST(CudaModel, ReleaseEncodingsAtV4ShapesGiveFiniteLogits) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig config = v4_shaped_config();
+  const ModelWeights weights = testing::with_release_encodings(random_weights(config, 5));
+  const std::vector<Script> scripts = {{random_ids(300, config.vocab_size, 18), 128, 4},
+                                       {random_ids(40, config.vocab_size, 19), 40, 4}};
+  for (const bool fp8_weights : {true, false})
+    for (const bool low_bit_experts : {true, false}) {
+      const Comparison c = compare(config, weights, CudaPrecision::kBf16, scripts, fp8_weights, /*cpu_twin=*/true,
+                                   low_bit_experts);
+      std::printf("V4 shapes, fp8 linears %d, MXFP4 experts in kernel %d: non-finite logits GPU %lld, CPU %lld; "
+                  "worst rel L2 %.3g, top-1 %lld of %lld\n",
+                  fp8_weights, low_bit_experts, static_cast<long long>(c.gpu_non_finite),
+                  static_cast<long long>(c.cpu_non_finite), c.worst_relative_l2, static_cast<long long>(c.agreed),
+                  static_cast<long long>(c.compared));
+      EXPECT_EQ(c.gpu_non_finite, 0) << "fp8 linears " << fp8_weights << ", MXFP4 in kernel " << low_bit_experts;
+      EXPECT_EQ(c.cpu_non_finite, 0);
+    }
+}
+
 // MXFP4 routed experts decoded inside the grouped expert kernel (the default in bf16 mode) against the same
 // experts decoded to bf16 at upload: every decoded value is exact in bf16 and the kernel's mma order is the
 // bf16 path's, so the logits must be bitwise equal — while the device holds the experts in 4.25 bits instead
