@@ -7,15 +7,6 @@
 namespace dsv4 {
 namespace {
 
-RequestOutput aborted_output(RequestId id, const std::string& error) {
-  RequestOutput output;
-  output.id = id;
-  output.finished = true;
-  output.status = RequestStatus::kFinishedAborted;
-  output.error = error;
-  return output;
-}
-
 DataParallelRouterConfig router_config(DataParallelRouterConfig router, size_t num_ranks,
                                        const EngineConfig& config) {
   router.num_ranks = static_cast<int>(num_ranks);
@@ -26,10 +17,18 @@ DataParallelRouterConfig router_config(DataParallelRouterConfig router, size_t n
 
 }  // namespace
 
+EngineConfig DataParallelEngine::rank_config(EngineConfig config, bool lockstep) {
+  // The ranks report prefix-cache events to the router.
+  config.record_prefix_cache_events = config.enable_prefix_caching;
+  if (lockstep) config.forward_every_step = true;
+  return config;
+}
+
 DataParallelEngine::DataParallelEngine(std::vector<ModelBackend*> rank_backends, EngineConfig config,
-                                       DataParallelRouterConfig router, bool lockstep)
-    : router_(router_config(std::move(router), rank_backends.size(), config)) {
-  DSV4_CHECK(!rank_backends.empty(), "a data-parallel engine needs at least one rank");
+                                       DataParallelRouterConfig router, bool lockstep,
+                                       std::vector<std::unique_ptr<RankEngine>> remote_ranks)
+    : router_(router_config(std::move(router), rank_backends.size() + remote_ranks.size(), config)) {
+  DSV4_CHECK(!rank_backends.empty(), "a data-parallel engine needs at least one rank in this process");
   DSV4_CHECK(router_.config().prefix_cache_salt.empty(),
              "the router's prefix_cache_salt must be empty: the ranks' cache managers hash with no salt");
   for (const ModelBackend* backend : rank_backends) {
@@ -40,17 +39,19 @@ DataParallelEngine::DataParallelEngine(std::vector<ModelBackend*> rank_backends,
                    backend->config().hidden_size == rank_backends[0]->config().hidden_size,
                "data-parallel ranks serve different models");
   }
-  // The ranks report prefix-cache events to the router.
-  config.record_prefix_cache_events = config.enable_prefix_caching;
-  if (lockstep) {
-    config.forward_every_step = true;
-    lockstep_ = std::make_unique<LockstepGate>(static_cast<int>(rank_backends.size()));
-  }
-  for (size_t r = 0; r < rank_backends.size(); ++r) {
+  for (const auto& remote : remote_ranks) DSV4_CHECK(remote != nullptr, "a data-parallel rank has no engine");
+  config = rank_config(std::move(config), lockstep);
+  const size_t num_ranks = rank_backends.size() + remote_ranks.size();
+  if (lockstep) lockstep_ = std::make_unique<LockstepGate>(static_cast<int>(num_ranks));
+  for (size_t r = 0; r < num_ranks; ++r) {
     auto rank = std::make_unique<Rank>();
     rank->index = static_cast<int>(r);
-    rank->backend = rank_backends[r];
-    rank->engine = std::make_unique<Engine>(*rank_backends[r], config);
+    if (r < rank_backends.size()) {
+      rank->engine = std::make_unique<LocalRankEngine>(*rank_backends[r], config);
+    } else {
+      rank->engine = std::move(remote_ranks[r - rank_backends.size()]);
+      rank->engine->set_request_checker(ranks_[0]->engine.get());
+    }
     rank->stats = rank->engine->stats();
     ranks_.push_back(std::move(rank));
   }
@@ -117,19 +118,19 @@ bool DataParallelEngine::abort(RequestId id) {
 }
 
 std::vector<RequestOutput> DataParallelEngine::step() {
-  std::vector<Report> reports;
+  std::vector<RankReport> reports;
   {
     std::unique_lock lock(reports_mutex_);
     if (has_unfinished()) reports_ready_.wait_for(lock, report_wait, [this] { return !reports_.empty(); });
     reports.swap(reports_);
   }
   std::vector<RequestOutput> outputs;
-  for (Report& report : reports) {
+  for (RankReport& report : reports) {
     unapplied_aborts_ -= report.aborts_applied;
     if (!router_.rank_failed(report.rank)) {
       router_.on_blocks_evicted(report.rank, report.events.evicted);
       router_.on_blocks_cached(report.rank, report.events.cached);
-      for (const Progress& progress : report.progress)
+      for (const RankProgress& progress : report.progress)
         if (live_.count(progress.id))
           router_.on_progress(progress.id, progress.num_computed_tokens, progress.num_tokens);
     }
@@ -179,7 +180,7 @@ EngineStats DataParallelEngine::stats() const {
   return total;
 }
 
-void DataParallelEngine::post_report(Report report) {
+void DataParallelEngine::post_report(RankReport report) {
   {
     std::lock_guard lock(reports_mutex_);
     reports_.push_back(std::move(report));
@@ -187,28 +188,17 @@ void DataParallelEngine::post_report(Report report) {
   reports_ready_.notify_all();
 }
 
-void DataParallelEngine::fail_rank(Rank& rank, const std::string& cause, Report& report) {
+void DataParallelEngine::fail_rank(Rank& rank, const std::string& cause, RankReport& report) {
   const std::string error = "data-parallel rank " + std::to_string(rank.index) + " failed: " + cause;
-  std::deque<Command> unapplied;
+  std::deque<RankCommand> unapplied;
   {
     std::lock_guard lock(rank.mutex);
     rank.failed = true;  // from here on add_request routes around it and abort sends it nothing
     rank.failure = error;
     unapplied.swap(rank.inbox);
   }
-  // Abort what the engine holds so its blocks return to the pool. A step that threw left the scheduler
-  // between schedule() and update(), where abort is defined; should cleanup throw too, the requests still
-  // finish.
-  for (const auto& [local, front] : rank.to_front) {
-    try {
-      rank.engine->abort(local);
-    } catch (const std::exception&) {
-    }
-    report.outputs.push_back(aborted_output(front, error));
-  }
-  rank.to_front.clear();
-  rank.to_local.clear();
-  for (const Command& command : unapplied) {
+  rank.engine->fail(error, report);
+  for (const RankCommand& command : unapplied) {
     if (command.add) report.outputs.push_back(aborted_output(command.id, error));
     else
       ++report.aborts_applied;  // nothing left to free: the failure aborted everything
@@ -224,9 +214,9 @@ void DataParallelEngine::fail_rank(Rank& rank, const std::string& cause, Report&
 }
 
 void DataParallelEngine::run_rank(Rank& rank) {
-  Engine& engine = *rank.engine;
+  RankEngine& engine = *rank.engine;
   for (;;) {
-    std::deque<Command> commands;
+    std::deque<RankCommand> commands;
     // Read before the inbox is taken: a command posted after this moves it, so an idle round cannot miss it.
     const uint64_t commands_seen = lockstep_ ? lockstep_->commands_posted() : 0;
     {
@@ -236,74 +226,36 @@ void DataParallelEngine::run_rank(Rank& rank) {
       if (rank.stopping) return;
       commands.swap(rank.inbox);
     }
-    Report report;
+    RankReport report;
     report.rank = rank.index;
-    for (Command& command : commands) {
-      if (!command.add) {
-        ++report.aborts_applied;
-        const auto it = rank.to_local.find(command.id);
-        if (it == rank.to_local.end()) continue;  // finished before the abort arrived
-        engine.abort(it->second);
-        rank.to_front.erase(it->second);
-        rank.to_local.erase(it);
-        continue;
+    bool step = false;
+    try {
+      if (lockstep_) {
+        const bool own_work = engine.apply(std::move(commands), report);
+        const LockstepGate::Decision decision = lockstep_->arrive(own_work);
+        if (decision == LockstepGate::Decision::kStop) return;
+        step = decision == LockstepGate::Decision::kStep;  // an idle rank steps too: an empty forward
+        engine.step(step, report);
+      } else {
+        step = engine.apply_and_step(std::move(commands), report);
       }
-      try {
-        const RequestId local = engine.add_request(std::move(command.prompt), std::move(command.params));
-        rank.to_front.emplace(local, command.id);
-        rank.to_local.emplace(command.id, local);
-      } catch (const std::exception& error) {  // the front checked it: only a rank-specific limit lands here
-        report.outputs.push_back(aborted_output(command.id, error.what()));
+    } catch (const std::exception& error) {
+      fail_rank(rank, error.what(), report);
+      if (lockstep_) {
+        lockstep_->leave();
+        // With the experts split no rank can serve without this one's: release every rank's collectives (the
+        // in-process group's abort reaches all of them at once; NCCL's and a worker process's do not).
+        const std::string reason = "data-parallel rank " + std::to_string(rank.index) + " failed: " + error.what();
+        for (auto& other : ranks_) other->engine->abort_collectives(reason);
       }
+      post_report(std::move(report));
+      return;
     }
-    const bool own_work = engine.has_unfinished();
-    bool stepped = false, step = own_work;
-    if (lockstep_) {
-      const LockstepGate::Decision decision = lockstep_->arrive(own_work);
-      if (decision == LockstepGate::Decision::kStop) return;
-      step = decision == LockstepGate::Decision::kStep;  // an idle rank steps too: an empty forward
-    }
-    if (step) {
-      try {
-        std::vector<RequestOutput> outputs = engine.step();
-        stepped = own_work;  // an idle rank's empty forward reports nothing
-        // Progress of what this step scheduled or preempted, read before the finished ones are forgotten.
-        const SchedulerOutput& scheduled = engine.last_scheduled();
-        auto progress = [&](RequestId local) {
-          const Request* request = engine.scheduler().find(local);
-          const auto front = rank.to_front.find(local);
-          if (request && front != rank.to_front.end())
-            report.progress.push_back({front->second, request->num_computed_tokens, request->num_tokens()});
-        };
-        for (const ScheduledChunk& chunk : scheduled.scheduled) progress(chunk.id);
-        for (const RequestId local : scheduled.preempted_ids) progress(local);
-        for (RequestOutput& output : outputs) {
-          const auto front = rank.to_front.find(output.id);
-          if (front == rank.to_front.end()) continue;
-          output.id = front->second;
-          if (output.finished) {
-            rank.to_local.erase(front->second);
-            rank.to_front.erase(front);
-          }
-          report.outputs.push_back(std::move(output));
-        }
-      } catch (const std::exception& error) {
-        fail_rank(rank, error.what(), report);
-        if (lockstep_) {
-          lockstep_->leave();
-          rank.backend->abort_collectives("data-parallel rank " + std::to_string(rank.index) +
-                                          " failed: " + error.what());
-        }
-        post_report(std::move(report));
-        return;
-      }
-    }
-    report.events = engine.drain_prefix_cache_events();
     {
       std::lock_guard lock(rank.mutex);
       rank.stats = engine.stats();
     }
-    if (stepped || !report.outputs.empty() || !report.events.empty() || report.aborts_applied > 0)
+    if (report.stepped || !report.outputs.empty() || !report.events.empty() || report.aborts_applied > 0)
       post_report(std::move(report));
     if (lockstep_ && !step) lockstep_->wait_for_commands(commands_seen);  // nothing anywhere: sleep
   }

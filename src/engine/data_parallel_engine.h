@@ -15,6 +15,10 @@
 // naming the rank and the cause; the engine aborts them so their blocks go back to its pool; the router never
 // picks the rank again; the other ranks keep serving. When every rank has failed, add_request throws.
 //
+// Processes: a rank may run in a worker process of its own (RemoteRankEngine, engine/remote_rank_engine.h: one
+// process per GPU, `dsv4 serve --data-parallel-backend mp`). Its thread here drives it over a socket through the
+// same loop; a worker that dies fails its rank at once (the socket closes), as a throwing step does.
+//
 // Weights: the ranks' backends may share read-only weights (CpuModelBackends over one DeepseekV4Model: the
 // CPU forward only reads the model) — each backend still owns its rank's KV arena.
 //
@@ -23,7 +27,7 @@
 // run their forwards together. With `lockstep` the ranks meet at a gate before every step: when any of them has
 // work, all of them step, a rank with nothing scheduled over an empty batch (EngineConfig::forward_every_step);
 // when none has, all of them sleep until a request or an abort arrives anywhere. A rank that fails leaves the
-// gate and aborts its backend's collectives (ModelBackend::abort_collectives): the other ranks, waiting for it
+// gate and aborts every rank's collectives (RankEngine::abort_collectives): the other ranks, waiting for it
 // in a collective of the same step, then fail too, with an error naming it, instead of hanging — with the
 // experts split, no rank can serve without the failed one's. A rank that hangs instead of throwing is caught by
 // its peers' collective deadline (parallel/deadline_communicator.h, the CLI's --dist-timeout): they abort the
@@ -37,27 +41,34 @@
 #include <mutex>
 #include <string>
 #include <thread>
-#include <unordered_map>
 #include <vector>
 
 #include "engine/dp_router.h"
 #include "engine/engine.h"
+#include "engine/rank_engine.h"
 #include "engine/serving_engine.h"
 
 namespace dsv4 {
 
 class DataParallelEngine final : public ServingEngine {
  public:
-  // One backend per rank; they must outlive the engine. Every rank runs Engine(backend, config) (with
-  // record_prefix_cache_events on). `router`'s num_ranks and prefill_tokens_per_step are set here from the
-  // backends and config.max_num_batched_tokens; its prefix_cache_salt must stay "" (EngineConfig has no
-  // salt). Throws dsv4::Error for no backend, or backends of different models.
+  // One backend per rank in this process (rank i runs LocalRankEngine(rank_backends[i], rank_config(config)));
+  // they must outlive the engine. `remote_ranks` follow them as ranks rank_backends.size().. (their workers built
+  // their engines with rank_config(config, lockstep)); rank 0 must be local: it checks every request for the
+  // others. `router`'s num_ranks and prefill_tokens_per_step are set here from the rank count and
+  // config.max_num_batched_tokens; its prefix_cache_salt must stay "" (EngineConfig has no salt). Throws
+  // dsv4::Error for no local rank, or local backends of different models.
   DataParallelEngine(std::vector<ModelBackend*> rank_backends, EngineConfig config,
-                     DataParallelRouterConfig router = {}, bool lockstep = false);
+                     DataParallelRouterConfig router = {}, bool lockstep = false,
+                     std::vector<std::unique_ptr<RankEngine>> remote_ranks = {});
   // Stops and joins the rank threads; unfinished requests are dropped without an output.
   ~DataParallelEngine() override;
   DataParallelEngine(const DataParallelEngine&) = delete;
   DataParallelEngine& operator=(const DataParallelEngine&) = delete;
+
+  // The config every rank's Engine runs: the ranks report prefix-cache events to the router, and lockstep ranks
+  // step every round (EngineConfig::forward_every_step).
+  static EngineConfig rank_config(EngineConfig config, bool lockstep);
 
   RequestId add_request(std::vector<int32_t> prompt, SamplingParams params = {}) override;
   bool abort(RequestId id) override;
@@ -82,40 +93,17 @@ class DataParallelEngine final : public ServingEngine {
   std::chrono::milliseconds report_wait{200};
 
  private:
-  struct Command {
-    bool add = true;   // else abort
-    RequestId id = 0;  // the front's id
-    std::vector<int32_t> prompt;
-    SamplingParams params;
-  };
-  struct Progress {
-    RequestId id = 0;
-    int64_t num_computed_tokens = 0, num_tokens = 0;
-  };
-  // What one rank step produced, with the front's request ids.
-  struct Report {
-    int rank = 0;
-    std::vector<RequestOutput> outputs;
-    std::vector<Progress> progress;
-    PrefixCacheEvents events;
-    int64_t aborts_applied = 0;  // abort commands taken from the inbox (a failed rank's unapplied ones count)
-    bool failed = false;
-  };
   struct Rank {
     int index = 0;
-    ModelBackend* backend = nullptr;
-    std::unique_ptr<Engine>
-        engine;  // after construction, touched by the rank's thread only (check_request aside)
+    std::unique_ptr<RankEngine> engine;  // after construction, driven by the rank's thread only (check_request aside)
     std::thread thread;
     // Guards the fields below.
     mutable std::mutex mutex;
     std::condition_variable wake;
-    std::deque<Command> inbox;
+    std::deque<RankCommand> inbox;
     bool stopping = false, failed = false;
     std::string failure;
     EngineStats stats;
-    // Rank thread only: the engine's request ids <-> the front's.
-    std::unordered_map<RequestId, RequestId> to_front, to_local;
   };
 
   // Where lockstep ranks meet before each step (see the file comment).
@@ -146,8 +134,8 @@ class DataParallelEngine final : public ServingEngine {
 
   void run_rank(Rank& rank);
   // Marks `rank` failed, aborts everything it holds and fills `report` with the error outputs.
-  void fail_rank(Rank& rank, const std::string& cause, Report& report);
-  void post_report(Report report);
+  void fail_rank(Rank& rank, const std::string& cause, RankReport& report);
+  void post_report(RankReport report);
 
   std::vector<std::unique_ptr<Rank>> ranks_;
   std::unique_ptr<LockstepGate> lockstep_;  // null: the ranks step independently
@@ -156,7 +144,7 @@ class DataParallelEngine final : public ServingEngine {
 
   std::mutex reports_mutex_;
   std::condition_variable reports_ready_;
-  std::vector<Report> reports_;
+  std::vector<RankReport> reports_;
 
   // Front thread only.
   RequestId next_id_ = 0;

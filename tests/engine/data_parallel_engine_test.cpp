@@ -21,6 +21,10 @@
 #include "core/error.h"
 #include "parallel/communicator.h"
 #include "parallel/deadline_communicator.h"
+#include "engine/remote_rank_engine.h"
+
+#include <sys/socket.h>
+#include <unistd.h>
 
 namespace dsv4 {
 namespace {
@@ -507,6 +511,198 @@ TEST(DataParallelEngine, AHungExpertParallelRankFailsTheGroupOnTheDeadline) {
     EXPECT_EQ(engine.rank_stats(r).used_bytes, 0) << "rank " << r << " still holds blocks";
   }
   EXPECT_THROW(engine.add_request(cases[0].prompt, cases[0].params), Error);
+}
+
+
+// ---- Ranks behind a connection (engine/remote_rank_engine.h) ----
+// The worker side runs on a thread here instead of a process of its own: the same serve_rank loop at the far end
+// of a socketpair, so the protocol, the front's bookkeeping and the failure paths are what a worker process sees.
+// (tests/cli/cli_checks.sh runs real worker processes through `--data-parallel-backend mp`.)
+
+// One rank in a worker thread: its LocalRankEngine, the thread serving it, and the RemoteRankEngine the front
+// drives. `die_after_steps` > 0: the worker closes the connection in its n-th step, as a killed process would.
+class ThreadWorker {
+ public:
+  ThreadWorker(ModelBackend& backend, const EngineConfig& config, int rank, bool lockstep, int die_after_steps = 0) {
+    int fds[2];
+    EXPECT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, fds), 0);
+    worker_fd_ = fds[1];
+    local_ = std::make_unique<LocalRankEngine>(backend, DataParallelEngine::rank_config(config, lockstep));
+    if (die_after_steps > 0) dying_ = std::make_unique<Dying>(*local_, worker_fd_, die_after_steps);
+    remote_ = std::make_unique<RemoteRankEngine>(fds[0], 0, local_->max_model_len(), local_->stats());
+    RankEngine& served = dying_ ? static_cast<RankEngine&>(*dying_) : *local_;
+    thread_ = std::thread([this, rank, &served] { serve_rank(worker_fd_, rank, served); });
+  }
+  ~ThreadWorker() {  // the engine (and its RemoteRankEngine) is gone by now: the loop has returned or will
+    if (thread_.joinable()) thread_.join();
+    ::close(worker_fd_);
+  }
+  std::unique_ptr<RankEngine> take_remote() { return std::move(remote_); }
+  const LocalRankEngine& local() const { return *local_; }
+
+ private:
+  // Forwards to the rank's engine; its n-th step shuts the connection down and throws, so the reply never goes
+  // out: the front sees the connection close mid-call.
+  class Dying final : public RankEngine {
+   public:
+    Dying(RankEngine& inner, int fd, int at) : inner_(inner), fd_(fd), at_(at) {}
+    void check_request(RequestId id, std::span<const int32_t> prompt, const SamplingParams& params) const override {
+      inner_.check_request(id, prompt, params);
+    }
+    int64_t max_model_len() const override { return inner_.max_model_len(); }
+    bool apply(std::deque<RankCommand> commands, RankReport& report) override {
+      return inner_.apply(std::move(commands), report);
+    }
+    void step(bool forward, RankReport& report) override {
+      if (forward && ++steps_ == at_) {
+        ::shutdown(fd_, SHUT_RDWR);
+        throw Error("worker killed");
+      }
+      inner_.step(forward, report);
+    }
+    bool has_unfinished() const override { return inner_.has_unfinished(); }
+    EngineStats stats() const override { return inner_.stats(); }
+    void fail(const std::string& error, RankReport& report) override { inner_.fail(error, report); }
+    void abort_collectives(const std::string& reason) override { inner_.abort_collectives(reason); }
+
+   private:
+    RankEngine& inner_;
+    int fd_, at_, steps_ = 0;
+  };
+
+  int worker_fd_ = -1;
+  std::unique_ptr<LocalRankEngine> local_;
+  std::unique_ptr<Dying> dying_;
+  std::unique_ptr<RemoteRankEngine> remote_;
+  std::thread thread_;
+};
+
+// Rank 0 in this process, ranks 1 and 2 behind connections: greedy outputs equal one Engine's, the router uses
+// every rank (its prefix events come back over the connection: shared prefixes hit), and every block goes back.
+TEST(DataParallelEngine, RanksBehindAConnectionEqualASingleEngine) {
+  const ModelConfig config = small_config();
+  DeepseekV4Model model = random_model(config, 31);
+  const auto cases = mixed_cases(config.vocab_size, 5, 20);
+  const auto expected = single_engine(model, cases);
+  RankBackends backends = cpu_backends(model, 3);
+  std::vector<std::unique_ptr<ThreadWorker>> workers;
+  std::vector<std::unique_ptr<RankEngine>> remote;
+  for (int r = 1; r < 3; ++r) {
+    workers.push_back(std::make_unique<ThreadWorker>(*backends.owned[static_cast<size_t>(r)], engine_config(), r,
+                                                     /*lockstep=*/false));
+    remote.push_back(workers.back()->take_remote());
+  }
+  {
+    DataParallelEngine engine({backends.owned[0].get()}, engine_config(), {}, false, std::move(remote));
+    std::map<RequestId, Outcome> outcomes;
+    std::vector<int> ranks;
+    const auto ids = submit_in_waves(engine, cases, outcomes, ranks);
+    drain(engine, outcomes);
+    for (size_t i = 0; i < cases.size(); ++i) {
+      const Outcome& got = outcomes[ids[i]];
+      EXPECT_TRUE(got.finished) << "request " << i;
+      EXPECT_TRUE(got.error.empty()) << got.error;
+      EXPECT_EQ(got.tokens, expected[i].tokens) << "request " << i << " on rank " << ranks[i];
+      EXPECT_EQ(got.status, expected[i].status) << "request " << i;
+    }
+    EXPECT_EQ(std::set<int>(ranks.begin(), ranks.end()).size(), 3u) << "the router left a rank idle";
+    for (int r = 0; r < 3; ++r) {
+      EXPECT_EQ(engine.rank_stats(r).used_bytes, 0) << "rank " << r << " still holds blocks";
+      EXPECT_FALSE(engine.rank_failed(r));
+    }
+    EXPECT_GT(engine.stats().prefix_hit_tokens, 0) << "no shared prefix ever hit on its rank";
+    EXPECT_EQ(engine.router().num_tracked_requests(), 0);
+  }
+  for (const auto& worker : workers) EXPECT_EQ(worker->local().engine().stats().used_bytes, 0);
+}
+
+// A worker whose connection closes mid-step (its process was killed) and one whose forward throws (the error comes
+// back as the reply): each fails exactly its own requests at once, with an error naming the rank and the cause,
+// takes no new ones, and the local rank's requests equal the reference.
+TEST(DataParallelEngine, ARankBehindAConnectionThatDiesFailsOnlyItsRequests) {
+  const ModelConfig config = small_config();
+  DeepseekV4Model model = random_model(config, 33);
+  const auto cases = mixed_cases(config.vocab_size, 9, 12);
+  const auto expected = single_engine(model, cases);
+  for (const bool killed : {true, false}) {
+    SCOPED_TRACE(killed ? "connection closed" : "forward threw");
+    RankBackends backends = cpu_backends(model, 1);
+    FaultInjectingBackend faulty(model, killed ? 0 : 3);
+    CpuModelBackend healthy(model);
+    ThreadWorker worker(killed ? static_cast<ModelBackend&>(healthy) : faulty, engine_config(), 1, false,
+                        killed ? 3 : 0);
+    std::vector<std::unique_ptr<RankEngine>> remote;
+    remote.push_back(worker.take_remote());
+    DataParallelEngine engine(backends.pointers(), engine_config(), {}, false, std::move(remote));
+    std::map<RequestId, Outcome> outcomes;
+    std::vector<int> ranks;
+    std::vector<RequestId> ids;
+    for (const Case& c : cases) {
+      ids.push_back(engine.add_request(c.prompt, c.params));
+      ranks.push_back(engine.rank_of(ids.back()));
+    }
+    drain(engine, outcomes, std::chrono::seconds(120));
+    int failed = 0;
+    for (size_t i = 0; i < cases.size(); ++i) {
+      const Outcome& got = outcomes[ids[i]];
+      EXPECT_TRUE(got.finished) << "request " << i;
+      if (ranks[i] == 0) {
+        EXPECT_TRUE(got.error.empty()) << got.error;
+        EXPECT_EQ(got.tokens, expected[i].tokens) << "request " << i;
+      } else {
+        ++failed;
+        EXPECT_EQ(got.status, RequestStatus::kFinishedAborted) << "request " << i;
+        EXPECT_NE(got.error.find("data-parallel rank 1 failed"), std::string::npos) << got.error;
+        EXPECT_NE(got.error.find(killed ? "worker process ended" : "injected fault in forward 3"),
+                  std::string::npos)
+            << got.error;
+      }
+    }
+    EXPECT_GT(failed, 0) << "no request was routed to the dying rank";
+    EXPECT_TRUE(engine.rank_failed(1));
+    EXPECT_FALSE(engine.rank_failed(0));
+    EXPECT_EQ(engine.rank_stats(0).used_bytes, 0);
+    // New requests go to the live rank.
+    const RequestId after = engine.add_request(cases[0].prompt, cases[0].params);
+    EXPECT_EQ(engine.rank_of(after), 0);
+    outcomes.clear();
+    drain(engine, outcomes);
+    EXPECT_EQ(outcomes[after].tokens, expected[0].tokens);
+  }
+}
+
+// Lockstep expert-parallel ranks with rank 1 behind a connection: the gate, the idle rank's empty forwards and the
+// collectives work through it, and greedy outputs equal one Engine's over the whole model.
+TEST(DataParallelEngine, LockstepExpertParallelRankBehindAConnectionEqualsOneEngine) {
+  const ModelConfig config = small_config();
+  DeepseekV4Model reference = random_model(config, 41);
+  const std::vector<Case> first = mixed_cases(config.vocab_size, 71, 4), second = mixed_cases(config.vocab_size, 72, 1);
+  const std::vector<Outcome> expected_first = single_engine(reference, first);
+  const std::vector<Outcome> expected_second = single_engine(reference, second);
+  ExpertParallelRanks ranks(config, 41, 2);
+  ThreadWorker worker(*ranks.backends.owned[1], engine_config(), 1, /*lockstep=*/true);
+  std::vector<std::unique_ptr<RankEngine>> remote;
+  remote.push_back(worker.take_remote());
+  DataParallelEngine engine({ranks.backends.owned[0].get()}, engine_config(), {}, /*lockstep=*/true,
+                            std::move(remote));
+  auto serve = [&](const std::vector<Case>& cases, const std::vector<Outcome>& expected, const char* wave) {
+    std::map<RequestId, Outcome> outcomes;
+    std::vector<RequestId> ids;
+    for (const Case& c : cases) ids.push_back(engine.add_request(c.prompt, c.params));
+    drain(engine, outcomes, std::chrono::seconds(120));
+    for (size_t i = 0; i < cases.size(); ++i) {
+      const Outcome& got = outcomes[ids[i]];
+      EXPECT_TRUE(got.error.empty()) << got.error;
+      EXPECT_EQ(got.tokens, expected[i].tokens) << wave << " request " << i;
+    }
+  };
+  serve(first, expected_first, "first wave");
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  serve(second, expected_second, "second wave");
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(engine.rank_stats(r).used_bytes, 0) << "rank " << r;
+    EXPECT_FALSE(engine.rank_failed(r));
+  }
 }
 
 }  // namespace
