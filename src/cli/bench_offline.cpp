@@ -13,6 +13,7 @@
 #include "cache/planner.h"
 #include "cli/commands.h"
 #include "cli/model_loading.h"
+#include "cli/rank_processes.h"
 #include "cli/parallel_options.h"
 #include "core/error.h"
 #include "engine/engine.h"
@@ -55,6 +56,7 @@ void add_common(CLI::App* cmd, BenchOfflineOptions& o) {
 }
 
 struct Setup {
+  std::unique_ptr<RankProcesses> processes;  // throughput with --data-parallel-backend mp: ranks 1..
   LoadedBackend loaded;
   EngineConfig engine;
 };
@@ -73,7 +75,11 @@ Setup make_setup(const BenchOfflineOptions& o) {
   backend.expert_parallel_ranks = o.enable_expert_parallel ? o.data_parallel_size : 1;
   backend.dist_timeout_seconds = o.dist_timeout;
   const auto load_start = std::chrono::steady_clock::now();
-  Setup setup{load_backend(o.model_dir, backend), {}};
+  Setup setup;
+  if (use_rank_processes(o.data_parallel_backend, backend, o.data_parallel_size, o.enable_expert_parallel))
+    setup.processes = std::make_unique<RankProcesses>(o.model_dir, backend, o.data_parallel_size,
+                                                      o.enable_expert_parallel);
+  setup.loaded = load_backend(o.model_dir, backend);
   // The load time is part of what a dummy-weight run of a large config costs (model/cuda/device_random_weights.h).
   std::printf("Loaded %s in %.1f s\n", o.model_dir.empty() ? "the embedded model" : o.model_dir.c_str(),
               std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count());
@@ -159,6 +165,7 @@ std::pair<CLI::App*, CLI::App*> add_bench_offline_commands(CLI::App& bench, Benc
                            "split the routed experts over the data-parallel ranks (lockstep; CPU, or CUDA: a "
                            "GPU per rank through NCCL, else ranks sharing one GPU)");
   add_dist_timeout_option(throughput_cmd, throughput.dist_timeout);
+  add_data_parallel_backend_option(throughput_cmd, throughput.data_parallel_backend);
   return {latency_cmd, throughput_cmd};
 }
 
@@ -237,7 +244,8 @@ int bench_throughput(const BenchOfflineOptions& o) {
   DSV4_CHECK(o.num_prompts >= 1, "--num-prompts must be >= 1");
   Setup setup = make_setup(o);
   const std::unique_ptr<ServingEngine> engine =
-      make_serving_engine(setup.loaded, setup.engine, o.data_parallel_size, o.enable_expert_parallel, o.dist_timeout);
+      make_serving_engine(setup.loaded, setup.engine, o.data_parallel_size, o.enable_expert_parallel, o.dist_timeout,
+                          setup.processes.get());
   std::mt19937_64 rng(o.seed);
   const int64_t vocab = setup.loaded.backend->config().vocab_size;
   const auto prompts = random_prompts(o.num_prompts, o.input_len, vocab, rng);

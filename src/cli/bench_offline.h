@@ -23,6 +23,7 @@ struct BenchOfflineOptions {
   int data_parallel_size = 1;  // throughput: ranks (cli/model_loading.h make_serving_engine; CPU backend)
   bool enable_expert_parallel = false;  // throughput: the routed experts split over those ranks
   double dist_timeout = 600;            // throughput: seconds a rank's collective may wait
+  std::string data_parallel_backend = "auto";  // throughput: mp / threads / auto (cli/rank_processes.h)
   int64_t warmup_iters = 1, iters = 3;
   int64_t max_num_seqs = 256, max_num_batched_tokens = 8192;
   bool enable_prefix_caching = false;  // random prompts share nothing; off keeps checkpoints out of the timing

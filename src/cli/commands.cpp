@@ -1,5 +1,6 @@
 #include "cli/commands.h"
 #include "cli/model_loading.h"
+#include "cli/rank_processes.h"
 
 #include <algorithm>
 #include <chrono>
@@ -169,6 +170,11 @@ int generate(const GenerateOptions& options) {
   backend_options.dummy_seed = options.seed.value_or(0);
   backend_options.expert_parallel_ranks = options.enable_expert_parallel ? options.data_parallel_size : 1;
   backend_options.dist_timeout_seconds = options.dist_timeout;
+  std::unique_ptr<RankProcesses> processes;  // ranks 1.. in worker processes, loading while this one loads
+  if (use_rank_processes(options.data_parallel_backend, backend_options, options.data_parallel_size,
+                         options.enable_expert_parallel))
+    processes = std::make_unique<RankProcesses>(options.model_dir, backend_options, options.data_parallel_size,
+                                                options.enable_expert_parallel);
   LoadedBackend loaded = load_backend(options.model_dir, backend_options);
   ModelBackend& model = *loaded.backend;
   DSV4_CHECK(options.ids.empty() != options.prompt.empty(), "generate: give exactly one of --ids or --prompt");
@@ -197,7 +203,7 @@ int generate(const GenerateOptions& options) {
   engine_config.checkpoint_interval = options.prefix_checkpoint_interval;
   const std::unique_ptr<ServingEngine> serving =
       make_serving_engine(loaded, engine_config, options.data_parallel_size, options.enable_expert_parallel,
-                          options.dist_timeout);
+                          options.dist_timeout, processes.get());
   ServingEngine& engine = *serving;
 
   SamplingParams params;

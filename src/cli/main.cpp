@@ -6,6 +6,7 @@
 #include "cli/bench_offline.h"
 #include "cli/commands.h"
 #include "cli/parallel_options.h"
+#include "cli/rank_processes.h"
 #include "cli/serve_command.h"
 #include "core/error.h"
 #include "tokenizer/tokenize_command.h"
@@ -79,6 +80,7 @@ int main(int argc, char** argv) {
                          "split the routed experts over the data-parallel ranks, which then step in lockstep "
                          "(CPU; CUDA: a GPU per rank through NCCL, else ranks sharing one GPU; docs/parallel.md)");
   dsv4::cli::add_dist_timeout_option(generate_cmd, gen.dist_timeout);
+  dsv4::cli::add_data_parallel_backend_option(generate_cmd, gen.data_parallel_backend);
 
   dsv4::cli::PlanOptions plan;
   auto* plan_cmd = app.add_subcommand("plan", "KV-cache bytes per request and how many requests fit");
@@ -126,8 +128,14 @@ int main(int argc, char** argv) {
   dsv4::cli::ServeOptions serve_options;
   auto* serve_cmd = dsv4::cli::add_serve_command(app, serve_options);
 
+  // A data-parallel rank's process, started by the serving process (cli/rank_processes.h); hidden from --help.
+  int worker_control_fd = -1;
+  auto* worker_cmd = app.add_subcommand("data-parallel-worker", "")->group("");
+  worker_cmd->add_option("--control-fd", worker_control_fd, "the connection to the serving process")->required();
+
   CLI11_PARSE(app, argc, argv);
   try {
+    if (*worker_cmd) return dsv4::cli::data_parallel_worker(worker_control_fd);
     if (*init_cmd) return dsv4::cli::init_random(init);
     if (*forward_cmd) return dsv4::cli::forward(fwd);
     if (*generate_cmd) return dsv4::cli::generate(gen);

@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "engine/data_parallel_engine.h"
+#include "cli/rank_processes.h"
 #include "model/random_init.h"
 #include "parallel/deadline_communicator.h"
 #ifdef DSV4_HAVE_CUDA
@@ -102,6 +103,25 @@ void load_expert_parallel_ranks(LoadedBackend& loaded, const ModelConfig& config
                                 const BackendOptions& options, const MakeSource& make_source) {
   const int ranks = options.expert_parallel_ranks;
   check_expert_parallel_ranks(ranks, config.n_routed_experts, options.dist_timeout_seconds);
+  // The expert-parallel sublayer reads bf16 / fp32 experts (DeepseekV4CudaModel::set_expert_parallel).
+  cuda_options.low_bit_experts = false;
+  if (options.expert_parallel_rank >= 0) {  // one process per rank: this one's model, NCCL to the others
+#ifdef DSV4_HAVE_NCCL
+    const int rank = options.expert_parallel_rank;
+    cuda_options.expert_parallel_size = ranks;
+    cuda_options.expert_parallel_rank = rank;
+    auto model = std::make_unique<DeepseekV4CudaModel>(config, *make_source(cuda_options.device), cuda_options);
+    DSV4_CHECK(cudaSetDevice(cuda_options.device) == cudaSuccess, "cannot use cuda:" + std::to_string(cuda_options.device));
+    loaded.expert_communicators.clear();
+    loaded.expert_communicators.push_back(under_deadline(
+        parallel::NcclCommunicator::join(options.nccl_unique_id, ranks, rank), options.dist_timeout_seconds));
+    model->set_expert_parallel(loaded.expert_communicators.back().get());
+    loaded.backend = std::move(model);
+    return;
+#else
+    throw Error("expert parallelism over processes needs NCCL, which this build lacks");
+#endif
+  }
   int visible = 0;
   DSV4_CHECK(cudaGetDeviceCount(&visible) == cudaSuccess, "cannot count the CUDA devices");
   const int base = cuda_options.device;
@@ -117,8 +137,6 @@ void load_expert_parallel_ranks(LoadedBackend& loaded, const ModelConfig& config
                  "dsv4: %d expert-parallel ranks share cuda:%d (%d device(s) visible from it%s): a test setup, "
                  "each rank with 1/%d of the KV cache\n",
                  ranks, base, visible - base, why_shared, ranks);
-  // The expert-parallel sublayer reads bf16 / fp32 experts (DeepseekV4CudaModel::set_expert_parallel).
-  cuda_options.low_bit_experts = false;
   std::vector<int> devices;
   std::vector<std::unique_ptr<DeepseekV4CudaModel>> models;
   for (int r = 0; r < ranks; ++r) {
@@ -189,6 +207,7 @@ LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& o
   config.fp8_kv_cache = fp8_kv_cache;
   LoadedBackend loaded;
   loaded.gpu_memory_utilization = options.gpu_memory_utilization;
+  loaded.processes_per_device = options.processes_per_device;
   if (!cuda) {
     std::unique_ptr<ModelWeightSource> source =
         weight_source(config, model_dir, options.load_format, options.dummy_seed);
@@ -260,10 +279,12 @@ LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& o
 int64_t LoadedBackend::cache_bytes(int64_t requested_bytes, bool explicitly_requested,
                                    int64_t max_batched_tokens) const {
 #ifdef DSV4_HAVE_CUDA
+  cache_from_utilization = on_cuda && !explicitly_requested;
   if (on_cuda && !explicitly_requested) {
-    // Ranks sharing a device split what is left of it (each with a step's activations of its own).
+    // Ranks sharing a device split what is left of it (each with a step's activations of its own); a process
+    // sharing it with other processes' ranks takes its share of the device.
     const int64_t bytes = static_cast<const DeepseekV4CudaModel&>(*backend).cache_bytes_for_utilization(
-                              gpu_memory_utilization, max_batched_tokens * ranks_per_device) /
+                              gpu_memory_utilization, max_batched_tokens * ranks_per_device, processes_per_device) /
                           ranks_per_device;
     DSV4_CHECK(bytes > 0, "no device memory is left for the KV cache at --gpu-memory-utilization " +
                               std::to_string(gpu_memory_utilization));
@@ -316,16 +337,25 @@ std::unique_ptr<ServingEngine> make_expert_parallel_engine(LoadedBackend& loaded
 
 std::unique_ptr<ServingEngine> make_serving_engine(LoadedBackend& loaded, const EngineConfig& config,
                                                    int data_parallel_size, bool expert_parallel,
-                                                   double dist_timeout_seconds) {
+                                                   double dist_timeout_seconds, RankProcesses* processes) {
   DSV4_CHECK(data_parallel_size >= 1,
              "--data-parallel-size " + std::to_string(data_parallel_size) + ": must be >= 1");
+  if (processes != nullptr) {
+    DSV4_CHECK(processes->size() == data_parallel_size, "the rank processes were started for " +
+                                                            std::to_string(processes->size()) + " ranks, not " +
+                                                            std::to_string(data_parallel_size));
+    const bool lockstep = expert_parallel && data_parallel_size > 1;
+    std::vector<std::unique_ptr<RankEngine>> remote =
+        processes->connect(config, loaded.cache_from_utilization, lockstep);
+    return std::make_unique<DataParallelEngine>(std::vector<ModelBackend*>{loaded.backend.get()}, config,
+                                                DataParallelRouterConfig{}, lockstep, std::move(remote));
+  }
   if (expert_parallel && data_parallel_size > 1)
     return make_expert_parallel_engine(loaded, config, data_parallel_size, dist_timeout_seconds);
   if (data_parallel_size == 1) return std::make_unique<Engine>(*loaded.backend, config);
   DSV4_CHECK(!loaded.on_cuda && loaded.cpu_model,
              "--data-parallel-size " + std::to_string(data_parallel_size) +
-                 " on CUDA needs one GPU per rank, which one process does not "
-                 "drive yet: use --device cpu, or --data-parallel-size 1");
+                 " on CUDA runs a process per rank: --data-parallel-backend mp (or auto)");
   std::vector<ModelBackend*> ranks{loaded.backend.get()};
   loaded.extra_rank_backends.clear();
   for (int r = 1; r < data_parallel_size; ++r) {

@@ -47,6 +47,14 @@ struct BackendOptions {
   // collectives run under the --dist-timeout deadline.
   int expert_parallel_ranks = 1;
   double dist_timeout_seconds = 600;
+  // One process per rank (cli/rank_processes.h): this process loads only rank `expert_parallel_rank` of
+  // expert_parallel_ranks and joins the others through NCCL with `nccl_unique_id` (ncclGetUniqueId's bytes, made
+  // by rank 0). -1: every rank in this process, as above.
+  int expert_parallel_rank = -1;
+  std::string nccl_unique_id;
+  // Ranks in other processes share this process's device: its KV cache gets 1/processes_per_device of what
+  // --gpu-memory-utilization gives, less its own weights (the device's other users are the other ranks).
+  int processes_per_device = 1;
 };
 
 // --kv-cache-dtype (vLLM's flag): "auto" / "bf16" give false, "fp8" / "fp8_e4m3" true (ModelConfig::fp8_kv_cache:
@@ -61,7 +69,11 @@ struct LoadedBackend {
   // KV-cache bytes for the engine: `requested_bytes` on the CPU (or when given explicitly, > 0), else on CUDA
   // what --gpu-memory-utilization leaves after the weights and a step of `max_batched_tokens`.
   int64_t cache_bytes(int64_t requested_bytes, bool explicitly_requested, int64_t max_batched_tokens) const;
+  // Whether the last cache_bytes sized the cache from --gpu-memory-utilization (a worker process then sizes its
+  // own the same way; cli/rank_processes.h).
+  mutable bool cache_from_utilization = false;
   double gpu_memory_utilization = 0.9;
+  int processes_per_device = 1;
   // Data-parallel ranks 1.. (make_serving_engine): their own CPU backends over cpu_model's weights, or with
   // expert parallelism over their own models (each holding its partition of the routed experts) and the group
   // that connects the ranks' MoE sublayers.
@@ -81,17 +93,21 @@ LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& o
 // The engine generate and serve drive: an Engine over loaded.backend, or for data_parallel_size > 1 a
 // DataParallelEngine (engine/data_parallel_engine.h) whose rank 0 runs loaded.backend and ranks 1.. CPU
 // backends over the same read-only weights, each rank with its own KV cache of config.kv_cache_bytes.
-// `loaded` must outlive the engine. Throws dsv4::Error for data_parallel_size > 1 on CUDA (one GPU per rank
-// is not driven from one process yet).
+// `loaded` must outlive the engine. Throws dsv4::Error for data_parallel_size > 1 on CUDA without `processes`
+// (one process drives several CUDA models only for expert parallelism).
 // expert_parallel (vLLM's --enable-expert-parallel): the routed experts split over the ranks
 // (DeepseekV4Model::set_expert_parallel over one in-process group, each rank keeping only its partition), the
 // ranks stepping in lockstep. CPU backend and hf numerics only. Each rank's collectives run under a deadline of
 // dist_timeout_seconds (parallel/deadline_communicator.h, SGLang's --dist-timeout): a rank that hangs makes the
 // others fail their requests with that error instead of waiting for ever.
+// `processes` (--data-parallel-backend mp, cli/rank_processes.h): ranks 1.. run in the worker processes it started;
+// `loaded` is rank 0 alone.
 constexpr double kDefaultDistTimeoutSeconds = 600;
+class RankProcesses;
 std::unique_ptr<ServingEngine> make_serving_engine(LoadedBackend& loaded, const EngineConfig& config,
                                                    int data_parallel_size, bool expert_parallel = false,
-                                                   double dist_timeout_seconds = kDefaultDistTimeoutSeconds);
+                                                   double dist_timeout_seconds = kDefaultDistTimeoutSeconds,
+                                                   RankProcesses* processes = nullptr);
 
 // The tokenizer for text in/out: `explicit_path`, else the model directory's tokenizer.json, else the DeepSeek
 // tokenizer that scripts/setup.sh installs next to this checkout. Throws dsv4::Error when none is found.

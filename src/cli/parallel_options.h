@@ -15,4 +15,14 @@ inline void add_dist_timeout_option(CLI::App* command, double& seconds) {
       ->capture_default_str();
 }
 
+// --data-parallel-backend (vLLM's flag): where the data-parallel ranks run (cli/rank_processes.h).
+inline void add_data_parallel_backend_option(CLI::App* command, std::string& backend) {
+  command
+      ->add_option("--data-parallel-backend", backend,
+                   "mp: a process per rank (rank r on cuda:base+r when visible); threads: every rank in this "
+                   "process; auto: mp on CUDA where it can run, threads on the CPU")
+      ->check(CLI::IsMember({"auto", "mp", "threads"}))
+      ->capture_default_str();
+}
+
 }  // namespace dsv4::cli

@@ -6,6 +6,7 @@
 
 #include "cli/model_loading.h"
 #include "cli/parallel_options.h"
+#include "cli/rank_processes.h"
 #include "core/error.h"
 #include "server/engine_service.h"
 #include "server/http_server.h"
@@ -57,6 +58,7 @@ CLI::App* add_serve_command(CLI::App& app, ServeOptions& o) {
                 "split the routed experts over the data-parallel ranks, which then step in lockstep (CPU; "
                 "CUDA: a GPU per rank through NCCL, else ranks sharing one GPU; docs/parallel.md)");
   add_dist_timeout_option(cmd, o.dist_timeout);
+  add_data_parallel_backend_option(cmd, o.data_parallel_backend);
   return cmd;
 }
 
@@ -71,6 +73,11 @@ int serve(const ServeOptions& options) {
   backend_options.expert_bits = options.expert_bits;
   backend_options.expert_parallel_ranks = options.enable_expert_parallel ? options.data_parallel_size : 1;
   backend_options.dist_timeout_seconds = options.dist_timeout;
+  std::unique_ptr<RankProcesses> processes;  // ranks 1.. in worker processes, loading while this one loads
+  if (use_rank_processes(options.data_parallel_backend, backend_options, options.data_parallel_size,
+                         options.enable_expert_parallel))
+    processes = std::make_unique<RankProcesses>(options.model_dir, backend_options, options.data_parallel_size,
+                                                options.enable_expert_parallel);
   LoadedBackend loaded = load_backend(options.model_dir, backend_options);
   ModelBackend& model = *loaded.backend;
   const Tokenizer tokenizer = load_tokenizer(options.tokenizer_path, options.model_dir);
@@ -87,7 +94,8 @@ int serve(const ServeOptions& options) {
   server::ServiceOptions service_options;
   service_options.max_queued_jobs = options.max_queued_requests;
   server::EngineService service(make_serving_engine(loaded, engine, options.data_parallel_size,
-                                                   options.enable_expert_parallel, options.dist_timeout),
+                                                   options.enable_expert_parallel, options.dist_timeout,
+                                                   processes.get()),
                                 tokenizer,
                                 service_options, metrics);
 

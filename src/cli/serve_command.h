@@ -33,8 +33,8 @@ struct ServeOptions {
   int64_t max_queued_requests = 4096;
   int64_t max_body_mib = 32;
   int io_threads = 2;
-  int data_parallel_size =
-      1;  // ranks of data-parallel attention (engine/data_parallel_engine.h); CPU only for now
+  int data_parallel_size = 1;  // ranks of data-parallel attention (engine/data_parallel_engine.h)
+  std::string data_parallel_backend = "auto";  // mp / threads / auto (cli/rank_processes.h)
   bool enable_expert_parallel = false;  // the routed experts split over those ranks (docs/parallel.md)
   double dist_timeout = 600;            // seconds a rank's collective may wait (parallel/deadline_communicator.h)
 };

@@ -221,8 +221,23 @@ void DataParallelEngine::run_rank(Rank& rank) {
     const uint64_t commands_seen = lockstep_ ? lockstep_->commands_posted() : 0;
     {
       std::unique_lock lock(rank.mutex);
-      if (!lockstep_)
-        rank.wake.wait(lock, [&] { return rank.stopping || !rank.inbox.empty() || engine.has_unfinished(); });
+      if (!lockstep_) {
+        // An idle rank looks at its connection every 100 ms: a worker killed meanwhile fails now, not when the
+        // next request routed to it finds it gone.
+        bool lost = false;
+        while (!rank.wake.wait_for(lock, std::chrono::milliseconds(100), [&] {
+          return rank.stopping || !rank.inbox.empty() || engine.has_unfinished();
+        }))
+          if ((lost = engine.connection_lost())) break;
+        if (lost && !rank.stopping) {
+          lock.unlock();
+          RankReport report;
+          report.rank = rank.index;
+          fail_rank(rank, "its worker process ended (the connection closed)", report);
+          post_report(std::move(report));
+          return;
+        }
+      }
       if (rank.stopping) return;
       commands.swap(rank.inbox);
     }

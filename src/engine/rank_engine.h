@@ -74,6 +74,9 @@ class RankEngine {
   // After a failed step: finishes every request the rank holds as aborted with `error` (outputs in `report`) and
   // frees what it can.
   virtual void fail(const std::string& error, RankReport& report) = 0;
+  // Whether the rank is known to be gone without a call (a worker process whose connection closed): an idle
+  // rank's thread checks it, so a worker killed while idle fails its rank before a request is routed there.
+  virtual bool connection_lost() const { return false; }
   // Releases this rank's collectives (expert parallelism), from any thread: a failed rank's peers then fail
   // instead of waiting for it. A remote rank's process is ended.
   virtual void abort_collectives(const std::string& reason) = 0;

@@ -1,5 +1,6 @@
 #include "engine/remote_rank_engine.h"
 
+#include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -86,6 +87,12 @@ bool RemoteRankEngine::apply_and_step(std::deque<RankCommand> commands, RankRepo
   const bool had_work = has_work_ || !commands.empty();
   call({{"op", "apply_step"}, {"commands", encode_commands(commands)}}, report);
   return had_work;
+}
+
+bool RemoteRankEngine::connection_lost() const {
+  pollfd watch{fd_, POLLRDHUP, 0};
+  // Only called between calls, when no reply is pending: any readable state is the peer's close (or garbage).
+  return ::poll(&watch, 1, 0) > 0 && (watch.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLIN)) != 0;
 }
 
 void RemoteRankEngine::fail(const std::string& error, RankReport& report) {

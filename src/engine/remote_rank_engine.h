@@ -30,6 +30,7 @@ class RemoteRankEngine final : public RankEngine {
   void step(bool forward, RankReport& report) override;
   bool apply_and_step(std::deque<RankCommand> commands, RankReport& report) override;
   bool has_unfinished() const override { return has_work_; }
+  bool connection_lost() const override;  // the worker closed its end (poll, no read)
   EngineStats stats() const override { return stats_; }
   // Finishes the requests the worker held (as the front knows them) and ends the worker.
   void fail(const std::string& error, RankReport& report) override;

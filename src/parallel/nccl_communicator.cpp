@@ -1,5 +1,6 @@
 #include "parallel/nccl_communicator.h"
 
+#include <algorithm>
 #include <string>
 
 #include "core/error.h"
@@ -29,6 +30,30 @@ NcclCommunicator::NcclCommunicator(const ncclUniqueId& id, int size, int rank, c
              "NCCL rank " + std::to_string(rank) + " of " + std::to_string(size) + " does not exist");
   check_nccl(ncclCommInitRank(&comm_, size, id, rank), "ncclCommInitRank");
   check_cuda(cudaMalloc(&staging_, 2 * static_cast<size_t>(size) * sizeof(int64_t)), "NCCL count staging");
+}
+
+std::string NcclCommunicator::new_unique_id() {
+  ncclUniqueId id;
+  check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
+  return std::string(id.internal, sizeof id.internal);
+}
+
+std::unique_ptr<NcclCommunicator> NcclCommunicator::join(const std::string& unique_id, int size, int rank) {
+  ncclUniqueId id;
+  DSV4_CHECK(unique_id.size() == sizeof id.internal,
+             "an NCCL unique id of " + std::to_string(unique_id.size()) + " bytes (expected " +
+                 std::to_string(sizeof id.internal) + ")");
+  std::copy(unique_id.begin(), unique_id.end(), id.internal);
+  cudaStream_t stream = nullptr;
+  check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  try {
+    auto communicator = std::make_unique<NcclCommunicator>(id, size, rank, stream);
+    communicator->owns_stream_ = true;
+    return communicator;
+  } catch (...) {
+    cudaStreamDestroy(stream);
+    throw;
+  }
 }
 
 std::vector<std::unique_ptr<NcclCommunicator>> NcclCommunicator::for_devices(const std::vector<int>& devices) {

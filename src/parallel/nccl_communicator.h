@@ -26,6 +26,10 @@ class NcclCommunicator final : public Communicator {
   // One communicator per device of `devices` in this process (ncclCommInitAll): rank i runs on devices[i] and
   // must be driven from its own thread, with that device current.
   static std::vector<std::unique_ptr<NcclCommunicator>> for_devices(const std::vector<int>& devices);
+  // One process per rank: rank 0 makes the id (ncclGetUniqueId, its bytes to hand to the other processes), every
+  // rank joins with it on the current device, on a stream of its own; blocks until all `size` ranks have joined.
+  static std::string new_unique_id();
+  static std::unique_ptr<NcclCommunicator> join(const std::string& unique_id, int size, int rank);
   ~NcclCommunicator() override;
   NcclCommunicator(const NcclCommunicator&) = delete;
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;

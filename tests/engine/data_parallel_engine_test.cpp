@@ -538,6 +538,8 @@ class ThreadWorker {
     ::close(worker_fd_);
   }
   std::unique_ptr<RankEngine> take_remote() { return std::move(remote_); }
+  // The worker's end closes, as when its process is killed.
+  void kill_connection() { ::shutdown(worker_fd_, SHUT_RDWR); }
   const LocalRankEngine& local() const { return *local_; }
 
  private:
@@ -668,6 +670,36 @@ TEST(DataParallelEngine, ARankBehindAConnectionThatDiesFailsOnlyItsRequests) {
     outcomes.clear();
     drain(engine, outcomes);
     EXPECT_EQ(outcomes[after].tokens, expected[0].tokens);
+  }
+}
+
+// A worker killed while its rank is idle: the rank fails within its next connection check (100 ms), before any
+// request is routed to it, and every later request goes to the live rank.
+TEST(DataParallelEngine, AnIdleRankWhoseWorkerDiesFailsBeforeARequestReachesIt) {
+  const ModelConfig config = small_config();
+  DeepseekV4Model model = random_model(config, 34);
+  const auto cases = mixed_cases(config.vocab_size, 10, 4);
+  const auto expected = single_engine(model, cases);
+  RankBackends backends = cpu_backends(model, 2);
+  ThreadWorker worker(*backends.owned[1], engine_config(), 1, false);
+  std::vector<std::unique_ptr<RankEngine>> remote;
+  remote.push_back(worker.take_remote());
+  DataParallelEngine engine({backends.owned[0].get()}, engine_config(), {}, false, std::move(remote));
+  worker.kill_connection();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!engine.rank_failed(1) && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ASSERT_TRUE(engine.rank_failed(1)) << "a dead idle worker went unnoticed";
+  std::map<RequestId, Outcome> outcomes;
+  std::vector<RequestId> ids;
+  for (const Case& c : cases) {
+    ids.push_back(engine.add_request(c.prompt, c.params));
+    EXPECT_EQ(engine.rank_of(ids.back()), 0);
+  }
+  drain(engine, outcomes);
+  for (size_t i = 0; i < cases.size(); ++i) {
+    EXPECT_TRUE(outcomes[ids[i]].error.empty()) << outcomes[ids[i]].error;
+    EXPECT_EQ(outcomes[ids[i]].tokens, expected[i].tokens) << "request " << i;
   }
 }
 

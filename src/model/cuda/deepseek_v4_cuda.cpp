@@ -767,7 +767,8 @@ DeepseekV4CudaModel::StepProfile DeepseekV4CudaModel::step_profile() const {
 }
 void DeepseekV4CudaModel::reset_step_profile() { impl_->profile = {}; }
 
-int64_t DeepseekV4CudaModel::cache_bytes_for_utilization(double utilization, int64_t max_tokens) const {
+int64_t DeepseekV4CudaModel::cache_bytes_for_utilization(double utilization, int64_t max_tokens,
+                                                         int sharing_processes) const {
   DSV4_CU(cudaSetDevice(impl_->options.device));  // cudaMemGetInfo reports the current device
   size_t free_bytes = 0, total_bytes = 0;
   DSV4_CU(cudaMemGetInfo(&free_bytes, &total_bytes));
@@ -777,8 +778,10 @@ int64_t DeepseekV4CudaModel::cache_bytes_for_utilization(double utilization, int
   const int64_t width = std::max({c.hidden_size * c.hc_mult, c.num_attention_heads * c.head_dim,
                                   c.index_n_heads * c.index_head_dim, 2 * c.moe_intermediate_size * 8});
   const int64_t activations = max_tokens * width * 4 * 12 + c.vocab_size * 4 * 256 + (int64_t{1} << 30);
-  const int64_t used = static_cast<int64_t>(total_bytes - free_bytes);
-  const int64_t budget = static_cast<int64_t>(utilization * static_cast<double>(total_bytes)) - used - activations;
+  const int64_t used = sharing_processes > 1 ? weight_bytes() : static_cast<int64_t>(total_bytes - free_bytes);
+  const int64_t budget = static_cast<int64_t>(utilization * static_cast<double>(total_bytes) /
+                                              std::max(sharing_processes, 1)) -
+                         used - activations;
   return std::max<int64_t>(budget, 0);
 }
 

@@ -87,7 +87,9 @@ class DeepseekV4CudaModel final : public ModelBackend {
 
   // Device bytes free for the KV cache once weights and a step's activations at `max_tokens` batched tokens are
   // resident, scaled so the process uses at most `utilization` of the device (vLLM's --gpu-memory-utilization).
-  int64_t cache_bytes_for_utilization(double utilization, int64_t max_tokens) const;
+  // `sharing_processes` > 1: other processes' ranks share this device; this one takes 1/sharing_processes of
+  // utilization · total, less its own weights (not the device's whole use, which counts theirs).
+  int64_t cache_bytes_for_utilization(double utilization, int64_t max_tokens, int sharing_processes = 1) const;
   int64_t weight_bytes() const;
   // Decode steps replayed from a captured CUDA graph, and captures made (for tests and logs).
   int64_t graph_replays() const;
