@@ -4,6 +4,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <climits>
+#include <cmath>
+#include <limits>
 #include <cstring>
 
 #include "core/error.h"
@@ -13,23 +16,74 @@ namespace {
 
 using nlohmann::json;
 
-// `message[name]` as a T; dsv4::Error naming the field when it is missing or of another type.
-template <typename T>
-T field(const json& message, const char* name) {
+const json& member(const json& message, const char* name) {
   DSV4_CHECK(message.is_object(), std::string("rank message: expected an object around '") + name + "'");
   const auto it = message.find(name);
   DSV4_CHECK(it != message.end(), std::string("rank message: missing '") + name + "'");
-  try {
-    return it->get<T>();
-  } catch (const json::exception& error) {
-    throw Error(std::string("rank message: '") + name + "' has the wrong type (" + error.what() + ")");
-  }
+  return *it;
 }
 
+// An integer in [lo, hi], checked before any conversion (a JSON number may be a float or out of range).
+int64_t integer(const json& value, const char* name, int64_t lo = INT64_MIN, int64_t hi = INT64_MAX) {
+  DSV4_CHECK(value.is_number_integer(), std::string("rank message: '") + name + "' must be an integer");
+  if (value.is_number_unsigned()) {
+    const auto v = value.get<uint64_t>();
+    DSV4_CHECK(v <= static_cast<uint64_t>(hi), std::string("rank message: '") + name + "' out of range");
+    return static_cast<int64_t>(v);
+  }
+  const auto v = value.get<int64_t>();
+  DSV4_CHECK(v >= lo && v <= hi, std::string("rank message: '") + name + "' out of range");
+  return v;
+}
+int64_t int_field(const json& message, const char* name, int64_t lo = INT64_MIN, int64_t hi = INT64_MAX) {
+  return integer(member(message, name), name, lo, hi);
+}
+uint64_t uint_value(const json& value, const char* name) {
+  DSV4_CHECK(value.is_number_unsigned(), std::string("rank message: '") + name + "' must be a non-negative integer");
+  return value.get<uint64_t>();
+}
+uint64_t uint_field(const json& message, const char* name) { return uint_value(member(message, name), name); }
+double double_field(const json& message, const char* name) {
+  const json& value = member(message, name);
+  DSV4_CHECK(value.is_number(), std::string("rank message: '") + name + "' must be a number");
+  return value.get<double>();
+}
+bool bool_field(const json& message, const char* name) {
+  const json& value = member(message, name);
+  DSV4_CHECK(value.is_boolean(), std::string("rank message: '") + name + "' must be true or false");
+  return value.get<bool>();
+}
+std::string string_field(const json& message, const char* name) {
+  const json& value = member(message, name);
+  DSV4_CHECK(value.is_string(), std::string("rank message: '") + name + "' must be a string");
+  return value.get<std::string>();
+}
 const json& array_field(const json& message, const char* name) {
-  DSV4_CHECK(message.is_object() && message.contains(name) && message.at(name).is_array(),
-             std::string("rank message: '") + name + "' must be an array");
-  return message.at(name);
+  const json& value = member(message, name);
+  DSV4_CHECK(value.is_array(), std::string("rank message: '") + name + "' must be an array");
+  return value;
+}
+std::vector<int32_t> token_array(const json& message, const char* name) {
+  std::vector<int32_t> out;
+  for (const json& value : array_field(message, name))
+    out.push_back(static_cast<int32_t>(integer(value, name, INT32_MIN, INT32_MAX)));
+  return out;
+}
+std::vector<uint64_t> hash_array(const json& message, const char* name) {
+  std::vector<uint64_t> out;
+  for (const json& value : array_field(message, name)) out.push_back(uint_value(value, name));
+  return out;
+}
+
+// A logprob: JSON has no infinities (nlohmann writes a non-finite number as null), and the only non-finite
+// logprob a sampler gives is -inf (a token of probability 0).
+json encode_logprob(float value) { return std::isfinite(value) ? json(value) : json(nullptr); }
+float decode_logprob(const json& value, const char* name) {
+  if (value.is_null()) return -std::numeric_limits<float>::infinity();
+  DSV4_CHECK(value.is_number(), std::string("rank message: '") + name + "' must be a number");
+  const double v = value.get<double>();
+  DSV4_CHECK(std::abs(v) <= std::numeric_limits<float>::max(), std::string("rank message: '") + name + "' out of range");
+  return static_cast<float>(v);
 }
 
 json encode_params(const SamplingParams& p) {
@@ -51,19 +105,19 @@ json encode_params(const SamplingParams& p) {
 
 SamplingParams decode_params(const json& in) {
   SamplingParams p;
-  p.max_tokens = field<int64_t>(in, "max_tokens");
-  p.ignore_eos = field<bool>(in, "ignore_eos");
-  p.stop_token_ids = field<std::vector<int32_t>>(in, "stop_token_ids");
-  p.temperature = field<double>(in, "temperature");
-  p.top_k = field<int64_t>(in, "top_k");
-  p.top_p = field<double>(in, "top_p");
-  p.min_p = field<double>(in, "min_p");
-  p.repetition_penalty = field<double>(in, "repetition_penalty");
-  p.frequency_penalty = field<double>(in, "frequency_penalty");
-  p.presence_penalty = field<double>(in, "presence_penalty");
-  p.min_tokens = field<int64_t>(in, "min_tokens");
-  if (in.contains("seed")) p.seed = field<uint64_t>(in, "seed");
-  if (in.contains("logprobs")) p.logprobs = field<int64_t>(in, "logprobs");
+  p.max_tokens = int_field(in, "max_tokens");
+  p.ignore_eos = bool_field(in, "ignore_eos");
+  p.stop_token_ids = token_array(in, "stop_token_ids");
+  p.temperature = double_field(in, "temperature");
+  p.top_k = int_field(in, "top_k");
+  p.top_p = double_field(in, "top_p");
+  p.min_p = double_field(in, "min_p");
+  p.repetition_penalty = double_field(in, "repetition_penalty");
+  p.frequency_penalty = double_field(in, "frequency_penalty");
+  p.presence_penalty = double_field(in, "presence_penalty");
+  p.min_tokens = int_field(in, "min_tokens");
+  if (in.contains("seed")) p.seed = uint_field(in, "seed");
+  if (in.contains("logprobs")) p.logprobs = int_field(in, "logprobs");
   return p;
 }
 
@@ -78,8 +132,9 @@ json encode_output(const RequestOutput& o) {
   json logprobs = json::array();
   for (const SampleResult& s : o.new_logprobs) {
     json top = json::array();
-    for (const TokenLogprob& t : s.top) top.push_back({t.token, t.logprob});
-    logprobs.push_back({{"token", s.token}, {"logprob", s.logprob}, {"rank", s.rank}, {"top", std::move(top)}});
+    for (const TokenLogprob& t : s.top) top.push_back({t.token, encode_logprob(t.logprob)});
+    logprobs.push_back(
+        {{"token", s.token}, {"logprob", encode_logprob(s.logprob)}, {"rank", s.rank}, {"top", std::move(top)}});
   }
   return {{"id", o.id},
           {"new_token_ids", o.new_token_ids},
@@ -92,24 +147,24 @@ json encode_output(const RequestOutput& o) {
 
 RequestOutput decode_output(const json& in) {
   RequestOutput o;
-  o.id = field<RequestId>(in, "id");
-  o.new_token_ids = field<std::vector<int32_t>>(in, "new_token_ids");
+  o.id = uint_field(in, "id");
+  o.new_token_ids = token_array(in, "new_token_ids");
   for (const json& s : array_field(in, "new_logprobs")) {
     SampleResult result;
-    result.token = field<int32_t>(s, "token");
-    result.logprob = field<float>(s, "logprob");
-    result.rank = field<int64_t>(s, "rank");
+    result.token = static_cast<int32_t>(int_field(s, "token", INT32_MIN, INT32_MAX));
+    result.logprob = decode_logprob(member(s, "logprob"), "logprob");
+    result.rank = int_field(s, "rank");
     for (const json& t : array_field(s, "top")) {
-      DSV4_CHECK(t.is_array() && t.size() == 2 && t[0].is_number_integer() && t[1].is_number(),
-                 "rank message: a top logprob must be [token, logprob]");
-      result.top.push_back({t[0].get<int32_t>(), t[1].get<float>()});
+      DSV4_CHECK(t.is_array() && t.size() == 2, "rank message: a top logprob must be [token, logprob]");
+      result.top.push_back({static_cast<int32_t>(integer(t[0], "top token", INT32_MIN, INT32_MAX)),
+                            decode_logprob(t[1], "top logprob")});
     }
     o.new_logprobs.push_back(std::move(result));
   }
-  o.finished = field<bool>(in, "finished");
-  o.status = decode_status(field<int64_t>(in, "status"));
-  o.error = field<std::string>(in, "error");
-  o.num_cached_tokens = field<int64_t>(in, "num_cached_tokens");
+  o.finished = bool_field(in, "finished");
+  o.status = decode_status(int_field(in, "status"));
+  o.error = string_field(in, "error");
+  o.num_cached_tokens = int_field(in, "num_cached_tokens");
   return o;
 }
 
@@ -126,12 +181,11 @@ json encode(const RankCommand& command) {
 
 RankCommand decode_command(const json& message) {
   RankCommand command;
-  command.add = field<bool>(message, "add");
-  command.id = field<RequestId>(message, "id");
+  command.add = bool_field(message, "add");
+  command.id = uint_field(message, "id");
   if (command.add) {
-    command.prompt = field<std::vector<int32_t>>(message, "prompt");
-    DSV4_CHECK(message.contains("params"), "rank message: an add command without 'params'");
-    command.params = decode_params(message.at("params"));
+    command.prompt = token_array(message, "prompt");
+    command.params = decode_params(member(message, "params"));
   }
   return command;
 }
@@ -152,19 +206,18 @@ json encode(const RankReport& report) {
 
 RankReport decode_report(const json& message) {
   RankReport report;
-  report.rank = field<int>(message, "rank");
+  report.rank = static_cast<int>(int_field(message, "rank", 0, INT32_MAX));
   for (const json& output : array_field(message, "outputs")) report.outputs.push_back(decode_output(output));
   for (const json& p : array_field(message, "progress")) {
-    DSV4_CHECK(p.is_array() && p.size() == 3 && p[0].is_number_unsigned() && p[1].is_number_integer() &&
-                   p[2].is_number_integer(),
-               "rank message: a progress entry must be [id, computed tokens, tokens]");
-    report.progress.push_back({p[0].get<RequestId>(), p[1].get<int64_t>(), p[2].get<int64_t>()});
+    DSV4_CHECK(p.is_array() && p.size() == 3, "rank message: a progress entry must be [id, computed tokens, tokens]");
+    report.progress.push_back({uint_value(p[0], "progress id"), integer(p[1], "computed tokens"),
+                               integer(p[2], "tokens")});
   }
-  report.events.cached = field<std::vector<uint64_t>>(message, "cached");
-  report.events.evicted = field<std::vector<uint64_t>>(message, "evicted");
-  report.aborts_applied = field<int64_t>(message, "aborts_applied");
-  report.failed = field<bool>(message, "failed");
-  report.stepped = field<bool>(message, "stepped");
+  report.events.cached = hash_array(message, "cached");
+  report.events.evicted = hash_array(message, "evicted");
+  report.aborts_applied = int_field(message, "aborts_applied");
+  report.failed = bool_field(message, "failed");
+  report.stepped = bool_field(message, "stepped");
   return report;
 }
 
@@ -186,25 +239,21 @@ json encode(const EngineStats& s) {
 
 EngineStats decode_stats(const json& message) {
   EngineStats s;
-  s.running = field<int64_t>(message, "running");
-  s.waiting = field<int64_t>(message, "waiting");
-  s.preemptions = field<int64_t>(message, "preemptions");
-  s.pool_bytes = field<int64_t>(message, "pool_bytes");
-  s.used_bytes = field<int64_t>(message, "used_bytes");
-  s.cached_bytes = field<int64_t>(message, "cached_bytes");
+  s.running = int_field(message, "running");
+  s.waiting = int_field(message, "waiting");
+  s.preemptions = int_field(message, "preemptions");
+  s.pool_bytes = int_field(message, "pool_bytes");
+  s.used_bytes = int_field(message, "used_bytes");
+  s.cached_bytes = int_field(message, "cached_bytes");
   for (const json& g : array_field(message, "groups")) {
-    DSV4_CHECK(g.is_array() && g.size() == 4 && g[0].is_number_integer() && g[1].is_number_integer() &&
-                   g[2].is_number_integer() && g[3].is_number_integer(),
-               "rank message: a cache group must be [kind, used, cached, capacity]");
-    const auto kind = g[0].get<int64_t>();
-    DSV4_CHECK(kind >= 0 && kind <= static_cast<int64_t>(CacheGroupKind::kC128State),
-               "rank message: cache group kind " + std::to_string(kind) + " out of range");
-    s.groups.push_back({static_cast<CacheGroupKind>(kind), g[1].get<int64_t>(), g[2].get<int64_t>(),
-                        g[3].get<int64_t>()});
+    DSV4_CHECK(g.is_array() && g.size() == 4, "rank message: a cache group must be [kind, used, cached, capacity]");
+    const int64_t kind = integer(g[0], "cache group kind", 0, static_cast<int64_t>(CacheGroupKind::kC128State));
+    s.groups.push_back({static_cast<CacheGroupKind>(kind), integer(g[1], "used blocks"), integer(g[2], "cached blocks"),
+                        integer(g[3], "capacity blocks")});
   }
-  s.prefix_queries = field<int64_t>(message, "prefix_queries");
-  s.prefix_query_tokens = field<int64_t>(message, "prefix_query_tokens");
-  s.prefix_hit_tokens = field<int64_t>(message, "prefix_hit_tokens");
+  s.prefix_queries = int_field(message, "prefix_queries");
+  s.prefix_query_tokens = int_field(message, "prefix_query_tokens");
+  s.prefix_hit_tokens = int_field(message, "prefix_hit_tokens");
   return s;
 }
 

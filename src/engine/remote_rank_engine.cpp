@@ -117,14 +117,17 @@ void serve_rank(int fd, int rank, RankEngine& engine) {
       return;  // the front is gone mid-message
     }
     if (!message) return;  // the front closed the connection
-    const std::string op = message->value("op", "");
+    const auto op_field = message->find("op");
+    const std::string op = op_field != message->end() && op_field->is_string() ? op_field->get<std::string>() : "";
     if (op == "stop") return;
     RankReport report;
     report.rank = rank;
     try {
       std::deque<RankCommand> commands;
-      if (op == "apply" || op == "apply_step")
+      if (op == "apply" || op == "apply_step") {
+        DSV4_CHECK(message->contains("commands") && message->at("commands").is_array(), "a request without 'commands'");
         for (const json& command : message->at("commands")) commands.push_back(rank_protocol::decode_command(command));
+      }
       if (op == "apply") {
         engine.apply(std::move(commands), report);
       } else if (op == "step") {

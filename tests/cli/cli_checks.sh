@@ -125,6 +125,51 @@ expect_success "generate --enable-expert-parallel" "$dsv4" generate --ids 5,6,7,
 if ! grep '^\[' "$work/out" | sort | cmp -s - "$work/greedy1" || [ ! -s "$work/greedy1" ]; then
   echo "FAIL generate --enable-expert-parallel differs from one engine"; failures=$((failures + 1))
 fi
+# --data-parallel-backend mp: ranks 1.. in worker processes (cli/rank_processes.h) give the same seeded samples.
+expect_success "generate --data-parallel-backend mp" "$dsv4" generate --ids 5,6,7,8 --max-tokens 6 -n 4 \
+  --temperature 0.9 --seed 2 --data-parallel-size 3 --data-parallel-backend mp
+if ! grep '^\[' "$work/out" | sort | cmp -s - "$work/dp1"; then
+  echo "FAIL generate --data-parallel-backend mp differs from one engine"; failures=$((failures + 1))
+fi
+expect_success "bench throughput --data-parallel-backend mp (dummy weights in every process)" "$dsv4" bench throughput \
+  --model "$work/config.json" --load-format dummy --seed 4 --input-len 16 --output-len 4 --num-prompts 6 \
+  --data-parallel-size 2 --data-parallel-backend mp --device cpu
+expect_failure "expert parallelism over processes on the CPU" "needs CUDA and NCCL" "$dsv4" generate --ids 1,2 \
+  --data-parallel-size 2 --enable-expert-parallel --data-parallel-backend mp --device cpu
+# A worker process killed while the server runs: its rank fails, the server keeps answering from rank 0.
+"$dsv4" serve --port 0 --device cpu --data-parallel-size 2 --data-parallel-backend mp >"$work/serve.out" \
+  2>"$work/serve.err" &
+server=$!
+for _ in $(seq 300); do grep -q "on http://" "$work/serve.out" 2>/dev/null && break; sleep 0.1; done
+port=$(sed -n 's|.*on http://[^:]*:\([0-9]*\).*|\1|p' "$work/serve.out" | head -1)
+worker=""
+for stat in /proc/[0-9]*/stat; do
+  read -r child _ _ parent _ <"$stat" 2>/dev/null || continue
+  [ "$parent" = "$server" ] && grep -qa data-parallel-worker "/proc/$child/cmdline" 2>/dev/null && worker=$child
+done
+completion() {  # one non-streamed completion over /dev/tcp; prints the response
+  local body='{"model":"dsv4-tiny-random","prompt":"Hello there","max_tokens":4,"temperature":0}'
+  exec 3<>"/dev/tcp/127.0.0.1/$port" || return 1
+  printf 'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s' \
+    "${#body}" "$body" >&3
+  timeout 60 cat <&3
+  exec 3>&-
+}
+if [ -z "$port" ] || [ -z "$worker" ]; then
+  echo "FAIL serve --data-parallel-backend mp did not start a worker (port '$port', worker '$worker')"
+  cat "$work/serve.err"; failures=$((failures + 1))
+else
+  kill -9 "$worker"
+  sleep 0.5
+  answered=0
+  for _ in 1 2 3 4; do completion | grep -q '"choices"' && answered=$((answered + 1)); done
+  if [ $answered -eq 4 ] && kill -0 "$server" 2>/dev/null; then
+    echo "ok   serve --data-parallel-backend mp: worker $worker killed, 4 of 4 completions answered by rank 0"
+  else
+    echo "FAIL serve after a killed worker: $answered of 4 answered"; tail -5 "$work/serve.err"; failures=$((failures + 1))
+  fi
+fi
+kill "$server" 2>/dev/null; wait "$server" 2>/dev/null
 expect_failure "more expert-parallel ranks than experts" "more ranks than the" "$dsv4" generate --ids 1,2 \
   --data-parallel-size 64 --enable-expert-parallel
 expect_failure "data-parallel size 0" "data-parallel-size" "$dsv4" generate --ids 1,2 --data-parallel-size 0
