@@ -155,6 +155,31 @@ std::vector<RequestId> submit_in_waves(DataParallelEngine& engine, const std::ve
   return ids;
 }
 
+// Serves `cases` in waves and compares each request with one Engine's outcome; the router must have used every
+// rank, shared prefixes must have hit, and every block and router entry must be gone at the end.
+void serve_and_compare(DataParallelEngine& engine, const std::vector<Case>& cases,
+                       const std::vector<Outcome>& expected) {
+  std::map<RequestId, Outcome> outcomes;
+  std::vector<int> ranks;
+  const auto ids = submit_in_waves(engine, cases, outcomes, ranks);
+  drain(engine, outcomes);
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const Outcome& got = outcomes[ids[i]];
+    EXPECT_TRUE(got.finished) << "request " << i;
+    EXPECT_TRUE(got.error.empty()) << got.error;
+    EXPECT_EQ(got.tokens, expected[i].tokens) << "request " << i << " on rank " << ranks[i];
+    EXPECT_EQ(got.status, expected[i].status) << "request " << i;
+  }
+  EXPECT_EQ(std::set<int>(ranks.begin(), ranks.end()).size(), static_cast<size_t>(engine.num_ranks()))
+      << "the router left a rank idle";
+  for (int r = 0; r < engine.num_ranks(); ++r) {
+    EXPECT_EQ(engine.rank_stats(r).used_bytes, 0) << "rank " << r << " still holds blocks";
+    EXPECT_FALSE(engine.rank_failed(r));
+  }
+  EXPECT_GT(engine.stats().prefix_hit_tokens, 0) << "no shared prefix ever hit on its rank";
+  EXPECT_EQ(engine.router().num_tracked_requests(), 0) << "the router still counts finished requests";
+}
+
 TEST(DataParallelEngine, GreedyOutputsEqualASingleEngine) {
   const ModelConfig config = small_config();
   DeepseekV4Model model = random_model(config, 31);
@@ -164,25 +189,7 @@ TEST(DataParallelEngine, GreedyOutputsEqualASingleEngine) {
     SCOPED_TRACE(std::to_string(num_ranks) + " ranks");
     RankBackends backends = cpu_backends(model, num_ranks);
     DataParallelEngine engine(backends.pointers(), engine_config());
-    std::map<RequestId, Outcome> outcomes;
-    std::vector<int> ranks;
-    const auto ids = submit_in_waves(engine, cases, outcomes, ranks);
-    drain(engine, outcomes);
-    for (size_t i = 0; i < cases.size(); ++i) {
-      const Outcome& got = outcomes[ids[i]];
-      EXPECT_TRUE(got.finished) << "request " << i;
-      EXPECT_TRUE(got.error.empty()) << got.error;
-      EXPECT_EQ(got.tokens, expected[i].tokens) << "request " << i << " on rank " << ranks[i];
-      EXPECT_EQ(got.status, expected[i].status) << "request " << i;
-    }
-    EXPECT_EQ(std::set<int>(ranks.begin(), ranks.end()).size(), static_cast<size_t>(num_ranks))
-        << "the router left a rank idle";
-    for (int r = 0; r < num_ranks; ++r) {
-      EXPECT_EQ(engine.rank_stats(r).used_bytes, 0) << "rank " << r << " still holds blocks";
-      EXPECT_FALSE(engine.rank_failed(r));
-    }
-    EXPECT_GT(engine.stats().prefix_hit_tokens, 0) << "no shared prefix ever hit on its rank";
-    EXPECT_EQ(engine.router().num_tracked_requests(), 0) << "the router still counts finished requests";
+    serve_and_compare(engine, cases, expected);
   }
 }
 
@@ -596,24 +603,7 @@ TEST(DataParallelEngine, RanksBehindAConnectionEqualASingleEngine) {
   }
   {
     DataParallelEngine engine({backends.owned[0].get()}, engine_config(), {}, false, std::move(remote));
-    std::map<RequestId, Outcome> outcomes;
-    std::vector<int> ranks;
-    const auto ids = submit_in_waves(engine, cases, outcomes, ranks);
-    drain(engine, outcomes);
-    for (size_t i = 0; i < cases.size(); ++i) {
-      const Outcome& got = outcomes[ids[i]];
-      EXPECT_TRUE(got.finished) << "request " << i;
-      EXPECT_TRUE(got.error.empty()) << got.error;
-      EXPECT_EQ(got.tokens, expected[i].tokens) << "request " << i << " on rank " << ranks[i];
-      EXPECT_EQ(got.status, expected[i].status) << "request " << i;
-    }
-    EXPECT_EQ(std::set<int>(ranks.begin(), ranks.end()).size(), 3u) << "the router left a rank idle";
-    for (int r = 0; r < 3; ++r) {
-      EXPECT_EQ(engine.rank_stats(r).used_bytes, 0) << "rank " << r << " still holds blocks";
-      EXPECT_FALSE(engine.rank_failed(r));
-    }
-    EXPECT_GT(engine.stats().prefix_hit_tokens, 0) << "no shared prefix ever hit on its rank";
-    EXPECT_EQ(engine.router().num_tracked_requests(), 0);
+    serve_and_compare(engine, cases, expected);
   }
   for (const auto& worker : workers) EXPECT_EQ(worker->local().engine().stats().used_bytes, 0);
 }
