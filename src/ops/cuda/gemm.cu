@@ -412,8 +412,17 @@ Gemm::Plan& Gemm::fp8_plan(const Key& key, const GemmWeight& w, const Fp8Activat
   // row count on a small weight, where fp8_gemm's tensor-core kernel streams it in ~8 us up to 64 rows; on
   // the 32 MB weights cuBLASLt wins from 16 rows.
   const bool decode_rows = rows <= kFp8SkinnyMaxRows || (rows <= 64 && out * in <= (int64_t{8} << 20));
+  // cuBLASLt reads BLK128x128 weight scales with the row of K-blocks padded to a multiple of 4 (torchao and
+  // PyTorch pad theirs so); ours are the checkpoint's, unpadded. Every V4 linear has a multiple of 4 K-blocks
+  // (K = 1024, 1536, 4096, 7168, 8192); K = 256 read the next row's scales and past the end — NaN logits on the
+  // V4-shaped test model (session 27).
+  const bool lt_scales = ceil_blocks(in) % 4 == 0;
+  if (backend == Fp8Backend::kCublasLt && !lt_scales)
+    throw Error("cuBLASLt's block-scaled FP8 needs a multiple of 4 K-blocks of weight scales; [" +
+                std::to_string(rows) + " x " + std::to_string(in) + "] x [" + std::to_string(in) + " x " +
+                std::to_string(out) + "] has " + std::to_string(ceil_blocks(in)));
   const bool try_lt =
-      backend == Fp8Backend::kCublasLt || (backend == Fp8Backend::kAuto && lt_shape && !decode_rows &&
+      backend == Fp8Backend::kCublasLt || (backend == Fp8Backend::kAuto && lt_shape && lt_scales && !decode_rows &&
                                            out % kFp8Block == 0 && in % kFp8Block == 0);
   plan->fp8_skinny = true;
   if (try_lt) {

@@ -284,6 +284,32 @@ TEST_F(CudaFp8, FlashShapesMatchTheCpuRecipe) {
   }
 }
 
+// The FP8 linears of the V4-shaped test model (tests/model/test_models.h v4_shaped_config: hidden 512, q_lora 256,
+// 64 × 512 heads, o_lora 8 × 128, an indexer of 64 × 128, moe_intermediate 256), at the row counts its scripts
+// give (a 128-token chunk beside a 40-token one, decode rows): the model gave NaN logits there with cuBLASLt and
+// finite ones with the skinny kernel (session 27). cuBLASLt reads its BLK128x128 weight scales with a multiple of
+// 4 K-blocks a row; K = 256 has 2, so a forced cuBLASLt refuses it and kAuto takes the skinny kernel.
+TEST_F(CudaFp8, V4ShapedTestModelShapesMatchTheCpuRecipe) {
+  const std::vector<Shape> shapes = {{"wq_a", 512, 256},      {"wq_b", 256, 32768},        {"wkv", 512, 512},
+                                     {"wo_b", 1024, 512},     {"indexer_wq_b", 256, 8192}, {"shared_w13", 512, 512},
+                                     {"shared_w2", 256, 512}};
+  Gemm gemm;
+  for (const Shape& shape : shapes) {
+    const Fp8Weight w(shape.out, shape.in, static_cast<uint32_t>(shape.in * 3 + shape.out));
+    DeviceArray<uint8_t> dw(w.codes);
+    DeviceArray<float> dws(w.scales);
+    for (const int64_t rows : {2, 40, 128, 168, 300}) {
+      SCOPED_TRACE(::testing::Message() << shape.name << " rows " << rows);
+      const auto x = random_activations(rows, shape.in, static_cast<uint32_t>(rows * 5 + shape.out));
+      DeviceArray<float> dx(x);
+      const Reference ref = make_reference(w, x, rows);
+      run_case(gemm, Fp8Backend::kAuto, w, dw, dws, ref, dx, rows, 1e-5);
+      run_case(gemm, Fp8Backend::kSkinny, w, dw, dws, ref, dx, rows, 1e-5);
+      run_case(gemm, Fp8Backend::kCublasLt, w, dw, dws, ref, dx, rows, 1e-5);
+    }
+  }
+}
+
 TEST_F(CudaFp8, CublasLtScaleLayouts) {
   // Random codes and random power-of-two scales per block (2^-4..2^4), so that a misread scale layout shows:
   // the cuBLASLt product against four readings of the two scale tensors — weight scales [out/128][in/128]
