@@ -158,7 +158,8 @@ std::pair<CLI::App*, CLI::App*> add_bench_offline_commands(CLI::App& bench, Benc
   throughput_cmd->add_option("--num-prompts", throughput.num_prompts, "requests")->capture_default_str();
   throughput_cmd
       ->add_option("--data-parallel-size", throughput.data_parallel_size,
-                   "data-parallel attention ranks (CPU backend; the prompts are routed over them)")
+                   "data-parallel attention ranks (the prompts are routed over them; where they run: "
+                   "--data-parallel-backend)")
       ->check(CLI::Range(1, 64))
       ->capture_default_str();
   throughput_cmd->add_flag("--enable-expert-parallel", throughput.enable_expert_parallel,

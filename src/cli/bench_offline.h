@@ -20,7 +20,7 @@ struct BenchOfflineOptions {
   int64_t input_len = 1024, output_len = 128;
   std::string batch_sizes = "8";  // latency: requests per iteration; a comma list runs each in turn (one load)
   int64_t num_prompts = 256;  // throughput: requests in total
-  int data_parallel_size = 1;  // throughput: ranks (cli/model_loading.h make_serving_engine; CPU backend)
+  int data_parallel_size = 1;  // throughput: ranks (cli/model_loading.h make_serving_engine)
   bool enable_expert_parallel = false;  // throughput: the routed experts split over those ranks
   double dist_timeout = 600;            // throughput: seconds a rank's collective may wait
   std::string data_parallel_backend = "auto";  // throughput: mp / threads / auto (cli/rank_processes.h)

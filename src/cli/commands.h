@@ -44,7 +44,7 @@ struct GenerateOptions {
   double kv_cache_gib = 0.5;
   bool no_prefix_caching = false;
   int64_t prefix_checkpoint_interval = 1024;
-  int data_parallel_size = 1;  // DataParallelEngine ranks (CPU); the n samples spread over them
+  int data_parallel_size = 1;  // DataParallelEngine ranks; the n samples spread over them
   bool enable_expert_parallel = false;  // the routed experts split over the data-parallel ranks (CPU)
   double dist_timeout = 600;            // seconds a rank's collective may wait (parallel/deadline_communicator.h)
   std::string data_parallel_backend = "auto";  // mp / threads / auto (cli/rank_processes.h)

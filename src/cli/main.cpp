@@ -73,8 +73,8 @@ int main(int argc, char** argv) {
   generate_cmd
       ->add_option(
           "--data-parallel-size", gen.data_parallel_size,
-          "data-parallel attention ranks (CPU backend), each with its own KV cache of --kv-cache-gib; the "
-          "-n samples spread over them")
+          "data-parallel attention ranks, each with its own KV cache; the -n samples spread over them (where "
+          "they run: --data-parallel-backend)")
       ->check(CLI::Range(1, 64));
   generate_cmd->add_flag("--enable-expert-parallel", gen.enable_expert_parallel,
                          "split the routed experts over the data-parallel ranks, which then step in lockstep "

@@ -51,8 +51,8 @@ CLI::App* add_serve_command(CLI::App& app, ServeOptions& o) {
   cmd->add_option("--io-threads", o.io_threads, "HTTP threads (parsing, tokenization)")->check(CLI::Range(1, 64));
   cmd->add_option(
          "--data-parallel-size", o.data_parallel_size,
-         "data-parallel attention ranks in this process, each with its own scheduler and KV cache of "
-         "--kv-cache-gib, requests routed by prefix-cache affinity and load (CPU backend)")
+         "data-parallel attention ranks, each with its own scheduler and KV cache, requests routed by "
+         "prefix-cache affinity and load (where they run: --data-parallel-backend)")
       ->check(CLI::Range(1, 64));
   cmd->add_flag("--enable-expert-parallel", o.enable_expert_parallel,
                 "split the routed experts over the data-parallel ranks, which then step in lockstep (CPU; "
