@@ -183,10 +183,27 @@ void load_expert_parallel_ranks(LoadedBackend& loaded, const ModelConfig& config
 }  // namespace
 #endif
 
-LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& options) {
+int cuda_device_index(const BackendOptions& options) {
   const std::string& device = options.device;
   DSV4_CHECK(device == "auto" || device == "cpu" || device == "cuda" || device.rfind("cuda:", 0) == 0,
              "--device '" + device + "': expected auto, cpu, cuda or cuda:N");
+  if (device == "cpu") return -1;
+#ifdef DSV4_HAVE_CUDA
+  if (device == "auto") return cuda_device_available() && options.numerics == "hf" ? 0 : -1;
+#else
+  if (device == "auto") return -1;
+  throw Error("--device " + device + ": this build has no CUDA backend (nvcc was not found at configure time)");
+#endif
+  if (device == "cuda") return 0;
+  const std::string index = device.substr(5);
+  DSV4_CHECK(!index.empty() && index.size() < 4 && index.find_first_not_of("0123456789") == std::string::npos,
+             "--device '" + device + "': expected cuda:N with N a device index");
+  return std::stoi(index);
+}
+
+LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& options) {
+  const int cuda_device = cuda_device_index(options);
+  const bool cuda = cuda_device >= 0;
   DSV4_CHECK(options.dtype == "auto" || options.dtype == "bf16" || options.dtype == "bfloat16" ||
                  options.dtype == "f32" || options.dtype == "float32",
              "--dtype '" + options.dtype + "': expected auto, bf16 or f32");
@@ -195,12 +212,6 @@ LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& o
   const bool fp8_kv_cache = parse_fp8_kv_cache(options.kv_cache_dtype);
   DSV4_CHECK(options.load_format == "auto" || options.load_format == "dummy",
              "--load-format '" + options.load_format + "': expected auto or dummy");
-  bool cuda = device != "cpu" && device != "auto";
-#ifdef DSV4_HAVE_CUDA
-  if (device == "auto") cuda = cuda_device_available() && options.numerics == "hf";
-#else
-  DSV4_CHECK(!cuda, "--device " + device + ": this build has no CUDA backend (nvcc was not found at configure time)");
-#endif
   const std::optional<WeightEncoding> expert_encoding =
       parse_expert_requantization(options.expert_bits, "--expert-bits");
   ModelConfig config = model_config(model_dir, parse_numerics(options.numerics), options.load_format == "dummy");
@@ -219,12 +230,7 @@ LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& o
   }
 #ifdef DSV4_HAVE_CUDA
   CudaModelOptions cuda_options;
-  if (device.rfind("cuda:", 0) == 0) {
-    const std::string index = device.substr(5);
-    DSV4_CHECK(!index.empty() && index.size() < 4 && index.find_first_not_of("0123456789") == std::string::npos,
-               "--device '" + device + "': expected cuda:N with N a device index");
-    cuda_options.device = std::stoi(index);
-  }
+  cuda_options.device = cuda_device;
   cuda_options.precision =
       options.dtype == "f32" || options.dtype == "float32" ? CudaPrecision::kF32 : CudaPrecision::kBf16;
   // Switches for measuring what each mechanism gains (docs/gpu.md): DSV4_CUDA_GRAPHS=0,

@@ -57,6 +57,10 @@ struct BackendOptions {
   int processes_per_device = 1;
 };
 
+// The CUDA device --device selects (auto: device 0 when this build has CUDA, a GPU is visible and the numerics are
+// hf; cuda: 0; cuda:N: N), or -1 for the CPU. Throws dsv4::Error for a malformed value, or CUDA in a build without it.
+int cuda_device_index(const BackendOptions& options);
+
 // --kv-cache-dtype (vLLM's flag): "auto" / "bf16" give false, "fp8" / "fp8_e4m3" true (ModelConfig::fp8_kv_cache:
 // FP8 main entries and index keys); anything else throws dsv4::Error naming the flag and the value.
 bool parse_fp8_kv_cache(const std::string& kv_cache_dtype);

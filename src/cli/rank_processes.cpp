@@ -28,22 +28,6 @@ namespace {
 
 using nlohmann::json;
 
-// The CUDA device index --device names (cuda -> 0), or -1 for the CPU.
-int cuda_base_device(const BackendOptions& options) {
-  const std::string& device = options.device;
-  if (device.rfind("cuda:", 0) == 0) {
-    const std::string index = device.substr(5);
-    DSV4_CHECK(!index.empty() && index.size() < 4 && index.find_first_not_of("0123456789") == std::string::npos,
-               "--device '" + device + "': expected cuda:N with N a device index");
-    return std::stoi(index);
-  }
-  if (device == "cuda") return 0;
-#ifdef DSV4_HAVE_CUDA
-  if (device == "auto" && options.numerics == "hf" && cuda_device_available()) return 0;
-#endif
-  return -1;
-}
-
 int visible_cuda_devices() {
 #ifdef DSV4_HAVE_CUDA
   int count = 0;
@@ -171,7 +155,7 @@ bool use_rank_processes(const std::string& backend, const BackendOptions& option
              "--data-parallel-backend '" + backend + "': expected auto, mp or threads");
   if (data_parallel_size <= 1 || backend == "threads") return false;
   if (backend == "mp") return true;
-  const int base = cuda_base_device(options);
+  const int base = cuda_device_index(options);
   if (base < 0) return false;  // the CPU's ranks share weights in one process
   if (!expert_parallel) return true;
   return kHaveNccl && visible_cuda_devices() - base >= data_parallel_size;
@@ -180,7 +164,7 @@ bool use_rank_processes(const std::string& backend, const BackendOptions& option
 RankProcesses::RankProcesses(const std::string& model_dir, BackendOptions& options, int size, bool expert_parallel)
     : size_(size) {
   DSV4_CHECK(size >= 1, "--data-parallel-size " + std::to_string(size) + ": must be >= 1");
-  const int base = cuda_base_device(options);
+  const int base = cuda_device_index(options);
   const bool gpu_per_rank = base >= 0 && visible_cuda_devices() - base >= size;
   if (expert_parallel && size > 1) {
     DSV4_CHECK(base >= 0 && kHaveNccl,
@@ -215,21 +199,20 @@ RankProcesses::RankProcesses(const std::string& model_dir, BackendOptions& optio
                                        {"backend", encode_backend_options(rank_options)}});
     }
   } catch (...) {
-    for (const Worker& worker : workers_) {
-      ::close(worker.fd);
-      ::kill(worker.pid, SIGKILL);
-      ::waitpid(worker.pid, nullptr, 0);
-    }
+    end_workers();
     throw;
   }
 }
 
-RankProcesses::~RankProcesses() {
-  for (const Worker& worker : workers_) {
+RankProcesses::~RankProcesses() { end_workers(); }
+
+void RankProcesses::end_workers() {
+  for (Worker& worker : workers_) {
     if (worker.fd < 0) continue;  // handed over to its RemoteRankEngine
     ::close(worker.fd);
     ::kill(worker.pid, SIGKILL);
     ::waitpid(worker.pid, nullptr, 0);
+    worker.fd = -1;
   }
 }
 

@@ -51,6 +51,8 @@ class RankProcesses {
     int fd = -1;
     int pid = 0;
   };
+  // Closes, kills and reaps the workers still owned here.
+  void end_workers();
   int size_ = 1;
   std::vector<Worker> workers_;  // ranks 1..size-1
 };

@@ -252,7 +252,7 @@ void DataParallelEngine::run_rank(Rank& rank) {
         step = decision == LockstepGate::Decision::kStep;  // an idle rank steps too: an empty forward
         engine.step(step, report);
       } else {
-        step = engine.apply_and_step(std::move(commands), report);
+        engine.apply_and_step(std::move(commands), report);
       }
     } catch (const std::exception& error) {
       fail_rank(rank, error.what(), report);

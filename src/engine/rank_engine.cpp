@@ -11,10 +11,8 @@ RequestOutput aborted_output(RequestId id, const std::string& error) {
   return output;
 }
 
-bool RankEngine::apply_and_step(std::deque<RankCommand> commands, RankReport& report) {
-  const bool work = apply(std::move(commands), report);
-  step(work, report);
-  return work;
+void RankEngine::apply_and_step(std::deque<RankCommand> commands, RankReport& report) {
+  step(apply(std::move(commands), report), report);
 }
 
 bool LocalRankEngine::apply(std::deque<RankCommand> commands, RankReport& report) {

@@ -64,9 +64,9 @@ class RankEngine {
   // Runs one step when `forward` (an idle lockstep rank steps over an empty batch), then adds the prefix-cache
   // events. Throws when the step fails; the rank is then failed (fail()).
   virtual void step(bool forward, RankReport& report) = 0;
-  // apply, then step when there is work: one round of a rank that steps on its own (no lockstep). Returns
-  // whether it stepped. A remote rank does both in one round trip.
-  virtual bool apply_and_step(std::deque<RankCommand> commands, RankReport& report);
+  // apply, then step when there is work: one round of a rank that steps on its own (no lockstep). A remote rank
+  // does both in one round trip.
+  virtual void apply_and_step(std::deque<RankCommand> commands, RankReport& report);
   // Whether requests are unfinished, as of the last apply / step.
   virtual bool has_unfinished() const = 0;
   // The engine's figures as of the last apply / step.

@@ -83,10 +83,8 @@ bool RemoteRankEngine::apply(std::deque<RankCommand> commands, RankReport& repor
 
 void RemoteRankEngine::step(bool forward, RankReport& report) { call({{"op", "step"}, {"forward", forward}}, report); }
 
-bool RemoteRankEngine::apply_and_step(std::deque<RankCommand> commands, RankReport& report) {
-  const bool had_work = has_work_ || !commands.empty();
+void RemoteRankEngine::apply_and_step(std::deque<RankCommand> commands, RankReport& report) {
   call({{"op", "apply_step"}, {"commands", encode_commands(commands)}}, report);
-  return had_work;
 }
 
 bool RemoteRankEngine::connection_lost() const {

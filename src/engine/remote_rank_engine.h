@@ -28,7 +28,7 @@ class RemoteRankEngine final : public RankEngine {
   void set_request_checker(const RankEngine* twin) override { twin_ = twin; }
   bool apply(std::deque<RankCommand> commands, RankReport& report) override;
   void step(bool forward, RankReport& report) override;
-  bool apply_and_step(std::deque<RankCommand> commands, RankReport& report) override;
+  void apply_and_step(std::deque<RankCommand> commands, RankReport& report) override;
   bool has_unfinished() const override { return has_work_; }
   bool connection_lost() const override;  // the worker closed its end (poll, no read)
   EngineStats stats() const override { return stats_; }

@@ -266,22 +266,29 @@ struct Shape {
 const std::vector<Shape> kFlashShapes = {
     {"wq_a", 4096, 1024}, {"wq_b", 1024, 32768}, {"wkv", 4096, 512}, {"wo_b", 8192, 4096}};
 
-TEST_F(CudaFp8, FlashShapesMatchTheCpuRecipe) {
+// Each shape at each row count through kAuto, the skinny kernel (up to `skinny_max_rows`) and a forced cuBLASLt,
+// against the CPU recipe; the weight seeded by in · in_seed + out, the input by rows · row_seed + out.
+void expect_shapes_match_recipe(const std::vector<Shape>& shapes, std::initializer_list<int64_t> row_counts,
+                                int64_t skinny_max_rows, uint32_t in_seed, uint32_t row_seed) {
   Gemm gemm;
-  for (const Shape& shape : kFlashShapes) {
-    const Fp8Weight w(shape.out, shape.in, static_cast<uint32_t>(shape.in + shape.out));
+  for (const Shape& shape : shapes) {
+    const Fp8Weight w(shape.out, shape.in, static_cast<uint32_t>(shape.in * in_seed + shape.out));
     DeviceArray<uint8_t> dw(w.codes);
     DeviceArray<float> dws(w.scales);
-    for (const int64_t rows : {1, 7, 64, 300, 4096}) {
+    for (const int64_t rows : row_counts) {
       SCOPED_TRACE(::testing::Message() << shape.name << " rows " << rows);
-      const auto x = random_activations(rows, shape.in, static_cast<uint32_t>(rows * 7 + shape.out));
+      const auto x = random_activations(rows, shape.in, static_cast<uint32_t>(rows * row_seed + shape.out));
       DeviceArray<float> dx(x);
       const Reference ref = make_reference(w, x, rows);
       run_case(gemm, Fp8Backend::kAuto, w, dw, dws, ref, dx, rows, 1e-5);
-      if (rows <= 300) run_case(gemm, Fp8Backend::kSkinny, w, dw, dws, ref, dx, rows, 1e-5);
+      if (rows <= skinny_max_rows) run_case(gemm, Fp8Backend::kSkinny, w, dw, dws, ref, dx, rows, 1e-5);
       run_case(gemm, Fp8Backend::kCublasLt, w, dw, dws, ref, dx, rows, 1e-5);
     }
   }
+}
+
+TEST_F(CudaFp8, FlashShapesMatchTheCpuRecipe) {
+  expect_shapes_match_recipe(kFlashShapes, {1, 7, 64, 300, 4096}, 300, 1, 7);
 }
 
 // The FP8 linears of the V4-shaped test model (tests/model/test_models.h v4_shaped_config: hidden 512, q_lora 256,
@@ -293,21 +300,7 @@ TEST_F(CudaFp8, V4ShapedTestModelShapesMatchTheCpuRecipe) {
   const std::vector<Shape> shapes = {{"wq_a", 512, 256},      {"wq_b", 256, 32768},        {"wkv", 512, 512},
                                      {"wo_b", 1024, 512},     {"indexer_wq_b", 256, 8192}, {"shared_w13", 512, 512},
                                      {"shared_w2", 256, 512}};
-  Gemm gemm;
-  for (const Shape& shape : shapes) {
-    const Fp8Weight w(shape.out, shape.in, static_cast<uint32_t>(shape.in * 3 + shape.out));
-    DeviceArray<uint8_t> dw(w.codes);
-    DeviceArray<float> dws(w.scales);
-    for (const int64_t rows : {2, 40, 128, 168, 300}) {
-      SCOPED_TRACE(::testing::Message() << shape.name << " rows " << rows);
-      const auto x = random_activations(rows, shape.in, static_cast<uint32_t>(rows * 5 + shape.out));
-      DeviceArray<float> dx(x);
-      const Reference ref = make_reference(w, x, rows);
-      run_case(gemm, Fp8Backend::kAuto, w, dw, dws, ref, dx, rows, 1e-5);
-      run_case(gemm, Fp8Backend::kSkinny, w, dw, dws, ref, dx, rows, 1e-5);
-      run_case(gemm, Fp8Backend::kCublasLt, w, dw, dws, ref, dx, rows, 1e-5);
-    }
-  }
+  expect_shapes_match_recipe(shapes, {2, 40, 128, 168, 300}, 300, 3, 5);
 }
 
 TEST_F(CudaFp8, CublasLtScaleLayouts) {
