@@ -175,7 +175,7 @@ std::vector<CaseResult> top_k_cases(const Ceilings&, const Options& options) {
   std::vector<CaseResult> results;
   const std::vector<int64_t> contexts = {2048, 32768, 262144};
   const std::vector<int64_t> batches =
-      options.quick ? std::vector<int64_t>{1, 64} : std::vector<int64_t>{1, 32, 64, 128};
+      options.quick ? std::vector<int64_t>{1, 64} : std::vector<int64_t>{1, 4, 32, 64, 128};
   const int64_t max_rows = batches.back(), max_columns = contexts.back();
   const int iterations = options.quick ? 5 : 30;
   auto* scores = device_alloc<float>(max_rows * max_columns);

@@ -651,10 +651,286 @@ cudaError_t launch_sampled(const TopKParams& p, const LaunchShape& shape, cudaSt
                              capacity, sample, force_fallback);
 }
 
+
+// ---------------------------------------------------------------------------------------------------------------
+// The grid path (docs/kernels/indexer_topk.md "Grid path"): for a few long rows, where one cluster of 8 CTAs per
+// row leaves most of the GPU idle and its chain of cluster barriers sets the time (27 µs at 256K × 1, H100), the
+// row is split over up to all SMs and the work is cut in two launches with no inter-CTA barrier inside either:
+// 1. top_k_grid_filter_kernel, `ctas` CTAs a row, each owning a span of ≤ 8,192 keys: every CTA reads the same
+//    sample of the row (≤ 8,192 keys, L2-resident after the first CTA) and radix-selects the same threshold T from
+//    it on its own (the same integers, so the same T everywhere, with no broadcast), reads its span (its loads
+//    issued together with the sample's), and writes its keys ≥ T, in entry order, with their entries and count,
+//    to its own region of the workspace;
+// 2. top_k_grid_select_kernel, one CTA a row (programmatic launch, so it is resident before the filter drains):
+//    gathers the CTAs' candidates in CTA order (= entry order) into shared memory, radix-selects over them and
+//    compacts, as the cluster path does with a cluster of one. Exactness as in the sampled path: if at least k keys
+//    reach T, every key the answer can take is a candidate; otherwise (or when they exceed the buffer) the CTA
+//    selects over the row in global memory (exact, slow, and with a sample of 3k/N expected to be very rare).
+constexpr int kGridMaxSpan = 8 * kThreads;    // keys of one filter CTA: eight per thread
+constexpr int kGridMaxCtas = 256;             // filter CTAs a row
+constexpr int kGridSampleKeys = 8192;         // sampled keys of a row at most (32-key lines, evenly strided)
+constexpr int kGridSampleMargin = 3;          // T has about 3k keys of the row at or above it
+constexpr int kGridCapacity = 8192;           // candidates the select holds (keys + entries: 64 KB)
+constexpr int64_t kGridMaxRows = 8;           // rows a launch covers (more are launched in blocks: forced only)
+// top_k takes the grid path by itself for rows this few and this long (DSV4_TOPK_PATH=grid forces it anywhere).
+constexpr int64_t kGridAutoMaxRows = 0;  // off until measured on a device
+constexpr int64_t kGridAutoMinColumns = 65536;
+constexpr int kGridHeaderWords = kGridMaxCtas + 4;  // counts[kGridMaxCtas], threshold, padding
+
+struct GridShape {
+  int ctas;  // filter CTAs a row
+  int span;  // keys a filter CTA owns, a multiple of kThreads
+};
+
+// Words of one row's workspace (rows of a launch are numbered from its first): the header, then keys and entries of every CTA's region (ctas · span < columns +
+// span ≤ columns + kGridMaxSpan).
+__host__ __device__ inline int64_t grid_row_words(int64_t columns) {
+  return kGridHeaderWords + 2 * (columns + kGridMaxSpan);
+}
+
+// As many CTAs a row as fill one wave beside the other rows, each span whole thread-rounds, at most kGridMaxSpan.
+GridShape grid_shape(int64_t rows, int64_t columns, int multiprocessors) {
+  const int64_t by_wave =
+      std::clamp<int64_t>(multiprocessors / std::max<int64_t>(1, rows), 1, kGridMaxCtas);
+  int64_t span = (std::max<int64_t>(1, columns) + by_wave - 1) / by_wave;
+  span = std::clamp<int64_t>((span + kThreads - 1) / kThreads * kThreads, kThreads, kGridMaxSpan);
+  const int64_t ctas = std::max<int64_t>(1, (columns + span - 1) / span);  // ≤ by_wave, or ≤ 32 at kGridMaxSpan
+  return {static_cast<int>(ctas), static_cast<int>(span)};
+}
+
+struct GridRow {
+  uint32_t* counts;     // [kGridMaxCtas]
+  uint32_t* threshold;  // [1]
+  uint32_t* keys;       // region of CTA c at c · span
+  int32_t* entries;
+};
+__device__ __forceinline__ GridRow grid_row(void* workspace, int64_t row, int64_t columns) {
+  uint32_t* base = static_cast<uint32_t*>(workspace) + row * grid_row_words(columns);
+  uint32_t* keys = base + kGridHeaderWords;
+  return {base, base + kGridMaxCtas, keys, reinterpret_cast<int32_t*>(keys + columns + kGridMaxSpan)};
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    top_k_grid_filter_kernel(const TopKParams p, int64_t first_row, int span, void* workspace) {
+  extern __shared__ uint4 dynamic_sample[];
+  __shared__ Shared sh;
+  __shared__ uint32_t kept_before[8][kWarps];  // the scan of kept keys in (load, warp) order: entry order
+  cg::cluster_group cluster = cg::this_cluster();
+  const int64_t row = first_row + blockIdx.y;
+  const int cta = static_cast<int>(blockIdx.x);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  uint32_t* sample_keys = reinterpret_cast<uint32_t*>(dynamic_sample);
+
+  for (int i = threadIdx.x; i < 2 * kBins; i += kThreads) (&sh.histogram[0][0])[i] = 0;
+  wait_for_prior_grid();  // the scores come from the previous kernel
+  allow_dependents();     // the select kernel may become resident; it waits for this grid to complete
+  int64_t length = p.columns;
+  if (p.row_lengths) length = max(int64_t{0}, min(length, static_cast<int64_t>(p.row_lengths[row])));
+  const int valid = static_cast<int>(length);
+  const float* row_scores = p.scores + row * p.row_stride;
+  const int first = cta * span;
+
+  // The sample: 32-key lines every `line_stride` lines of the row (all CTAs read the same lines), and this CTA's
+  // span, position i·kThreads + t for thread t (each load a coalesced 128 B a warp), all loads in flight at once.
+  const int lines = (valid + 31) / 32;
+  const int line_stride = max(1, (lines * 32 + kGridSampleKeys - 1) / kGridSampleKeys);
+  const int sample_lines = (lines + line_stride - 1) / line_stride;  // ≤ kGridSampleKeys / 32 = 8 a warp
+  float sampled[8], own[8];
+#pragma unroll
+  for (int t = 0; t < 8; ++t) {
+    const int line = warp + kWarps * t;
+    const int e = line * line_stride * 32 + lane;
+    sampled[t] = line < sample_lines && e < valid ? __ldg(row_scores + e) : -INFINITY;
+  }
+  const int per_thread = span / kThreads;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int e = first + i * kThreads + static_cast<int>(threadIdx.x);
+    own[i] = i < per_thread && e < valid ? __ldg(row_scores + e) : -INFINITY;
+  }
+  int sample_count = 0;  // sampled positions inside the row
+#pragma unroll
+  for (int t = 0; t < 8; ++t) {
+    const int line = warp + kWarps * t;
+    if (line < sample_lines) sample_keys[line * 32 + lane] = ordered_key(sampled[t]);
+  }
+  if (sample_lines > 0) sample_count = (sample_lines - 1) * 32 + min(32, valid - (sample_lines - 1) * line_stride * 32);
+  __syncthreads();
+
+  // T: the key with about kGridSampleMargin · k · (sampled / valid) sample keys at or above it, to 22 bits. A row
+  // read whole by its sample (≤ 8,192 keys) or too short for the margin keeps every valid key (T = 1).
+  uint32_t threshold = 1;
+  if (line_stride > 1) {
+    Selection estimate;
+    estimate.need = static_cast<uint32_t>(
+        max(int64_t{1}, (kGridSampleMargin * p.k * sample_count + valid - 1) / max(1, valid)));
+    int passes_run = 0;
+    if (estimate.need < static_cast<uint32_t>(sample_count)) {
+      radix_select(KeySource{sample_keys, nullptr, nullptr, sample_lines * 32, 0}, cluster, 1, estimate, sh,
+                   passes_run, 2);
+      if (estimate.resolved > 0) threshold = max(1u, estimate.prefix << (32 - estimate.resolved));
+    }
+  }
+
+  // Keep the span's keys ≥ T in entry order: for load i, warp w, lane l the entry is first + i·kThreads + 32w + l,
+  // so the (i, w) ballot counts scanned in that order give each warp's first slot.
+  const float threshold_score = key_threshold_score(threshold);
+  uint32_t ballots[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    ballots[i] = __ballot_sync(0xffffffffu, i < per_thread && own[i] >= threshold_score);
+    if (lane == 0) kept_before[i][warp] = __popc(ballots[i]);
+  }
+  __syncthreads();
+  if (warp == 0) {  // exclusive scan over the per_thread · kWarps counts, load-major: lane l scans row... of load l
+    uint32_t running = 0;
+    for (int i = 0; i < per_thread; ++i) {
+      const uint32_t count = kept_before[i][lane];
+      uint32_t inclusive = count;
+      for (int offset = 1; offset < 32; offset *= 2) {
+        const uint32_t v = __shfl_up_sync(0xffffffffu, inclusive, offset);
+        if (lane >= offset) inclusive += v;
+      }
+      kept_before[i][lane] = running + inclusive - count;
+      running += __shfl_sync(0xffffffffu, inclusive, 31);
+    }
+    if (lane == 0) sh.candidates = running;
+  }
+  __syncthreads();
+  const GridRow out = grid_row(workspace, blockIdx.y, p.columns);
+  const uint32_t lower_lanes = (1u << lane) - 1u;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    if (!(ballots[i] >> lane & 1u)) continue;
+    const uint32_t slot = kept_before[i][warp] + __popc(ballots[i] & lower_lanes);
+    out.keys[first + slot] = ordered_key(own[i]);
+    out.entries[first + slot] = first + i * kThreads + static_cast<int>(threadIdx.x);
+  }
+  if (threadIdx.x == 0) {
+    out.counts[cta] = sh.candidates;
+    if (cta == 0) *out.threshold = threshold;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    top_k_grid_select_kernel(const TopKParams p, int64_t first_row, int ctas, int span, const void* workspace,
+                             bool force_fallback) {
+  extern __shared__ uint4 dynamic_candidates[];
+  __shared__ Shared sh;
+  __shared__ uint32_t offsets[kGridMaxCtas + 1];  // the first candidate slot of each filter CTA, then the total
+  cg::cluster_group cluster = cg::this_cluster();
+  const int64_t row = first_row + blockIdx.y;
+  uint32_t* candidate_keys = reinterpret_cast<uint32_t*>(dynamic_candidates);
+  int32_t* candidate_entries = reinterpret_cast<int32_t*>(candidate_keys + kGridCapacity);
+
+  for (int i = threadIdx.x; i < 2 * kBins; i += kThreads) (&sh.histogram[0][0])[i] = 0;
+  wait_for_prior_grid();  // the filter's candidates
+  allow_dependents();
+  int64_t length = p.columns;
+  if (p.row_lengths) length = max(int64_t{0}, min(length, static_cast<int64_t>(p.row_lengths[row])));
+  const GridRow in = grid_row(const_cast<void*>(workspace), blockIdx.y, p.columns);
+  const uint32_t threshold = *in.threshold;
+  const uint32_t count = static_cast<int>(threadIdx.x) < ctas ? in.counts[threadIdx.x] : 0u;
+  uint32_t total;
+  const uint32_t inclusive = block_inclusive_scan(count, sh, total);
+  if (static_cast<int>(threadIdx.x) < ctas) offsets[threadIdx.x] = inclusive - count;
+  if (threadIdx.x == 0) offsets[ctas] = total;
+  const bool exact_on_candidates = !force_fallback && total <= static_cast<uint32_t>(kGridCapacity) &&
+                                   (total >= static_cast<uint32_t>(p.k) || threshold == 1);
+  __syncthreads();
+
+  Selection sel;
+  sel.need = static_cast<uint32_t>(p.k);
+  KeySource source{candidate_keys, candidate_entries, p.scores + row * p.row_stride, static_cast<int>(total), 0};
+  if (exact_on_candidates) {
+    // Slot j of the gathered list belongs to the CTA whose offsets bracket it (a binary search in shared
+    // memory); a thread's ≤ 8 loads are issued together.
+    constexpr int kPerThread = kGridCapacity / kThreads;
+    uint32_t keys[kPerThread];
+    int32_t entries[kPerThread];
+#pragma unroll
+    for (int t = 0; t < kPerThread; ++t) {
+      const int j = t * kThreads + static_cast<int>(threadIdx.x);
+      if (j >= static_cast<int>(total)) continue;
+      int low = 0, high = ctas;  // offsets[low] ≤ j < offsets[high]
+      while (high - low > 1) {
+        const int mid = (low + high) / 2;
+        if (offsets[mid] <= static_cast<uint32_t>(j)) low = mid; else high = mid;
+      }
+      const int64_t at = static_cast<int64_t>(low) * span + (j - static_cast<int>(offsets[low]));
+      keys[t] = in.keys[at];
+      entries[t] = in.entries[at];
+    }
+#pragma unroll
+    for (int t = 0; t < kPerThread; ++t) {
+      const int j = t * kThreads + static_cast<int>(threadIdx.x);
+      if (j >= static_cast<int>(total)) continue;
+      candidate_keys[j] = keys[t];
+      candidate_entries[j] = entries[t];
+    }
+    __syncthreads();
+    sel.floor = threshold;
+  } else {
+    source.keys = nullptr;  // the row's scores in global memory, entry = position
+    source.entries = nullptr;
+    source.count = static_cast<int>(length);
+  }
+  int passes_run = 0;
+  radix_select(source, cluster, 1, sel, sh, passes_run, 3);
+  compact_selection(source, sel, cluster, 1, 0, sh, p.indices + row * p.k, p.k, p.lengths + row);
+}
+
+// The two grid-path launches for rows [first_row, first_row + rows), cluster dimension 1 (the radix machinery
+// addresses its histograms through the cluster), the select launched programmatically behind the filter.
+template <typename... Params, typename... Args>
+cudaError_t launch_grid_kernel(void (*kernel)(Params...), dim3 grid, size_t shared_bytes, cudaStream_t stream,
+                               Args... args) {
+  const cudaError_t configured =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes));
+  if (configured != cudaSuccess) return configured;
+  cudaLaunchAttribute attributes[2] = {};
+  attributes[0].id = cudaLaunchAttributeClusterDimension;
+  attributes[0].val.clusterDim.x = 1;
+  attributes[0].val.clusterDim.y = 1;
+  attributes[0].val.clusterDim.z = 1;
+  attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[1].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = shared_bytes;
+  config.stream = stream;
+  config.attrs = attributes;
+  config.numAttrs = programmatic_launch_enabled() ? 2 : 1;
+  return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
+size_t grid_workspace_bytes(int64_t rows, int64_t columns) {
+  return static_cast<size_t>(std::min(rows, kGridMaxRows)) * static_cast<size_t>(grid_row_words(columns)) * 4;
+}
+
+cudaError_t launch_grid(const TopKParams& p, int multiprocessors, void* workspace, cudaStream_t stream) {
+  const bool force_fallback = env_is("DSV4_TOPK_FALLBACK", "1");
+  for (int64_t first_row = 0; first_row < p.rows; first_row += kGridMaxRows) {
+    const int64_t rows = std::min(kGridMaxRows, p.rows - first_row);
+    const GridShape shape = grid_shape(rows, p.columns, multiprocessors);
+    cudaError_t status = launch_grid_kernel(
+        top_k_grid_filter_kernel, dim3(static_cast<unsigned>(shape.ctas), static_cast<unsigned>(rows)),
+        kGridSampleKeys * sizeof(uint32_t), stream, p, first_row, shape.span, workspace);
+    if (status != cudaSuccess) return status;
+    status = launch_grid_kernel(top_k_grid_select_kernel, dim3(1, static_cast<unsigned>(rows)),
+                                kGridCapacity * 2 * sizeof(uint32_t), stream, p, first_row, shape.ctas, shape.span,
+                                static_cast<const void*>(workspace), force_fallback);
+    if (status != cudaSuccess) return status;
+  }
+  return cudaSuccess;
+}
+
 }  // namespace
 
 size_t top_k_workspace_bytes(int64_t rows, int64_t columns, int64_t k) {
-  return chunked_top_k_workspace_bytes(rows, columns, k);  // the cluster path needs none
+  // The cluster and sampled paths need none; the grid path's rows are launched in blocks of kGridMaxRows.
+  return std::max(chunked_top_k_workspace_bytes(rows, columns, k), grid_workspace_bytes(rows, columns));
 }
 
 cudaError_t top_k(const TopKParams& p, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
@@ -672,11 +948,14 @@ cudaError_t top_k(const TopKParams& p, void* workspace, size_t workspace_bytes, 
   // - else the chunked path.
   const int multiprocessors = current_device_multiprocessors();
   if (multiprocessors == 0) return cudaGetLastError();
-  // DSV4_TOPK_PATH=cluster|chunked|sampled forces one path whatever the shape (to time them side by side at every
+  // DSV4_TOPK_PATH=cluster|chunked|sampled|grid forces one path whatever the shape (to time them side by side at every
   // shape); read per call.
   const char* forced = std::getenv("DSV4_TOPK_PATH");
   const std::string_view path = forced != nullptr ? forced : "";
-  const bool automatic = path != "sampled" && path != "cluster" && path != "chunked";  // unknown names too
+  const bool automatic =
+      path != "sampled" && path != "cluster" && path != "chunked" && path != "grid";  // unknown names too
+  if (path == "grid" || (automatic && p.rows <= kGridAutoMaxRows && p.columns >= kGridAutoMinColumns))
+    return launch_grid(p, multiprocessors, workspace, stream);
   const LaunchShape sampled = sampled_launch_shape(p.rows, p.columns, multiprocessors);
   if (path == "sampled" || (automatic && sampled.span > kCandidateCapacity)) return launch_sampled(p, sampled, stream);
   const LaunchShape shape = launch_shape(p.columns);

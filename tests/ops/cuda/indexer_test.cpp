@@ -186,8 +186,8 @@ void check_top_k(int64_t rows, int64_t columns, int64_t stride, int64_t k, const
   TopKParams p{rows, columns, stride, k, d_scores, d_row_lengths, d_indices, d_lengths};
   std::vector<int32_t> first;
   // Every path of top_k gives the same answer (the switches are read on every call): the default choice twice
-  // (bitwise repeatable), then each path forced at this shape, and the sampled path's exact fallback over global
-  // memory.
+  // (bitwise repeatable), then each path forced at this shape, and the sampled and grid paths' exact fallbacks over
+  // global memory.
   const std::vector<std::vector<std::pair<const char*, const char*>>> runs = {
       {},
       {},
@@ -195,6 +195,8 @@ void check_top_k(int64_t rows, int64_t columns, int64_t stride, int64_t k, const
       {{"DSV4_TOPK_PATH", "chunked"}},
       {{"DSV4_TOPK_PATH", "sampled"}},
       {{"DSV4_TOPK_PATH", "sampled"}, {"DSV4_TOPK_FALLBACK", "1"}},
+      {{"DSV4_TOPK_PATH", "grid"}},
+      {{"DSV4_TOPK_PATH", "grid"}, {"DSV4_TOPK_FALLBACK", "1"}},
   };
   struct SwitchesOffOnExit {
     static void clear() {
@@ -266,9 +268,11 @@ TEST_F(CudaIndexerTest, TopKSameAnswerOnBothPaths) {
   }
 }
 
-// The sampled path's two ways out of its estimate, on real data: (row 0) the large scores sit exactly on the
-// sampled lines (every 16th run of 32), so fewer than k keys of the row reach the sample's threshold; (row 1)
-// 100,000 equal top scores overflow every CTA's candidate buffer. Both must take the exact fallback. Then 70 rows
+// The sampled and grid paths' ways out of their estimates, on real data: (row 0) the large scores sit exactly on
+// the sampled lines (every 16th run of 32; the grid path samples every 32nd at 256K), so fewer than k keys of the
+// row reach the sample's threshold; (row 1) 100,000 equal top scores overflow every CTA's candidate buffer (the
+// sampled path's) and the grid select's 8,192. Both must take the exact fallback (2 rows of 256K: the grid path by
+// default, the sampled path forced). Then 70 rows
 // of 65,536, one CTA per row on a 132-SM device with a sample of its own.
 TEST_F(CudaIndexerTest, TopKSampledPathFallsBackWhenTheEstimateFails) {
   for (const int64_t k : {512, 1024}) {
@@ -283,6 +287,21 @@ TEST_F(CudaIndexerTest, TopKSampledPathFallsBackWhenTheEstimateFails) {
   }
   const int64_t rows = 70, columns = 65536;
   check_top_k(rows, columns, columns, 512, testing::random_scores(rows, columns, 71), {});
+}
+
+// Scores that rise with the entry (as recency can make real indexer scores): the whole answer sits in the last
+// spans, so the grid path's last filter CTAs keep every candidate and the others none; a second row falls.
+TEST_F(CudaIndexerTest, TopKWithTheAnswerInOneSpan) {
+  for (const int64_t k : {512, 1024}) {
+    const int64_t rows = 2, columns = 262144;
+    std::vector<float> scores = testing::random_scores(rows, columns, static_cast<uint32_t>(k + 11));
+    for (int64_t i = 0; i < columns; ++i) {
+      scores[i] = 0.25f * scores[i] + 8.0f * static_cast<float>(i) / columns;
+      scores[columns + i] = 0.25f * scores[columns + i] - 8.0f * static_cast<float>(i) / columns;
+    }
+    check_top_k(rows, columns, columns, k, scores, {});
+    check_top_k(rows, columns, columns, k, scores, {150001, 3000});
+  }
 }
 
 TEST_F(CudaIndexerTest, TopKCornerCases) {
