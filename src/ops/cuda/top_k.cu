@@ -108,6 +108,30 @@ __device__ uint32_t find_crossing_bin(uint32_t low, uint32_t high, uint32_t need
   return total;
 }
 
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+
+// A cluster of one CTA (the grid path, the sampled path at ≥ SMs rows, the cluster path's short rows) needs only
+// CTA barriers and its own shared memory: barrier.cluster's release / acquire costs a memory fence each time
+// (ncu: "membar" stalls in a one-CTA select), and a distributed-shared-memory load is slower than a local one.
+__device__ __forceinline__ void cluster_barrier(cg::cluster_group& cluster, int ranks) {
+  if (ranks == 1) {
+    __syncthreads();
+  } else {
+    cluster.sync();
+  }
+}
+template <typename T>
+__device__ __forceinline__ T* rank_shared(cg::cluster_group& cluster, int ranks, T* local, int rank) {
+  return ranks == 1 ? local : cluster.map_shared_rank(local, rank);
+}
+// The end of a cluster kernel: no CTA leaves while another may still read its shared memory.
+__device__ __forceinline__ void cluster_exit(int ranks) {
+  if (ranks == 1) return;
+  cluster_arrive();
+  cluster_wait();
+}
+
 // The cluster's histogram is complete (after a cluster barrier): every CTA sums it from all ranks and finds the
 // bin where the count from the top crosses `need`, so all CTAs reach the same decision without a broadcast.
 // Returns true once the selection is final.
@@ -115,7 +139,7 @@ __device__ bool resolve_digit(cg::cluster_group& cluster, int ranks, uint32_t* h
                               Shared& sh) {
   uint32_t low = 0, high = 0;
   for (int r = 0; r < ranks; ++r) {
-    const uint32_t* remote = cluster.map_shared_rank(histogram, r);
+    const uint32_t* remote = rank_shared(cluster, ranks, histogram, r);
     const uint2 pair = *reinterpret_cast<const uint2*>(remote + 2 * bin_owner());
     low += pair.x;
     high += pair.y;
@@ -154,8 +178,6 @@ __device__ __forceinline__ CtaSpan begin_row_cta(const TopKParams& p, Shared& sh
   return {first, valid, scores, (reinterpret_cast<uintptr_t>(scores) & 15) == 0};
 }
 
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 
 // ---------------------------------------------------------------------------------------------------------------
 // The sampled path (top_k's choice wherever a CTA's span is too long to keep whole; docs/kernels/indexer_topk.md):
@@ -225,7 +247,7 @@ __device__ void radix_select(const KeySource& source, cg::cluster_group& cluster
     }
     ++passes_run;
     histogram_pass_from(source, sel, bits, histogram);
-    cluster.sync();
+    cluster_barrier(cluster, ranks);
     if (resolve_digit(cluster, ranks, histogram, bits, sel, sh)) return;
   }
 }
@@ -261,11 +283,11 @@ __device__ void compact_selection(const KeySource& source, const Selection& sel,
     sh.cta_above = static_cast<uint32_t>(cta_packed >> 32);
     sh.cta_equal = static_cast<uint32_t>(cta_packed);
   }
-  cluster.sync();
+  cluster_barrier(cluster, ranks);
   if (warp == 0) {
     uint32_t above = 0, equal = 0, before_above = 0, before_equal = 0;
     if (lane < ranks) {
-      const Shared* remote = cluster.map_shared_rank(&sh, lane);
+      const Shared* remote = rank_shared(cluster, ranks, &sh, lane);
       above = remote->cta_above;
       equal = remote->cta_equal;
     }
@@ -390,8 +412,7 @@ __global__ void __launch_bounds__(kThreads, 1) top_k_cluster_kernel(const TopKPa
   const KeySource source{keys, nullptr, nullptr, span, static_cast<int32_t>(first)};
   radix_select(source, cluster, ranks, sel, sh, passes_run, 3);
   compact_selection(source, sel, cluster, ranks, rank, sh, p.indices + row * p.k, p.k, p.lengths + row);
-  cluster_arrive();  // done reading the other CTAs' shared memory; they may exit once everyone arrived
-  cluster_wait();
+  cluster_exit(ranks);  // done reading the other CTAs' shared memory; they may exit once everyone arrived
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
@@ -532,9 +553,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   if (threadIdx.x == 0) sh.candidates = region_overflow ? static_cast<uint32_t>(capacity) + 1 : kept;
-  cluster.sync();  // every CTA's count is final
+  cluster_barrier(cluster, ranks);  // every CTA's count is final
   if (warp == 0) {
-    const uint32_t count = lane < ranks ? cluster.map_shared_rank(&sh, lane)->candidates : 0u;
+    const uint32_t count = lane < ranks ? rank_shared(cluster, ranks, &sh, lane)->candidates : 0u;
     const uint32_t total = __reduce_add_sync(0xffffffffu, count);
     const bool overflow = __any_sync(0xffffffffu, count > static_cast<uint32_t>(capacity));
     if (lane == 0) {
@@ -562,8 +583,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     radix_select(source, cluster, ranks, sel, sh, passes_run, 3);
   }
   compact_selection(source, sel, cluster, ranks, rank, sh, out, p.k, p.lengths + row);
-  cluster_arrive();  // done reading the other CTAs' shared memory; they may exit once everyone arrived
-  cluster_wait();
+  cluster_exit(ranks);  // done reading the other CTAs' shared memory; they may exit once everyone arrived
 }
 
 struct LaunchShape {
@@ -657,7 +677,7 @@ cudaError_t launch_sampled(const TopKParams& p, const LaunchShape& shape, cudaSt
 // row leaves most of the GPU idle and its chain of cluster barriers sets the time (27 µs at 256K × 1, H100), the
 // row is split over up to all SMs and the work is cut in two launches with no inter-CTA barrier inside either:
 // 1. top_k_grid_filter_kernel, `ctas` CTAs a row, each owning a span of ≤ 8,192 keys: every CTA reads the same
-//    sample of the row (≤ 8,192 keys, L2-resident after the first CTA) and radix-selects the same threshold T from
+//    sample of the row (≤ 2,048 keys, L2-resident after the first CTA) and radix-selects the same threshold T from
 //    it on its own (the same integers, so the same T everywhere, with no broadcast), reads its span (its loads
 //    issued together with the sample's), and writes its keys ≥ T, in entry order, with their entries and count,
 //    to its own region of the workspace;
@@ -668,8 +688,14 @@ cudaError_t launch_sampled(const TopKParams& p, const LaunchShape& shape, cudaSt
 //    selects over the row in global memory (exact, slow, and with a sample of 3k/N expected to be very rare).
 constexpr int kGridMaxSpan = 8 * kThreads;    // keys of one filter CTA: eight per thread
 constexpr int kGridMaxCtas = 256;             // filter CTAs a row
-constexpr int kGridSampleKeys = 8192;         // sampled keys of a row at most (32-key lines, evenly strided)
-constexpr int kGridSampleMargin = 3;          // T has about 3k keys of the row at or above it
+// Sampled keys of a row at most (32-key lines, evenly strided): every filter CTA radix-selects over the whole
+// sample, so it is kept small (8,192 took 1,430 instructions a warp in the filter, ncu). With the margin, T has
+// about 4k keys of the row at or above it: at 2,048 sample keys and k 512, 16 sample keys above T, so fewer than
+// k candidates (the fallback) needs a Gamma(16) draw under 4 (p ≈ 1e-6) and more than the 8,192 the select
+// holds one over 64 (k 1024: Gamma(32) over 64; both far tails).
+constexpr int kGridSampleKeys = 2048;
+constexpr int kGridSampleLinesPerWarp = kGridSampleKeys / 32 / kWarps;
+constexpr int kGridSampleMargin = 4;
 constexpr int kGridCapacity = 8192;           // candidates the select holds (keys + entries: 64 KB)
 constexpr int64_t kGridMaxRows = 8;           // rows a launch covers (more are launched in blocks: forced only)
 // top_k takes the grid path by itself for rows this few and this long (DSV4_TOPK_PATH=grid forces it anywhere).
@@ -734,10 +760,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // span, position i·kThreads + t for thread t (each load a coalesced 128 B a warp), all loads in flight at once.
   const int lines = (valid + 31) / 32;
   const int line_stride = max(1, (lines * 32 + kGridSampleKeys - 1) / kGridSampleKeys);
-  const int sample_lines = (lines + line_stride - 1) / line_stride;  // ≤ kGridSampleKeys / 32 = 8 a warp
-  float sampled[8], own[8];
+  const int sample_lines = (lines + line_stride - 1) / line_stride;  // ≤ kGridSampleLinesPerWarp a warp
+  float sampled[kGridSampleLinesPerWarp], own[8];
 #pragma unroll
-  for (int t = 0; t < 8; ++t) {
+  for (int t = 0; t < kGridSampleLinesPerWarp; ++t) {
     const int line = warp + kWarps * t;
     const int e = line * line_stride * 32 + lane;
     sampled[t] = line < sample_lines && e < valid ? __ldg(row_scores + e) : -INFINITY;
@@ -750,7 +776,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   int sample_count = 0;  // sampled positions inside the row
 #pragma unroll
-  for (int t = 0; t < 8; ++t) {
+  for (int t = 0; t < kGridSampleLinesPerWarp; ++t) {
     const int line = warp + kWarps * t;
     if (line < sample_lines) sample_keys[line * 32 + lane] = ordered_key(sampled[t]);
   }
@@ -758,7 +784,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   // T: the key with about kGridSampleMargin · k · (sampled / valid) sample keys at or above it, to 22 bits. A row
-  // read whole by its sample (≤ 8,192 keys) or too short for the margin keeps every valid key (T = 1).
+  // read whole by its sample (≤ 2,048 keys) or too short for the margin keeps every valid key (T = 1).
   uint32_t threshold = 1;
   if (line_stride > 1) {
     Selection estimate;

@@ -269,7 +269,7 @@ TEST_F(CudaIndexerTest, TopKSameAnswerOnBothPaths) {
 }
 
 // The sampled and grid paths' ways out of their estimates, on real data: (row 0) the large scores sit exactly on
-// the sampled lines (every 16th run of 32; the grid path samples every 32nd at 256K), so fewer than k keys of the
+// the sampled lines (every 16th run of 32; the grid path samples every 128th at 256K), so fewer than k keys of the
 // row reach the sample's threshold; (row 1) 100,000 equal top scores overflow every CTA's candidate buffer (the
 // sampled path's) and the grid select's 8,192. Both must take the exact fallback (2 rows of 256K: the grid path by
 // default, the sampled path forced). Then 70 rows
