@@ -750,15 +750,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int i = threadIdx.x; i < 2 * kBins; i += kThreads) (&sh.histogram[0][0])[i] = 0;
   wait_for_prior_grid();  // the scores come from the previous kernel
   allow_dependents();     // the select kernel may become resident; it waits for this grid to complete
-  int64_t length = p.columns;
-  if (p.row_lengths) length = max(int64_t{0}, min(length, static_cast<int64_t>(p.row_lengths[row])));
-  const int valid = static_cast<int>(length);
+  const int32_t* row_length = p.row_lengths ? p.row_lengths + row : nullptr;
+  const int32_t length_read = row_length ? __ldg(row_length) : 0;
   const float* row_scores = p.scores + row * p.row_stride;
   const int first = cta * span;
+  const int columns = static_cast<int>(p.columns);
 
   // The sample: 32-key lines every `line_stride` lines of the row (all CTAs read the same lines), and this CTA's
   // span, position i·kThreads + t for thread t (each load a coalesced 128 B a warp), all loads in flight at once.
-  const int lines = (valid + 31) / 32;
+  // The positions follow from `columns`, not from the row's length, so the loads go out together with the
+  // length's instead of one round trip after it (every position < columns is inside the scores); entries at or
+  // past the length are masked once it arrives.
+  const int lines = (columns + 31) / 32;
   const int line_stride = max(1, (lines * 32 + kGridSampleKeys - 1) / kGridSampleKeys);
   const int sample_lines = (lines + line_stride - 1) / line_stride;  // ≤ kGridSampleLinesPerWarp a warp
   float sampled[kGridSampleLinesPerWarp], own[8];
@@ -766,21 +769,26 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int t = 0; t < kGridSampleLinesPerWarp; ++t) {
     const int line = warp + kWarps * t;
     const int e = line * line_stride * 32 + lane;
-    sampled[t] = line < sample_lines && e < valid ? __ldg(row_scores + e) : -INFINITY;
+    sampled[t] = line < sample_lines && e < columns ? __ldg(row_scores + e) : -INFINITY;
   }
   const int per_thread = span / kThreads;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int e = first + i * kThreads + static_cast<int>(threadIdx.x);
-    own[i] = i < per_thread && e < valid ? __ldg(row_scores + e) : -INFINITY;
+    own[i] = i < per_thread && e < columns ? __ldg(row_scores + e) : -INFINITY;
   }
-  int sample_count = 0;  // sampled positions inside the row
+  const int valid = row_length ? max(0, min(columns, static_cast<int>(length_read))) : columns;
 #pragma unroll
   for (int t = 0; t < kGridSampleLinesPerWarp; ++t) {
     const int line = warp + kWarps * t;
-    if (line < sample_lines) sample_keys[line * 32 + lane] = ordered_key(sampled[t]);
+    if (line < sample_lines)
+      sample_keys[line * 32 + lane] = line * line_stride * 32 + lane < valid ? ordered_key(sampled[t]) : 0u;
   }
-  if (sample_lines > 0) sample_count = (sample_lines - 1) * 32 + min(32, valid - (sample_lines - 1) * line_stride * 32);
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    if (first + i * kThreads + static_cast<int>(threadIdx.x) >= valid) own[i] = -INFINITY;
+  int sample_count = 0;  // sampled positions inside the row's length (the same in every thread)
+  for (int line = 0; line < sample_lines; ++line) sample_count += max(0, min(32, valid - line * line_stride * 32));
   __syncthreads();
 
   // T: the key with about kGridSampleMargin · k · (sampled / valid) sample keys at or above it, to 22 bits. A row
