@@ -699,7 +699,7 @@ constexpr int kGridSampleMargin = 4;
 constexpr int kGridCapacity = 8192;           // candidates the select holds (keys + entries: 64 KB)
 constexpr int64_t kGridMaxRows = 8;           // rows a launch covers (more are launched in blocks: forced only)
 // top_k takes the grid path by itself for rows this few and this long (DSV4_TOPK_PATH=grid forces it anywhere).
-constexpr int64_t kGridAutoMaxRows = 0;  // off until measured on a device
+constexpr int64_t kGridAutoMaxRows = 4;
 constexpr int64_t kGridAutoMinColumns = 65536;
 constexpr int kGridHeaderWords = kGridMaxCtas + 4;  // counts[kGridMaxCtas], threshold, padding
 
