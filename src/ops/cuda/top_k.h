@@ -17,7 +17,10 @@ inline constexpr int64_t kTopKMaxK = 1024;
 // Bytes of workspace top_k needs for `rows` rows of `columns` scores and this k.
 size_t top_k_workspace_bytes(int64_t rows, int64_t columns, int64_t k);
 
-// No allocation and no host synchronisation (CUDA-graph safe). Three paths, chosen by the shape (top_k.cu):
+// No allocation and no host synchronisation (CUDA-graph safe). Four paths, chosen by the shape (top_k.cu):
+// - a few long rows (≤ 4 rows of ≥ 64K columns): the grid path, two launches: every SM filters a span of the row
+//   against a threshold all of them select from the same sample, then one CTA a row selects over the candidates
+//   gathered in the workspace (exact: a fallback over the row when the estimate fails);
 // - rows long enough to sample (one wave of thread-block clusters, each CTA's span over 8,192 keys): the sampled
 //   path, one launch: a 1-in-16 sample of the row sets a threshold, one read of the row keeps the keys at or above
 //   it, a radix select over those candidates (exact: a fallback over the row when the estimate fails);
