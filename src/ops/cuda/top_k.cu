@@ -698,7 +698,9 @@ constexpr int kGridSampleLinesPerWarp = kGridSampleKeys / 32 / kWarps;
 constexpr int kGridSampleMargin = 4;
 constexpr int kGridCapacity = 8192;           // candidates the select holds (keys + entries: 64 KB)
 constexpr int64_t kGridMaxRows = 8;           // rows a launch covers (more are launched in blocks: forced only)
-// top_k takes the grid path by itself for rows this few and this long (DSV4_TOPK_PATH=grid forces it anywhere).
+// top_k takes the grid path by itself for rows this few and this long (DSV4_TOPK_PATH=grid forces it anywhere):
+// measured at 256K × 1 and × 4 (docs/PERF.md "Top-k: the grid path"). More rows were timed only with its first
+// version (launched in blocks of 8 rows: 181 µs at 256K × 32 against 59 sampled), so they keep the other paths.
 constexpr int64_t kGridAutoMaxRows = 4;
 constexpr int64_t kGridAutoMinColumns = 65536;
 constexpr int kGridHeaderWords = kGridMaxCtas + 4;  // counts[kGridMaxCtas], threshold, padding
@@ -973,7 +975,10 @@ cudaError_t top_k(const TopKParams& p, void* workspace, size_t workspace_bytes, 
     return cudaErrorInvalidValue;
   if (p.rows == 0) return cudaSuccess;
   if (workspace_bytes < top_k_workspace_bytes(p.rows, p.columns, p.k)) return cudaErrorInvalidValue;
-  // Three paths (docs/kernels/indexer_topk.md), measured side by side (H200, docs/PERF.md "Top-k"):
+  // Four paths (docs/kernels/indexer_topk.md), measured side by side (H200, docs/PERF.md "Top-k"):
+  // - the grid path for ≤ 4 rows of ≥ 64K columns (H100, session 28): 19.8 µs against 26.1-26.8 (sampled) at
+  //   256K × 1, 22.5 against 31.0-31.7 at 256K × 4; at 32K × 1 its first version was slower than the cluster path
+  //   (27.7 against 19.0 µs), so shorter rows keep the paths below;
   // - the sampled path wherever its span is sampled (rows long enough for one: 32K × ≥ 64, 256K × any): 27.8 µs
   //   against 46.3 (cluster) at 256K × 1, 49.6 against 221.5 (chunked) at 256K × 64, 28.5 against 73.0 at 32K × 128;
   // - else the cluster path while rows × CTAs fit one wave: 10.9 against 15.1 (sampled) at 2K × 1, 17.0 against
