@@ -629,34 +629,40 @@ bool env_is(const char* name, const char* value) {
   return text != nullptr && std::strcmp(text, value) == 0;
 }
 
-// Launches one of the two cluster kernels: a cluster of `shape.cluster` CTAs per row, one row per grid row, with
-// programmatic dependent launch when enabled. The dynamic shared-memory limit and the non-portable cluster size
-// are set per call (host-side attributes, per device, allowed during graph capture).
+// Launches a top-k kernel of kThreads-thread CTAs in clusters of `cluster` along x (1 for the grid path, whose radix
+// machinery still addresses its histograms through the cluster), with programmatic dependent launch when enabled.
+// The dynamic shared-memory limit and the non-portable cluster size are set per call (host-side attributes, per
+// device, allowed during graph capture).
 template <typename... Params, typename... Args>
-cudaError_t launch_row_clusters(void (*kernel)(Params...), const LaunchShape& shape, int64_t rows,
-                                size_t shared_bytes, int max_shared_bytes, cudaStream_t stream, Args... args) {
+cudaError_t launch_clusters(void (*kernel)(Params...), int cluster, dim3 grid, size_t shared_bytes,
+                            int max_shared_bytes, cudaStream_t stream, Args... args) {
   const cudaError_t configured =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_shared_bytes);
   if (configured != cudaSuccess) return configured;
-  if (shape.cluster > kMaxCluster) {
+  if (cluster > kMaxCluster) {
     const cudaError_t allowed = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (allowed != cudaSuccess) return allowed;
   }
   cudaLaunchAttribute attributes[2] = {};
   attributes[0].id = cudaLaunchAttributeClusterDimension;
-  attributes[0].val.clusterDim.x = static_cast<unsigned>(shape.cluster);
+  attributes[0].val.clusterDim.x = static_cast<unsigned>(cluster);
   attributes[0].val.clusterDim.y = 1;
   attributes[0].val.clusterDim.z = 1;
   attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attributes[1].val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(shape.cluster), static_cast<unsigned>(rows));
+  config.gridDim = grid;
   config.blockDim = dim3(kThreads);
   config.dynamicSmemBytes = shared_bytes;
   config.stream = stream;
   config.attrs = attributes;
   config.numAttrs = programmatic_launch_enabled() ? 2 : 1;
   return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
+// One cluster of `shape.cluster` CTAs per row, one row per grid row.
+dim3 row_cluster_grid(const LaunchShape& shape, int64_t rows) {
+  return dim3(static_cast<unsigned>(shape.cluster), static_cast<unsigned>(rows));
 }
 
 cudaError_t launch_sampled(const TopKParams& p, const LaunchShape& shape, cudaStream_t stream) {
@@ -666,8 +672,9 @@ cudaError_t launch_sampled(const TopKParams& p, const LaunchShape& shape, cudaSt
   const int capacity = sample ? kCandidateCapacity : shape.span;
   // DSV4_TOPK_FALLBACK=1 (tests): every row takes the exact fallback over global memory. Read on every call.
   const bool force_fallback = env_is("DSV4_TOPK_FALLBACK", "1");
-  return launch_row_clusters(top_k_sampled_kernel, shape, p.rows, static_cast<size_t>(capacity) * 2 * sizeof(uint32_t),
-                             kCandidateCapacity * 2 * static_cast<int>(sizeof(uint32_t)), stream, p, shape.span,
+  return launch_clusters(top_k_sampled_kernel, shape.cluster, row_cluster_grid(shape, p.rows),
+                         static_cast<size_t>(capacity) * 2 * sizeof(uint32_t),
+                         kCandidateCapacity * 2 * static_cast<int>(sizeof(uint32_t)), stream, p, shape.span,
                              capacity, sample, force_fallback);
 }
 
@@ -916,31 +923,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   compact_selection(source, sel, cluster, 1, 0, sh, p.indices + row * p.k, p.k, p.lengths + row);
 }
 
-// The two grid-path launches for rows [first_row, first_row + rows), cluster dimension 1 (the radix machinery
-// addresses its histograms through the cluster), the select launched programmatically behind the filter.
-template <typename... Params, typename... Args>
-cudaError_t launch_grid_kernel(void (*kernel)(Params...), dim3 grid, size_t shared_bytes, cudaStream_t stream,
-                               Args... args) {
-  const cudaError_t configured =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes));
-  if (configured != cudaSuccess) return configured;
-  cudaLaunchAttribute attributes[2] = {};
-  attributes[0].id = cudaLaunchAttributeClusterDimension;
-  attributes[0].val.clusterDim.x = 1;
-  attributes[0].val.clusterDim.y = 1;
-  attributes[0].val.clusterDim.z = 1;
-  attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attributes[1].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = shared_bytes;
-  config.stream = stream;
-  config.attrs = attributes;
-  config.numAttrs = programmatic_launch_enabled() ? 2 : 1;
-  return cudaLaunchKernelEx(&config, kernel, args...);
-}
-
 size_t grid_workspace_bytes(int64_t rows, int64_t columns) {
   return static_cast<size_t>(std::min(rows, kGridMaxRows)) * static_cast<size_t>(grid_row_words(columns)) * 4;
 }
@@ -950,13 +932,15 @@ cudaError_t launch_grid(const TopKParams& p, int multiprocessors, void* workspac
   for (int64_t first_row = 0; first_row < p.rows; first_row += kGridMaxRows) {
     const int64_t rows = std::min(kGridMaxRows, p.rows - first_row);
     const GridShape shape = grid_shape(rows, p.columns, multiprocessors);
-    cudaError_t status = launch_grid_kernel(
-        top_k_grid_filter_kernel, dim3(static_cast<unsigned>(shape.ctas), static_cast<unsigned>(rows)),
-        kGridSampleKeys * sizeof(uint32_t), stream, p, first_row, shape.span, workspace);
+    // The filter, then the select launched programmatically behind it (resident before the filter drains).
+    constexpr int kFilterShared = kGridSampleKeys * sizeof(uint32_t), kSelectShared = kGridCapacity * 2 * sizeof(uint32_t);
+    cudaError_t status = launch_clusters(top_k_grid_filter_kernel, 1,
+                                         dim3(static_cast<unsigned>(shape.ctas), static_cast<unsigned>(rows)),
+                                         kFilterShared, kFilterShared, stream, p, first_row, shape.span, workspace);
     if (status != cudaSuccess) return status;
-    status = launch_grid_kernel(top_k_grid_select_kernel, dim3(1, static_cast<unsigned>(rows)),
-                                kGridCapacity * 2 * sizeof(uint32_t), stream, p, first_row, shape.ctas, shape.span,
-                                static_cast<const void*>(workspace), force_fallback);
+    status = launch_clusters(top_k_grid_select_kernel, 1, dim3(1, static_cast<unsigned>(rows)), kSelectShared,
+                             kSelectShared, stream, p, first_row, shape.ctas, shape.span,
+                             static_cast<const void*>(workspace), force_fallback);
     if (status != cudaSuccess) return status;
   }
   return cudaSuccess;
@@ -1008,8 +992,9 @@ cudaError_t top_k(const TopKParams& p, void* workspace, size_t workspace_bytes, 
     if (narrower.span > kCandidateCapacity) return launch_sampled(p, narrower, stream);
   }
   if (path == "chunked" || (automatic && !cluster_fits_a_wave)) return chunked_top_k(p, workspace, stream);
-  return launch_row_clusters(top_k_cluster_kernel, shape, p.rows, static_cast<size_t>(shape.span) * sizeof(uint32_t),
-                             kMaxSpan * static_cast<int>(sizeof(uint32_t)), stream, p, shape.span);
+  return launch_clusters(top_k_cluster_kernel, shape.cluster, row_cluster_grid(shape, p.rows),
+                         static_cast<size_t>(shape.span) * sizeof(uint32_t), kMaxSpan * static_cast<int>(sizeof(uint32_t)),
+                         stream, p, shape.span);
 }
 
 }  // namespace dsv4::ops::cuda
