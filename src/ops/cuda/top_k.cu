@@ -675,7 +675,7 @@ cudaError_t launch_sampled(const TopKParams& p, const LaunchShape& shape, cudaSt
   return launch_clusters(top_k_sampled_kernel, shape.cluster, row_cluster_grid(shape, p.rows),
                          static_cast<size_t>(capacity) * 2 * sizeof(uint32_t),
                          kCandidateCapacity * 2 * static_cast<int>(sizeof(uint32_t)), stream, p, shape.span,
-                             capacity, sample, force_fallback);
+                         capacity, sample, force_fallback);
 }
 
 
@@ -933,7 +933,8 @@ cudaError_t launch_grid(const TopKParams& p, int multiprocessors, void* workspac
     const int64_t rows = std::min(kGridMaxRows, p.rows - first_row);
     const GridShape shape = grid_shape(rows, p.columns, multiprocessors);
     // The filter, then the select launched programmatically behind it (resident before the filter drains).
-    constexpr int kFilterShared = kGridSampleKeys * sizeof(uint32_t), kSelectShared = kGridCapacity * 2 * sizeof(uint32_t);
+    constexpr int kFilterShared = kGridSampleKeys * sizeof(uint32_t);
+    constexpr int kSelectShared = kGridCapacity * 2 * sizeof(uint32_t);
     cudaError_t status = launch_clusters(top_k_grid_filter_kernel, 1,
                                          dim3(static_cast<unsigned>(shape.ctas), static_cast<unsigned>(rows)),
                                          kFilterShared, kFilterShared, stream, p, first_row, shape.span, workspace);
