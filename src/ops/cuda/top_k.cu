@@ -166,18 +166,22 @@ struct CtaSpan {
   const float* scores;  // the score of entry `first`
   bool vector_loads;    // `scores` is 16-byte aligned
 };
+// The row's valid entries: its length clamped to [0, columns], or every column without lengths.
+__device__ __forceinline__ int64_t row_valid_entries(const TopKParams& p, int64_t row) {
+  int64_t length = p.columns;
+  if (p.row_lengths) length = max(int64_t{0}, min(length, static_cast<int64_t>(p.row_lengths[row])));
+  return length;
+}
 __device__ __forceinline__ CtaSpan begin_row_cta(const TopKParams& p, Shared& sh, int64_t row, int rank, int span) {
   for (int i = threadIdx.x; i < 2 * kBins; i += kThreads) (&sh.histogram[0][0])[i] = 0;
   wait_for_prior_grid();  // the scores come from the previous kernel
   allow_dependents();
-  int64_t length = p.columns;
-  if (p.row_lengths) length = max(int64_t{0}, min(length, static_cast<int64_t>(p.row_lengths[row])));
+  const int64_t length = row_valid_entries(p, row);
   const int64_t first = static_cast<int64_t>(rank) * span;
   const int valid = static_cast<int>(max(int64_t{0}, min(static_cast<int64_t>(span), length - first)));
   const float* scores = p.scores + row * p.row_stride + first;
   return {first, valid, scores, (reinterpret_cast<uintptr_t>(scores) & 15) == 0};
 }
-
 
 // ---------------------------------------------------------------------------------------------------------------
 // The sampled path (top_k's choice wherever a CTA's span is too long to keep whole; docs/kernels/indexer_topk.md):
@@ -678,7 +682,6 @@ cudaError_t launch_sampled(const TopKParams& p, const LaunchShape& shape, cudaSt
                          capacity, sample, force_fallback);
 }
 
-
 // ---------------------------------------------------------------------------------------------------------------
 // The grid path (docs/kernels/indexer_topk.md "Grid path"): for a few long rows, where one cluster of 8 CTAs per
 // row leaves most of the GPU idle and its chain of cluster barriers sets the time (27 µs at 256K × 1, H100), the
@@ -692,7 +695,7 @@ cudaError_t launch_sampled(const TopKParams& p, const LaunchShape& shape, cudaSt
 //    gathers the CTAs' candidates in CTA order (= entry order) into shared memory, radix-selects over them and
 //    compacts, as the cluster path does with a cluster of one. Exactness as in the sampled path: if at least k keys
 //    reach T, every key the answer can take is a candidate; otherwise (or when they exceed the buffer) the CTA
-//    selects over the row in global memory (exact, slow, and with a sample of 3k/N expected to be very rare).
+//    selects over the row in global memory (exact, slow, and with the margin below a far tail).
 constexpr int kGridMaxSpan = 8 * kThreads;    // keys of one filter CTA: eight per thread
 constexpr int kGridMaxCtas = 256;             // filter CTAs a row
 // Sampled keys of a row at most (32-key lines, evenly strided): every filter CTA radix-selects over the whole
@@ -717,8 +720,8 @@ struct GridShape {
   int span;  // keys a filter CTA owns, a multiple of kThreads
 };
 
-// Words of one row's workspace (rows of a launch are numbered from its first): the header, then keys and entries of every CTA's region (ctas · span < columns +
-// span ≤ columns + kGridMaxSpan).
+// Words of one row's workspace (rows of a launch are numbered from its first): the header, then keys and entries
+// of every CTA's region (ctas · span < columns + span ≤ columns + kGridMaxSpan).
 __host__ __device__ inline int64_t grid_row_words(int64_t columns) {
   return kGridHeaderWords + 2 * (columns + kGridMaxSpan);
 }
@@ -825,7 +828,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane == 0) kept_before[i][warp] = __popc(ballots[i]);
   }
   __syncthreads();
-  if (warp == 0) {  // exclusive scan over the per_thread · kWarps counts, load-major: lane l scans row... of load l
+  if (warp == 0) {  // exclusive scan over the per_thread · kWarps counts, load-major: lane l holds warp l's count
     uint32_t running = 0;
     for (int i = 0; i < per_thread; ++i) {
       const uint32_t count = kept_before[i][lane];
@@ -869,8 +872,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int i = threadIdx.x; i < 2 * kBins; i += kThreads) (&sh.histogram[0][0])[i] = 0;
   wait_for_prior_grid();  // the filter's candidates
   allow_dependents();
-  int64_t length = p.columns;
-  if (p.row_lengths) length = max(int64_t{0}, min(length, static_cast<int64_t>(p.row_lengths[row])));
+  const int64_t length = row_valid_entries(p, row);
   const GridRow in = grid_row(const_cast<void*>(workspace), blockIdx.y, p.columns);
   const uint32_t threshold = *in.threshold;
   const uint32_t count = static_cast<int>(threadIdx.x) < ctas ? in.counts[threadIdx.x] : 0u;

@@ -272,8 +272,8 @@ TEST_F(CudaIndexerTest, TopKSameAnswerOnBothPaths) {
 // the sampled lines (every 16th run of 32; the grid path samples every 128th at 256K), so fewer than k keys of the
 // row reach the sample's threshold; (row 1) 100,000 equal top scores overflow every CTA's candidate buffer (the
 // sampled path's) and the grid select's 8,192. Both must take the exact fallback (2 rows of 256K: the grid path by
-// default, the sampled path forced). Then 70 rows
-// of 65,536, one CTA per row on a 132-SM device with a sample of its own.
+// default, the sampled path forced). Then 70 rows of 65,536, one CTA per row on a 132-SM device with a sample of
+// its own.
 TEST_F(CudaIndexerTest, TopKSampledPathFallsBackWhenTheEstimateFails) {
   for (const int64_t k : {512, 1024}) {
     const int64_t rows = 2, columns = 262144;
