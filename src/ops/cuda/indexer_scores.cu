@@ -4,7 +4,9 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
+#include <cstdlib>
 
 #include "ops/cuda/bf16.cuh"
 #include "ops/cuda/launch.cuh"
@@ -312,136 +314,151 @@ __device__ __forceinline__ uint32_t q_offset(int head, int chunk) {
 
 template <IndexKeyDtype kDtype, int kMinBlocks>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks)
-    indexer_scores_wgmma_kernel(const IndexerScoresParams p, int tiles_per_cta) {
+    indexer_scores_wgmma_kernel(const IndexerScoresParams p, int tiles_per_token) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   wait_for_prior_grid();
   allow_dependents();
   __shared__ __align__(128) unsigned char q_buffer[2 * kQBlockBytes + 1024];  // aligned to 1024 below
   __shared__ __align__(16) uint32_t q_raw[kHeads * kHeadDim / 2];            // q as it comes, bf16 pairs
   __shared__ float w_smem[kHeads];
+  __shared__ uint32_t warp_largest[kWarps];
   const uint32_t q_unaligned = static_cast<uint32_t>(__cvta_generic_to_shared(q_buffer));
   const uint32_t q_pad = (1024u - (q_unaligned & 1023u)) & 1023u;
   unsigned char* q_smem = q_buffer + q_pad;
   const uint32_t q_base = q_unaligned + q_pad;
-
-  const int64_t token = blockIdx.y;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
-  const TokenView view = token_view(p, token);
-  const int64_t visible = view.visible;
-  const int32_t* table = view.table;
   const auto* pool = reinterpret_cast<const unsigned char*>(p.pool);
-  const int64_t first_entry = static_cast<int64_t>(blockIdx.x) * tiles_per_cta * kCtaEntries;
 
-  // The first keys are in flight while q is staged and permuted.
-  KeyTile<kDtype> tile;
-  load_tile<kDtype, 64>(p, pool, table, first_entry + 16 * warp, visible, g, t, tile);
-  const uint4* q = reinterpret_cast<const uint4*>(p.q + token * kHeads * kHeadDim);
-  uint32_t largest = 0;  // FP8: max |q| of the token as bf16 magnitude bits (ordered like the values)
-  for (int i = tid; i < kHeads * kHeadDim / 8; i += kWarps * 32) {
-    const uint4 v = __ldg(q + i);
-    reinterpret_cast<uint4*>(q_raw)[i] = v;
-    if constexpr (kDtype == IndexKeyDtype::kFp8)
-      largest = __vmaxu2(largest, __vmaxu2(__vmaxu2(v.x & 0x7fff7fffu, v.y & 0x7fff7fffu),
-                                           __vmaxu2(v.z & 0x7fff7fffu, v.w & 0x7fff7fffu)));
-  }
-  // FP8 keys meet q as f16 (11 significant bits, bf16 has 8), scaled per token by 2^-e so that max |q| lands in
-  // [2^14, 2^15): every element within 2^31 of the largest converts exactly, and 2^e goes into the head weights
-  // (relu commutes with a positive scale). So the products are those of the bf16 q, as in the CPU twin.
-  __shared__ uint32_t warp_largest[kWarps];
-  if constexpr (kDtype == IndexKeyDtype::kFp8) {
-    largest = __reduce_max_sync(0xffffffffu, __vmaxu2(largest, largest >> 16) & 0xffffu);
-    if (lane == 0) warp_largest[warp] = largest;
-  }
-  __syncthreads();
-  int q_exponent = 0;
-  if constexpr (kDtype == IndexKeyDtype::kFp8) {
-    largest = max(max(warp_largest[0], warp_largest[1]), max(warp_largest[2], warp_largest[3]));
-    if (largest != 0) q_exponent = min(60, max(-60, static_cast<int>(largest >> 7) - 127 - 14));
-  }
-  if (tid < kHeads)
-    w_smem[tid] = p.weights[token * kHeads + tid] * p.softmax_scale * __int_as_float((127 + q_exponent) << 23);
-  const float q_scale = __int_as_float((127 - q_exponent) << 23);
-  // Logical k pairs (2e, 2e + 1) of a chunk are physical neighbours (physical_channel keeps the low bit).
-  for (int i = tid; i < kHeads * 16; i += kWarps * 32) {
-    const int head = i >> 4, chunk = i & 15;
-    uint32_t words[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      words[e] = q_raw[(head * kHeadDim + physical_channel(8 * chunk + 2 * e)) / 2];
-      if constexpr (kDtype == IndexKeyDtype::kFp8) {
-        const __half2 pair = __floats2half2_rn(__uint_as_float(words[e] << 16) * q_scale,
-                                               __uint_as_float(words[e] & 0xffff0000u) * q_scale);
-        words[e] = *reinterpret_cast<const uint32_t*>(&pair);
-      }
+  // The CTA's share of the (token, tile) items, token-major, split evenly over a grid of one wave: every CTA
+  // finishes at about the same time (a grid of fixed-length runs over several waves left the last wave part
+  // empty: 2.6 waves took 3 at 32K × 128). A share that crosses tokens is scored as one run of tiles per token,
+  // q staged at the start of each.
+  // Items, tiles and entries fit 32 bits (65,535 tokens × 2,048 tiles); 32-bit counters keep the FP8 kernel
+  // free of spills at 3 CTAs an SM.
+  const int items = tiles_per_token * p.num_tokens;
+  int item = static_cast<int>(static_cast<int64_t>(items) * blockIdx.x / gridDim.x);
+  const int end = static_cast<int>(static_cast<int64_t>(items) * (blockIdx.x + 1) / gridDim.x);
+  while (item < end) {
+    const int token = item / tiles_per_token;
+    const int run_end = min(end, (token + 1) * tiles_per_token);
+    const int first_entry = (item - token * tiles_per_token) * kCtaEntries;
+    const int run_tiles = run_end - item;
+    item = run_end;
+    const TokenView view = token_view(p, token);
+    const int64_t visible = view.visible;
+    const int32_t* table = view.table;
+
+    // The first keys are in flight while q is staged and permuted.
+    KeyTile<kDtype> tile;
+    load_tile<kDtype, 64>(p, pool, table, first_entry + 16 * warp, visible, g, t, tile);
+    __syncthreads();  // the previous run's reads of q and the weights are done (wgmma waited in every warp)
+    const uint4* q = reinterpret_cast<const uint4*>(p.q + static_cast<int64_t>(token) * kHeads * kHeadDim);
+    uint32_t largest = 0;  // FP8: max |q| of the token as bf16 magnitude bits (ordered like the values)
+    for (int i = tid; i < kHeads * kHeadDim / 8; i += kWarps * 32) {
+      const uint4 v = __ldg(q + i);
+      reinterpret_cast<uint4*>(q_raw)[i] = v;
+      if constexpr (kDtype == IndexKeyDtype::kFp8)
+        largest = __vmaxu2(largest, __vmaxu2(__vmaxu2(v.x & 0x7fff7fffu, v.y & 0x7fff7fffu),
+                                             __vmaxu2(v.z & 0x7fff7fffu, v.w & 0x7fff7fffu)));
     }
-    *reinterpret_cast<uint4*>(q_smem + q_offset(head, chunk)) = make_uint4(words[0], words[1], words[2], words[3]);
-  }
-  fence_proxy_async_shared();  // q's generic stores before wgmma's async-proxy reads
-  __syncthreads();
-  float w[8][2];
-  load_head_weights(w_smem, t, w);
-
-  for (int it = 0; it < tiles_per_cta; ++it) {
-    const int64_t tile0 = first_entry + static_cast<int64_t>(it) * kCtaEntries;
-    if (tile0 >= p.max_entries) break;
-    // Every fragment of the tile first (wgmma reads them asynchronously), then the next tile's loads go out into
-    // the same registers: no second copy of the raw tile is live (3 CTAs an SM without spills).
-    const bool any = tile0 < visible;  // uniform over the warpgroup, as wgmma needs
-    uint32_t a[2][8][4];
-    if (any) {
-#pragma unroll
-      for (int s = 0; s < 8; ++s) {
-        uint32_t step[2][4];
-        wgmma_fragments_of_step<kDtype>(tile, s, step);
-#pragma unroll
-        for (int m = 0; m < 2; ++m)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) a[m][s][i] = step[m][i];
-      }
+    // FP8 keys meet q as f16 (11 significant bits, bf16 has 8), scaled per token by 2^-e so that max |q| lands in
+    // [2^14, 2^15): every element within 2^31 of the largest converts exactly, and 2^e goes into the head weights
+    // (relu commutes with a positive scale). So the products are those of the bf16 q, as in the CPU twin.
+    if constexpr (kDtype == IndexKeyDtype::kFp8) {
+      largest = __reduce_max_sync(0xffffffffu, __vmaxu2(largest, largest >> 16) & 0xffffu);
+      if (lane == 0) warp_largest[warp] = largest;
     }
-    const float scale = tile.scale;
-    if (it + 1 < tiles_per_cta)
-      load_tile<kDtype, 64>(p, pool, table, tile0 + kCtaEntries + 16 * warp, visible, g, t, tile);
-
-    // [m][h]: Σ over this lane's heads of w · relu(k · q), rows 64m + 16·warp + 8h + g
-    float part[2][2] = {{0, 0}, {0, 0}};
-    if (any) {
-      // One row group at a time (one accumulator tile live), so the kernel fits 3 CTAs an SM without spills.
+    __syncthreads();
+    int q_exponent = 0;
+    if constexpr (kDtype == IndexKeyDtype::kFp8) {
+      largest = max(max(warp_largest[0], warp_largest[1]), max(warp_largest[2], warp_largest[3]));
+      if (largest != 0) q_exponent = min(60, max(-60, static_cast<int>(largest >> 7) - 127 - 14));
+    }
+    if (tid < kHeads)
+      w_smem[tid] = p.weights[static_cast<int64_t>(token) * kHeads + tid] * p.softmax_scale *
+                    __int_as_float((127 + q_exponent) << 23);
+    const float q_scale = __int_as_float((127 - q_exponent) << 23);
+    // Logical k pairs (2e, 2e + 1) of a chunk are physical neighbours (physical_channel keeps the low bit).
+    for (int i = tid; i < kHeads * 16; i += kWarps * 32) {
+      const int head = i >> 4, chunk = i & 15;
+      uint32_t words[4];
 #pragma unroll
-      for (int m = 0; m < 2; ++m) {
-        float acc[32];
-        wgmma_fence();
+      for (int e = 0; e < 4; ++e) {
+        words[e] = q_raw[(head * kHeadDim + physical_channel(8 * chunk + 2 * e)) / 2];
+        if constexpr (kDtype == IndexKeyDtype::kFp8) {
+          const __half2 pair = __floats2half2_rn(__uint_as_float(words[e] << 16) * q_scale,
+                                                 __uint_as_float(words[e] & 0xffff0000u) * q_scale);
+          words[e] = *reinterpret_cast<const uint32_t*>(&pair);
+        }
+      }
+      *reinterpret_cast<uint4*>(q_smem + q_offset(head, chunk)) = make_uint4(words[0], words[1], words[2], words[3]);
+    }
+    fence_proxy_async_shared();  // q's generic stores before wgmma's async-proxy reads
+    __syncthreads();
+    float w[8][2];
+    load_head_weights(w_smem, t, w);
+
+    for (int it = 0; it < run_tiles; ++it) {
+      const int tile0 = first_entry + it * kCtaEntries;
+      // Every fragment of the tile first (wgmma reads them asynchronously), then the next tile's loads go out
+      // into the same registers: no second copy of the raw tile is live (3 CTAs an SM without spills).
+      const bool any = tile0 < visible;  // uniform over the warpgroup, as wgmma needs
+      uint32_t a[2][8][4];
+      if (any) {
 #pragma unroll
         for (int s = 0; s < 8; ++s) {
-          const uint64_t q_step = smem_descriptor(q_base + (s >> 2) * kQBlockBytes + (s & 3) * 32, 16, 1024);
-          if constexpr (kDtype == IndexKeyDtype::kFp8)
-            wgmma_m64n64k16_rs_f16(acc, a[m][s], q_step, s > 0);
-          else
-            wgmma_m64n64k16_rs(acc, a[m][s], q_step, s > 0);
+          uint32_t step[2][4];
+          wgmma_fragments_of_step<kDtype>(tile, s, step);
+#pragma unroll
+          for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) a[m][s][i] = step[m][i];
         }
-        wgmma_commit();
-        wgmma_wait<0>();
-        // acc[4j + e]: entry row 16·warp + g + 8·(e / 2) of group m, head 8j + 2t + e % 2. Fused multiply-adds:
-        // fewer instructions than the mma.sync kernel's sum of products (the issue rate is a limit here).
-        if (p.deepseek_roundings) {
+      }
+      const float scale = tile.scale;
+      if (it + 1 < run_tiles)
+        load_tile<kDtype, 64>(p, pool, table, tile0 + kCtaEntries + 16 * warp, visible, g, t, tile);
+
+      // [m][h]: Σ over this lane's heads of w · relu(k · q), rows 64m + 16·warp + 8h + g
+      float part[2][2] = {{0, 0}, {0, 0}};
+      if (any) {
+        // One row group at a time (one accumulator tile live), so the kernel fits 3 CTAs an SM without spills.
 #pragma unroll
-          for (int j = 0; j < 8; ++j)
+        for (int m = 0; m < 2; ++m) {
+          float acc[32];
+          wgmma_fence();
 #pragma unroll
-            for (int e = 0; e < 4; ++e) part[m][e / 2] += deepseek_term(w[j][e % 2], acc[4 * j + e]);
-        } else {
+          for (int s = 0; s < 8; ++s) {
+            const uint64_t q_step = smem_descriptor(q_base + (s >> 2) * kQBlockBytes + (s & 3) * 32, 16, 1024);
+            if constexpr (kDtype == IndexKeyDtype::kFp8)
+              wgmma_m64n64k16_rs_f16(acc, a[m][s], q_step, s > 0);
+            else
+              wgmma_m64n64k16_rs(acc, a[m][s], q_step, s > 0);
+          }
+          wgmma_commit();
+          wgmma_wait<0>();
+          // acc[4j + e]: entry row 16·warp + g + 8·(e / 2) of group m, head 8j + 2t + e % 2. Fused multiply-adds:
+          // fewer instructions than the mma.sync kernel's sum of products (the issue rate is a limit here).
+          if (p.deepseek_roundings) {
 #pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            part[m][0] = fmaf(w[j][0], fmaxf(acc[4 * j], 0.0f), part[m][0]);
-            part[m][0] = fmaf(w[j][1], fmaxf(acc[4 * j + 1], 0.0f), part[m][0]);
-            part[m][1] = fmaf(w[j][0], fmaxf(acc[4 * j + 2], 0.0f), part[m][1]);
-            part[m][1] = fmaf(w[j][1], fmaxf(acc[4 * j + 3], 0.0f), part[m][1]);
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) part[m][e / 2] += deepseek_term(w[j][e % 2], acc[4 * j + e]);
+          } else {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+              part[m][0] = fmaf(w[j][0], fmaxf(acc[4 * j], 0.0f), part[m][0]);
+              part[m][0] = fmaf(w[j][1], fmaxf(acc[4 * j + 1], 0.0f), part[m][0]);
+              part[m][1] = fmaf(w[j][0], fmaxf(acc[4 * j + 2], 0.0f), part[m][1]);
+              part[m][1] = fmaf(w[j][1], fmaxf(acc[4 * j + 3], 0.0f), part[m][1]);
+            }
           }
         }
       }
+      // Lane t writes row 64·(t>>1) + 16·warp + 8·(t&1) + g.
+      write_score<kDtype>(part, t, tile0 + 64 * (t >> 1) + 16 * warp + 8 * (t & 1) + g, view, p.max_entries, scale,
+                          p.deepseek_roundings);
     }
-    // Lane t writes row 64·(t>>1) + 16·warp + 8·(t&1) + g.
-    write_score<kDtype>(part, t, tile0 + 64 * (t >> 1) + 16 * warp + 8 * (t & 1) + g, view, p.max_entries, scale,
-                        p.deepseek_roundings);
   }
 #else
   __trap();  // not sm_90a code: use_warpgroup_mma (ops/cuda/warpgroup_dispatch.h) never launches it there
@@ -487,23 +504,38 @@ cudaError_t indexer_scores(const IndexerScoresParams& p, cudaStream_t stream) {
   // DSV4_INDEXER_KERNEL=mma runs the mma.sync kernel on a Hopper too.
   const bool wgmma = use_warpgroup_mma("DSV4_INDEXER_KERNEL");
   const bool fp8 = p.keys.dtype == IndexKeyDtype::kFp8;
-  auto kernel = wgmma ? (fp8 ? warpgroup_mma::indexer_scores_wgmma_kernel<IndexKeyDtype::kFp8, 3>
-                             : warpgroup_mma::indexer_scores_wgmma_kernel<IndexKeyDtype::kBf16, 2>)
-                      : (fp8 ? indexer_scores_kernel<IndexKeyDtype::kFp8, 3>
-                             : indexer_scores_kernel<IndexKeyDtype::kBf16, 2>);
+  auto wgmma_kernel = fp8 ? warpgroup_mma::indexer_scores_wgmma_kernel<IndexKeyDtype::kFp8, 3>
+                          : warpgroup_mma::indexer_scores_wgmma_kernel<IndexKeyDtype::kBf16, 2>;
+  auto mma_kernel = fp8 ? indexer_scores_kernel<IndexKeyDtype::kFp8, 3> : indexer_scores_kernel<IndexKeyDtype::kBf16, 2>;
   static int resident_per_sm[2][2] = {};  // [wgmma][fp8], asked once per kernel
   int& per_sm = resident_per_sm[wgmma][fp8];
-  if (per_sm == 0 && (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * 32, 0) != cudaSuccess ||
-                      per_sm < 1)) {
-    cudaGetLastError();
-    per_sm = 2;
+  if (per_sm == 0) {
+    const cudaError_t asked =
+        wgmma ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, wgmma_kernel, kWarps * 32, 0)
+              : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, mma_kernel, kWarps * 32, 0);
+    if (asked != cudaSuccess || per_sm < 1) {
+      cudaGetLastError();
+      per_sm = 2;
+    }
   }
-  // Enough CTAs for about two waves, each scoring several consecutive tiles so q is read from L2 once per tile run.
   const int64_t tiles = (p.max_entries + kCtaEntries - 1) / kCtaEntries;
   const int64_t resident = static_cast<int64_t>(multiprocessors()) * per_sm;
+  if (wgmma) {
+    // The kernel counts items and entries of a token in 32 bits.
+    if (tiles * p.num_tokens > INT32_MAX || tiles * kCtaEntries > INT32_MAX) return cudaErrorInvalidValue;
+    // One wave, the (token, tile) items split evenly over it. DSV4_INDEXER_CTAS=N caps the grid (the tests use it
+    // to make CTAs cross tokens at small shapes).
+    int64_t ctas = std::min(tiles * p.num_tokens, resident);
+    if (const char* cap = std::getenv("DSV4_INDEXER_CTAS"); cap != nullptr && std::atoll(cap) > 0)
+      ctas = std::min(ctas, static_cast<int64_t>(std::atoll(cap)));
+    launch_dependent(wgmma_kernel, dim3(static_cast<unsigned>(ctas)), kWarps * 32, 0, stream, p, static_cast<int>(tiles));
+    return cudaGetLastError();
+  }
+  // The mma.sync kernel: enough CTAs for about two waves, each scoring several consecutive tiles of one token so
+  // q is read from L2 once per tile run.
   const int64_t per_cta = std::max<int64_t>(1, std::min<int64_t>(32, tiles * p.num_tokens / (2 * resident)));
   const dim3 grid(static_cast<unsigned>((tiles + per_cta - 1) / per_cta), static_cast<unsigned>(p.num_tokens));
-  launch_dependent(kernel, grid, kWarps * 32, 0, stream, p, static_cast<int>(per_cta));
+  launch_dependent(mma_kernel, grid, kWarps * 32, 0, stream, p, static_cast<int>(per_cta));
   return cudaGetLastError();
 }
 

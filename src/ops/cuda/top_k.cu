@@ -238,9 +238,10 @@ __device__ void histogram_pass_from(const KeySource& source, const Selection& se
 // Up to `max_passes` radix passes (11, 11, 10 bits) over the cluster's sources, stopping once resolved. The two
 // histogram buffers alternate over every pass of the kernel (`passes_run` counts them): before a buffer is used a
 // second time it is zeroed, which is safe because every CTA read it (resolve_digit) before the barrier of the
-// pass in between.
+// pass in between. `first_counted`: the caller already counted the first pass into the buffer it would use (the
+// grid select, while it gathers its candidates).
 __device__ void radix_select(const KeySource& source, cg::cluster_group& cluster, int ranks, Selection& sel, Shared& sh,
-                             int& passes_run, int max_passes) {
+                             int& passes_run, int max_passes, bool first_counted = false) {
 #pragma unroll 1
   for (int pass = 0; pass < max_passes && sel.resolved < 32; ++pass) {
     const int bits = min(11, 32 - sel.resolved);
@@ -250,7 +251,7 @@ __device__ void radix_select(const KeySource& source, cg::cluster_group& cluster
       __syncthreads();
     }
     ++passes_run;
-    histogram_pass_from(source, sel, bits, histogram);
+    if (!(first_counted && pass == 0)) histogram_pass_from(source, sel, bits, histogram);
     cluster_barrier(cluster, ranks);
     if (resolve_digit(cluster, ranks, histogram, bits, sel, sh)) return;
   }
@@ -699,13 +700,19 @@ cudaError_t launch_sampled(const TopKParams& p, const LaunchShape& shape, cudaSt
 constexpr int kGridMaxSpan = 8 * kThreads;    // keys of one filter CTA: eight per thread
 constexpr int kGridMaxCtas = 256;             // filter CTAs a row
 // Sampled keys of a row at most (32-key lines, evenly strided): every filter CTA radix-selects over the whole
-// sample, so it is kept small (8,192 took 1,430 instructions a warp in the filter, ncu). With the margin, T has
-// about 4k keys of the row at or above it: at 2,048 sample keys and k 512, 16 sample keys above T, so fewer than
-// k candidates (the fallback) needs a Gamma(16) draw under 4 (p ≈ 1e-6) and more than the 8,192 the select
-// holds one over 64 (k 1024: Gamma(32) over 64; both far tails).
+// sample, so it is kept small (8,192 took 1,430 instructions a warp in the filter, ncu).
 constexpr int kGridSampleKeys = 2048;
 constexpr int kGridSampleLinesPerWarp = kGridSampleKeys / 32 / kWarps;
-constexpr int kGridSampleMargin = 4;
+// T is the sample key with `grid_sample_keys_above(k, …)` sample keys at or above it, so about margin · k keys of
+// the row reach it: margin 4 at k 512 (16 sample keys of 2,048 at 256K columns), 3 at k ≥ 1,024 (24 sample keys),
+// and never fewer than 16 sample keys (small k). Fewer than k candidates (the fallback) then needs a Gamma(16)
+// draw under 4 (p ≈ 1e-6) at k 512 or a Gamma(24) draw under 8 (p ≈ 4e-6) at k 1,024; more than the 8,192 the
+// select holds, Gamma(16) over 64 or Gamma(24) over 64 (far tails). Margin 3 at k 1,024 leaves the select 3,072
+// candidates instead of 4,096: shorter passes and compaction.
+__device__ __forceinline__ uint32_t grid_sample_keys_above(int64_t k, int sample_count, int valid) {
+  const int64_t margin = k >= 1024 ? 3 : 4;
+  return static_cast<uint32_t>(max(int64_t{16}, (margin * k * sample_count + valid - 1) / max(1, valid)));
+}
 constexpr int kGridCapacity = 8192;           // candidates the select holds (keys + entries: 64 KB)
 constexpr int64_t kGridMaxRows = 8;           // rows a launch covers (more are launched in blocks: forced only)
 // top_k takes the grid path by itself for rows this few and this long (DSV4_TOPK_PATH=grid forces it anywhere):
@@ -803,13 +810,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int line = 0; line < sample_lines; ++line) sample_count += max(0, min(32, valid - line * line_stride * 32));
   __syncthreads();
 
-  // T: the key with about kGridSampleMargin · k · (sampled / valid) sample keys at or above it, to 22 bits. A row
-  // read whole by its sample (≤ 2,048 keys) or too short for the margin keeps every valid key (T = 1).
+  // T: the sample key with grid_sample_keys_above sample keys at or above it, to 22 bits. A row read whole by its
+  // sample (≤ 2,048 keys) or too short for the margin keeps every valid key (T = 1).
   uint32_t threshold = 1;
   if (line_stride > 1) {
     Selection estimate;
-    estimate.need = static_cast<uint32_t>(
-        max(int64_t{1}, (kGridSampleMargin * p.k * sample_count + valid - 1) / max(1, valid)));
+    estimate.need = grid_sample_keys_above(p.k, sample_count, valid);
     int passes_run = 0;
     if (estimate.need < static_cast<uint32_t>(sample_count)) {
       radix_select(KeySource{sample_keys, nullptr, nullptr, sample_lines * 32, 0}, cluster, 1, estimate, sh,
@@ -875,27 +881,51 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t length = row_valid_entries(p, row);
   const GridRow in = grid_row(const_cast<void*>(workspace), blockIdx.y, p.columns);
   const uint32_t threshold = *in.threshold;
-  const uint32_t count = static_cast<int>(threadIdx.x) < ctas ? in.counts[threadIdx.x] : 0u;
-  uint32_t total;
-  const uint32_t inclusive = block_inclusive_scan(count, sh, total);
-  if (static_cast<int>(threadIdx.x) < ctas) offsets[threadIdx.x] = inclusive - count;
-  if (threadIdx.x == 0) offsets[ctas] = total;
+  // The filter CTAs' first slots: an exclusive scan of their counts in warp 0 (eight a lane; one CTA barrier where
+  // a block-wide scan takes three).
+  const int lane = threadIdx.x % 32;
+  if (threadIdx.x < 32) {
+    constexpr int kPerLane = kGridMaxCtas / 32;
+    uint32_t counts[kPerLane], sum = 0;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int c = kPerLane * lane + i;
+      counts[i] = c < ctas ? in.counts[c] : 0u;
+      sum += counts[i];
+    }
+    uint32_t inclusive = sum;
+    for (int offset = 1; offset < 32; offset *= 2) {
+      const uint32_t v = __shfl_up_sync(0xffffffffu, inclusive, offset);
+      if (lane >= offset) inclusive += v;
+    }
+    uint32_t running = inclusive - sum;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int c = kPerLane * lane + i;
+      if (c < ctas) offsets[c] = running;
+      running += counts[i];
+    }
+    if (lane == 31) offsets[ctas] = inclusive;
+  }
+  __syncthreads();
+  const uint32_t total = offsets[ctas];
   const bool exact_on_candidates = !force_fallback && total <= static_cast<uint32_t>(kGridCapacity) &&
                                    (total >= static_cast<uint32_t>(p.k) || threshold == 1);
-  __syncthreads();
 
   Selection sel;
   sel.need = static_cast<uint32_t>(p.k);
   KeySource source{candidate_keys, candidate_entries, p.scores + row * p.row_stride, static_cast<int>(total), 0};
   if (exact_on_candidates) {
     // Slot j of the gathered list belongs to the CTA whose offsets bracket it (a binary search in shared
-    // memory); a thread's ≤ 8 loads are issued together.
+    // memory); a thread's ≤ 8 loads are issued together. The first radix pass (the top 11 bits of every key ≥ T,
+    // as histogram_pass_from counts them) is counted here, from registers, instead of in a pass of its own.
     constexpr int kPerThread = kGridCapacity / kThreads;
     uint32_t keys[kPerThread];
     int32_t entries[kPerThread];
 #pragma unroll
     for (int t = 0; t < kPerThread; ++t) {
       const int j = t * kThreads + static_cast<int>(threadIdx.x);
+      keys[t] = 0;
       if (j >= static_cast<int>(total)) continue;
       int low = 0, high = ctas;  // offsets[low] ≤ j < offsets[high]
       while (high - low > 1) {
@@ -906,14 +936,21 @@ __global__ void __launch_bounds__(kThreads, 1)
       keys[t] = in.keys[at];
       entries[t] = in.entries[at];
     }
+    uint32_t* first_histogram = sh.histogram[0];  // zeroed at the start; radix_select's first pass uses buffer 0
 #pragma unroll
     for (int t = 0; t < kPerThread; ++t) {
+      if (t * kThreads >= static_cast<int>(total)) break;  // uniform: whole warps step together, as in the passes
       const int j = t * kThreads + static_cast<int>(threadIdx.x);
-      if (j >= static_cast<int>(total)) continue;
-      candidate_keys[j] = keys[t];
-      candidate_entries[j] = entries[t];
+      const bool match = j < static_cast<int>(total) && keys[t] >= threshold;
+      if (j < static_cast<int>(total)) {
+        candidate_keys[j] = keys[t];
+        candidate_entries[j] = entries[t];
+      }
+      if (__ballot_sync(0xffffffffu, match) == 0) continue;
+      const uint32_t digit = keys[t] >> (32 - digit_bits(0));
+      const uint32_t peers = __match_any_sync(0xffffffffu, match ? digit : 0xffffffffu);
+      if (match && lane == __ffs(peers) - 1) atomicAdd(&first_histogram[digit], static_cast<uint32_t>(__popc(peers)));
     }
-    __syncthreads();
     sel.floor = threshold;
   } else {
     source.keys = nullptr;  // the row's scores in global memory, entry = position
@@ -921,7 +958,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     source.count = static_cast<int>(length);
   }
   int passes_run = 0;
-  radix_select(source, cluster, 1, sel, sh, passes_run, 3);
+  // The candidates' stores and first-pass counts are ordered before their readers by the pass's CTA barrier.
+  radix_select(source, cluster, 1, sel, sh, passes_run, 3, exact_on_candidates);
   compact_selection(source, sel, cluster, 1, 0, sh, p.indices + row * p.k, p.k, p.lengths + row);
 }
 

@@ -104,12 +104,18 @@ void check_scores(IndexKeyDtype dtype, const std::vector<int32_t>& entries,
   p.q = d_q;
   p.weights = d_w;
   p.deepseek_roundings = deepseek;
-  // Both kernels: the warpgroup-MMA one (the default on a Hopper) and the mma.sync one (DSV4_INDEXER_KERNEL=mma).
+  // Both kernels: the warpgroup-MMA one (the default on a Hopper) and the mma.sync one (DSV4_INDEXER_KERNEL=mma);
+  // the first also on a grid of 3 CTAs, whose shares of the (token, tile) items cross tokens (DSV4_INDEXER_CTAS).
   struct SwitchOffOnExit {
-    ~SwitchOffOnExit() { ::unsetenv("DSV4_INDEXER_KERNEL"); }
+    ~SwitchOffOnExit() {
+      ::unsetenv("DSV4_INDEXER_KERNEL");
+      ::unsetenv("DSV4_INDEXER_CTAS");
+    }
   } switch_off_on_exit;  // also when an ASSERT returns early
-  for (const char* kernel : {"wgmma", "mma"}) {
-    ::setenv("DSV4_INDEXER_KERNEL", kernel, 1);
+  for (const char* kernel : {"wgmma", "wgmma on 3 CTAs", "mma"}) {
+    ::setenv("DSV4_INDEXER_KERNEL", std::strncmp(kernel, "wgmma", 5) == 0 ? "wgmma" : "mma", 1);
+    if (std::strcmp(kernel, "wgmma on 3 CTAs") == 0) ::setenv("DSV4_INDEXER_CTAS", "3", 1);
+    else ::unsetenv("DSV4_INDEXER_CTAS");
     CUDA_OK(cudaMemset(d_scores, 0xff, n * 4));  // NaN wherever the kernel fails to write
     CUDA_OK(indexer_scores(p, nullptr));
     CUDA_OK(cudaDeviceSynchronize());
