@@ -869,7 +869,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                              bool force_fallback) {
   extern __shared__ uint4 dynamic_candidates[];
   __shared__ Shared sh;
-  __shared__ uint32_t offsets[kGridMaxCtas + 1];  // the first candidate slot of each filter CTA, then the total
+  __shared__ uint32_t offsets[kGridMaxCtas];  // the first candidate slot of each filter CTA
   cg::cluster_group cluster = cg::this_cluster();
   const int64_t row = first_row + blockIdx.y;
   uint32_t* candidate_keys = reinterpret_cast<uint32_t*>(dynamic_candidates);
@@ -881,34 +881,52 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t length = row_valid_entries(p, row);
   const GridRow in = grid_row(const_cast<void*>(workspace), blockIdx.y, p.columns);
   const uint32_t threshold = *in.threshold;
-  // The filter CTAs' first slots: an exclusive scan of their counts in warp 0 (eight a lane; one CTA barrier where
-  // a block-wide scan takes three).
-  const int lane = threadIdx.x % 32;
-  if (threadIdx.x < 32) {
-    constexpr int kPerLane = kGridMaxCtas / 32;
-    uint32_t counts[kPerLane], sum = 0;
+  // One round trip to L2 for the counts and the candidates together. Every warp loads the filter CTAs' counts
+  // (lane l those of CTAs 32i + l) and sums them, so each knows the total without a barrier; warp 0 also scans them
+  // into `offsets`. Warp w gathers the CTAs c = w + 32i: before the counts arrive it requests, speculatively, slots
+  // lane and lane + 32 of each (a region holds ≥ 1,024 slots, so the reads stay inside it; a CTA holds ~24-32
+  // candidates at 256K × 1), 4 groups of 32 CTAs at a time; slots past 64 are fetched afterwards. The first radix
+  // pass (the top 11 bits of every key ≥ T, as histogram_pass_from counts them) is counted here, from registers,
+  // instead of in a pass of its own.
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  constexpr int kGroupsInFlight = 4;
+  const int groups = (ctas + 31) / 32;
+  uint32_t keys[kGroupsInFlight][2];
+  int32_t entries[kGroupsInFlight][2];
+  auto fetch = [&](int first_group) {
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int c = kPerLane * lane + i;
-      counts[i] = c < ctas ? in.counts[c] : 0u;
-      sum += counts[i];
-    }
-    uint32_t inclusive = sum;
-    for (int offset = 1; offset < 32; offset *= 2) {
-      const uint32_t v = __shfl_up_sync(0xffffffffu, inclusive, offset);
-      if (lane >= offset) inclusive += v;
-    }
-    uint32_t running = inclusive - sum;
+    for (int i = 0; i < kGroupsInFlight; ++i) {
+      const int c = warp + 32 * (first_group + i);
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int c = kPerLane * lane + i;
-      if (c < ctas) offsets[c] = running;
-      running += counts[i];
+      for (int h = 0; h < 2; ++h) {
+        const int64_t at = static_cast<int64_t>(c) * span + 32 * h + lane;
+        keys[i][h] = c < ctas ? in.keys[at] : 0u;
+        entries[i][h] = c < ctas ? in.entries[at] : 0;
+      }
     }
-    if (lane == 31) offsets[ctas] = inclusive;
+  };
+  fetch(0);  // before the counts arrive
+  uint32_t total = 0;
+  {
+    uint32_t counts[kGridMaxCtas / 32];
+#pragma unroll
+    for (int i = 0; i < kGridMaxCtas / 32; ++i) counts[i] = 32 * i + lane < ctas ? in.counts[32 * i + lane] : 0u;
+#pragma unroll
+    for (int i = 0; i < kGridMaxCtas / 32; ++i) total += __reduce_add_sync(0xffffffffu, counts[i]);
+    if (warp == 0) {
+      uint32_t running = 0;
+#pragma unroll
+      for (int i = 0; i < kGridMaxCtas / 32; ++i) {
+        uint32_t inclusive = counts[i];
+        for (int offset = 1; offset < 32; offset *= 2) {
+          const uint32_t v = __shfl_up_sync(0xffffffffu, inclusive, offset);
+          if (lane >= offset) inclusive += v;
+        }
+        if (32 * i + lane < ctas) offsets[32 * i + lane] = running + inclusive - counts[i];
+        running += __shfl_sync(0xffffffffu, inclusive, 31);
+      }
+    }
   }
-  __syncthreads();
-  const uint32_t total = offsets[ctas];
   const bool exact_on_candidates = !force_fallback && total <= static_cast<uint32_t>(kGridCapacity) &&
                                    (total >= static_cast<uint32_t>(p.k) || threshold == 1);
 
@@ -916,40 +934,39 @@ __global__ void __launch_bounds__(kThreads, 1)
   sel.need = static_cast<uint32_t>(p.k);
   KeySource source{candidate_keys, candidate_entries, p.scores + row * p.row_stride, static_cast<int>(total), 0};
   if (exact_on_candidates) {
-    // Slot j of the gathered list belongs to the CTA whose offsets bracket it (a binary search in shared
-    // memory); a thread's ≤ 8 loads are issued together. The first radix pass (the top 11 bits of every key ≥ T,
-    // as histogram_pass_from counts them) is counted here, from registers, instead of in a pass of its own.
-    constexpr int kPerThread = kGridCapacity / kThreads;
-    uint32_t keys[kPerThread];
-    int32_t entries[kPerThread];
-#pragma unroll
-    for (int t = 0; t < kPerThread; ++t) {
-      const int j = t * kThreads + static_cast<int>(threadIdx.x);
-      keys[t] = 0;
-      if (j >= static_cast<int>(total)) continue;
-      int low = 0, high = ctas;  // offsets[low] ≤ j < offsets[high]
-      while (high - low > 1) {
-        const int mid = (low + high) / 2;
-        if (offsets[mid] <= static_cast<uint32_t>(j)) low = mid; else high = mid;
-      }
-      const int64_t at = static_cast<int64_t>(low) * span + (j - static_cast<int>(offsets[low]));
-      keys[t] = in.keys[at];
-      entries[t] = in.entries[at];
-    }
     uint32_t* first_histogram = sh.histogram[0];  // zeroed at the start; radix_select's first pass uses buffer 0
-#pragma unroll
-    for (int t = 0; t < kPerThread; ++t) {
-      if (t * kThreads >= static_cast<int>(total)) break;  // uniform: whole warps step together, as in the passes
-      const int j = t * kThreads + static_cast<int>(threadIdx.x);
-      const bool match = j < static_cast<int>(total) && keys[t] >= threshold;
-      if (j < static_cast<int>(total)) {
-        candidate_keys[j] = keys[t];
-        candidate_entries[j] = entries[t];
+    // Stores one fetched slot and counts its first digit; whole warps call it together.
+    auto keep = [&](bool valid, uint32_t at, uint32_t key, int32_t entry) {
+      if (valid) {
+        candidate_keys[at] = key;
+        candidate_entries[at] = entry;
       }
-      if (__ballot_sync(0xffffffffu, match) == 0) continue;
-      const uint32_t digit = keys[t] >> (32 - digit_bits(0));
+      const bool match = valid && key >= threshold;
+      if (__ballot_sync(0xffffffffu, match) == 0) return;
+      const uint32_t digit = key >> (32 - digit_bits(0));
       const uint32_t peers = __match_any_sync(0xffffffffu, match ? digit : 0xffffffffu);
       if (match && lane == __ffs(peers) - 1) atomicAdd(&first_histogram[digit], static_cast<uint32_t>(__popc(peers)));
+    };
+    __syncthreads();  // offsets
+    for (int first_group = 0; first_group < groups; first_group += kGroupsInFlight) {
+      if (first_group > 0) fetch(first_group);
+#pragma unroll
+      for (int i = 0; i < kGroupsInFlight; ++i) {
+        const int c = warp + 32 * (first_group + i);
+        if (first_group + i >= groups) break;  // uniform
+        const uint32_t count = c < ctas ? (c + 1 < ctas ? offsets[c + 1] : total) - offsets[c] : 0u;
+        const uint32_t first = c < ctas ? offsets[c] : 0u;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t slot = 32 * h + lane;
+          keep(slot < count, first + slot, keys[i][h], entries[i][h]);
+        }
+        for (uint32_t slot0 = 64; slot0 < count; slot0 += 32) {  // uniform over the warp
+          const uint32_t slot = slot0 + lane;
+          const int64_t at = static_cast<int64_t>(c) * span + slot;
+          keep(slot < count, first + slot, slot < count ? in.keys[at] : 0u, slot < count ? in.entries[at] : 0);
+        }
+      }
     }
     sel.floor = threshold;
   } else {
