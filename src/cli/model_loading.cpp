@@ -282,8 +282,7 @@ LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& o
   return loaded;
 }
 
-int64_t LoadedBackend::cache_bytes(int64_t requested_bytes, bool explicitly_requested,
-                                   int64_t max_batched_tokens) const {
+int64_t LoadedBackend::cache_bytes(int64_t requested_bytes, bool explicitly_requested, int64_t max_batched_tokens) {
 #ifdef DSV4_HAVE_CUDA
   cache_from_utilization = on_cuda && !explicitly_requested;
   if (on_cuda && !explicitly_requested) {

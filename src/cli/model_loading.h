@@ -72,10 +72,11 @@ struct LoadedBackend {
   bool on_cuda = false;
   // KV-cache bytes for the engine: `requested_bytes` on the CPU (or when given explicitly, > 0), else on CUDA
   // what --gpu-memory-utilization leaves after the weights and a step of `max_batched_tokens`.
-  int64_t cache_bytes(int64_t requested_bytes, bool explicitly_requested, int64_t max_batched_tokens) const;
+  // Records in `cache_from_utilization` which of the two it chose.
+  int64_t cache_bytes(int64_t requested_bytes, bool explicitly_requested, int64_t max_batched_tokens);
   // Whether the last cache_bytes sized the cache from --gpu-memory-utilization (a worker process then sizes its
   // own the same way; cli/rank_processes.h).
-  mutable bool cache_from_utilization = false;
+  bool cache_from_utilization = false;
   double gpu_memory_utilization = 0.9;
   int processes_per_device = 1;
   // Data-parallel ranks 1.. (make_serving_engine): their own CPU backends over cpu_model's weights, or with
