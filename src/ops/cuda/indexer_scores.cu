@@ -504,19 +504,17 @@ cudaError_t indexer_scores(const IndexerScoresParams& p, cudaStream_t stream) {
   // DSV4_INDEXER_KERNEL=mma runs the mma.sync kernel on a Hopper too.
   const bool wgmma = use_warpgroup_mma("DSV4_INDEXER_KERNEL");
   const bool fp8 = p.keys.dtype == IndexKeyDtype::kFp8;
-  auto wgmma_kernel = fp8 ? warpgroup_mma::indexer_scores_wgmma_kernel<IndexKeyDtype::kFp8, 3>
-                          : warpgroup_mma::indexer_scores_wgmma_kernel<IndexKeyDtype::kBf16, 2>;
-  auto mma_kernel = fp8 ? indexer_scores_kernel<IndexKeyDtype::kFp8, 3> : indexer_scores_kernel<IndexKeyDtype::kBf16, 2>;
+  // Both kernels take (params, tiles): tiles per token for the wgmma kernel, tiles per CTA for the mma.sync one.
+  auto kernel = wgmma ? (fp8 ? warpgroup_mma::indexer_scores_wgmma_kernel<IndexKeyDtype::kFp8, 3>
+                             : warpgroup_mma::indexer_scores_wgmma_kernel<IndexKeyDtype::kBf16, 2>)
+                      : (fp8 ? indexer_scores_kernel<IndexKeyDtype::kFp8, 3>
+                             : indexer_scores_kernel<IndexKeyDtype::kBf16, 2>);
   static int resident_per_sm[2][2] = {};  // [wgmma][fp8], asked once per kernel
   int& per_sm = resident_per_sm[wgmma][fp8];
-  if (per_sm == 0) {
-    const cudaError_t asked =
-        wgmma ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, wgmma_kernel, kWarps * 32, 0)
-              : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, mma_kernel, kWarps * 32, 0);
-    if (asked != cudaSuccess || per_sm < 1) {
-      cudaGetLastError();
-      per_sm = 2;
-    }
+  if (per_sm == 0 && (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * 32, 0) != cudaSuccess ||
+                      per_sm < 1)) {
+    cudaGetLastError();
+    per_sm = 2;
   }
   const int64_t tiles = (p.max_entries + kCtaEntries - 1) / kCtaEntries;
   const int64_t resident = static_cast<int64_t>(multiprocessors()) * per_sm;
@@ -528,14 +526,14 @@ cudaError_t indexer_scores(const IndexerScoresParams& p, cudaStream_t stream) {
     int64_t ctas = std::min(tiles * p.num_tokens, resident);
     if (const char* cap = std::getenv("DSV4_INDEXER_CTAS"); cap != nullptr && std::atoll(cap) > 0)
       ctas = std::min(ctas, static_cast<int64_t>(std::atoll(cap)));
-    launch_dependent(wgmma_kernel, dim3(static_cast<unsigned>(ctas)), kWarps * 32, 0, stream, p, static_cast<int>(tiles));
+    launch_dependent(kernel, dim3(static_cast<unsigned>(ctas)), kWarps * 32, 0, stream, p, static_cast<int>(tiles));
     return cudaGetLastError();
   }
   // The mma.sync kernel: enough CTAs for about two waves, each scoring several consecutive tiles of one token so
   // q is read from L2 once per tile run.
   const int64_t per_cta = std::max<int64_t>(1, std::min<int64_t>(32, tiles * p.num_tokens / (2 * resident)));
   const dim3 grid(static_cast<unsigned>((tiles + per_cta - 1) / per_cta), static_cast<unsigned>(p.num_tokens));
-  launch_dependent(mma_kernel, grid, kWarps * 32, 0, stream, p, static_cast<int>(per_cta));
+  launch_dependent(kernel, grid, kWarps * 32, 0, stream, p, static_cast<int>(per_cta));
   return cudaGetLastError();
 }
 

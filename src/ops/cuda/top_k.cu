@@ -216,32 +216,32 @@ struct KeySource {
   __device__ int32_t entry(int i) const { return entries != nullptr ? entries[i] : first + i; }
 };
 
+// One key per lane, whole warps together (so ballots and __match_any_sync see full warps): adds the `bits`-bit digit
+// below `sel.prefix` of a key matching the selection to the histogram; key 0 (padding) never matches, the floor
+// being ≥ 1. Scores cluster in few bins (a pass sees sign, exponent and a few mantissa bits), and lanes adding to one
+// shared counter serialise: one atomic per distinct digit per warp instead.
+__device__ __forceinline__ void count_key(uint32_t key, const Selection& sel, int bits, uint32_t* histogram) {
+  const bool match = key >= sel.floor && top_bits(key, sel.resolved) == sel.prefix;
+  if (__ballot_sync(0xffffffffu, match) == 0) return;
+  const uint32_t digit = (key >> (32 - sel.resolved - bits)) & ((1u << bits) - 1u);
+  const uint32_t peers = __match_any_sync(0xffffffffu, match ? digit : 0xffffffffu);
+  if (match && threadIdx.x % 32 == __ffs(peers) - 1) atomicAdd(&histogram[digit], static_cast<uint32_t>(__popc(peers)));
+}
+
 // Adds the digit below `sel.prefix` of every key matching it to this CTA's histogram, one key per thread per
-// step; whole warps step together (the count is padded to 32), so ballots and __match_any_sync see full warps.
-// Scores cluster in few bins (a pass sees sign, exponent and a few mantissa bits), and lanes adding to one shared
-// counter serialise: one atomic per distinct digit per warp instead.
+// step; whole warps step together (the count is padded to 32).
 __device__ void histogram_pass_from(const KeySource& source, const Selection& sel, int bits, uint32_t* histogram) {
-  const int lane = threadIdx.x % 32;
-  const uint32_t mask = (1u << bits) - 1u;
-  const int shift = 32 - sel.resolved - bits;
   const int padded = (source.count + 31) & ~31;
-  for (int i = static_cast<int>(threadIdx.x); i < padded; i += kThreads) {
-    const uint32_t key = i < source.count ? source.key(i) : 0u;
-    const bool match = key >= sel.floor && top_bits(key, sel.resolved) == sel.prefix;
-    if (__ballot_sync(0xffffffffu, match) == 0) continue;
-    const uint32_t digit = (key >> shift) & mask;
-    const uint32_t peers = __match_any_sync(0xffffffffu, match ? digit : 0xffffffffu);
-    if (match && lane == __ffs(peers) - 1) atomicAdd(&histogram[digit], static_cast<uint32_t>(__popc(peers)));
-  }
+  for (int i = static_cast<int>(threadIdx.x); i < padded; i += kThreads)
+    count_key(i < source.count ? source.key(i) : 0u, sel, bits, histogram);
 }
 
 // Up to `max_passes` radix passes (11, 11, 10 bits) over the cluster's sources, stopping once resolved. The two
 // histogram buffers alternate over every pass of the kernel (`passes_run` counts them): before a buffer is used a
 // second time it is zeroed, which is safe because every CTA read it (resolve_digit) before the barrier of the
-// pass in between. `first_counted`: the caller already counted the first pass into the buffer it would use (the
-// grid select, while it gathers its candidates).
+// pass in between.
 __device__ void radix_select(const KeySource& source, cg::cluster_group& cluster, int ranks, Selection& sel, Shared& sh,
-                             int& passes_run, int max_passes, bool first_counted = false) {
+                             int& passes_run, int max_passes) {
 #pragma unroll 1
   for (int pass = 0; pass < max_passes && sel.resolved < 32; ++pass) {
     const int bits = min(11, 32 - sel.resolved);
@@ -251,7 +251,7 @@ __device__ void radix_select(const KeySource& source, cg::cluster_group& cluster
       __syncthreads();
     }
     ++passes_run;
-    if (!(first_counted && pass == 0)) histogram_pass_from(source, sel, bits, histogram);
+    histogram_pass_from(source, sel, bits, histogram);
     cluster_barrier(cluster, ranks);
     if (resolve_digit(cluster, ranks, histogram, bits, sel, sh)) return;
   }
@@ -869,7 +869,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                              bool force_fallback) {
   extern __shared__ uint4 dynamic_candidates[];
   __shared__ Shared sh;
-  __shared__ uint32_t offsets[kGridMaxCtas];  // the first candidate slot of each filter CTA
+  __shared__ uint32_t offsets[kGridMaxCtas + 1];  // the first candidate slot of each filter CTA, then the total
   cg::cluster_group cluster = cg::this_cluster();
   const int64_t row = first_row + blockIdx.y;
   uint32_t* candidate_keys = reinterpret_cast<uint32_t*>(dynamic_candidates);
@@ -881,13 +881,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t length = row_valid_entries(p, row);
   const GridRow in = grid_row(const_cast<void*>(workspace), blockIdx.y, p.columns);
   const uint32_t threshold = *in.threshold;
-  // One round trip to L2 for the counts and the candidates together. Every warp loads the filter CTAs' counts
-  // (lane l those of CTAs 32i + l) and sums them, so each knows the total without a barrier; warp 0 also scans them
-  // into `offsets`. Warp w gathers the CTAs c = w + 32i: before the counts arrive it requests, speculatively, slots
-  // lane and lane + 32 of each (a region holds ≥ 1,024 slots, so the reads stay inside it; a CTA holds ~24-32
-  // candidates at 256K × 1), 4 groups of 32 CTAs at a time; slots past 64 are fetched afterwards. The first radix
-  // pass (the top 11 bits of every key ≥ T, as histogram_pass_from counts them) is counted here, from registers,
-  // instead of in a pass of its own.
+  // One round trip to L2 for the counts and the candidates together: warp 0 loads the filter CTAs' counts (lane l
+  // those of CTAs 32i + l) and scans them into `offsets`, while warp w requests, speculatively, slots lane and
+  // lane + 32 of the CTAs c = w + 32i it gathers (a region holds ≥ 1,024 slots, so the reads stay inside it; a CTA
+  // holds ~24-32 candidates at 256K × 1), 4 groups of 32 CTAs at a time; slots past 64 are fetched afterwards.
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   constexpr int kGroupsInFlight = 4;
   const int groups = (ctas + 31) / 32;
@@ -906,55 +903,50 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   };
   fetch(0);  // before the counts arrive
-  uint32_t total = 0;
-  {
-    uint32_t counts[kGridMaxCtas / 32];
+  if (warp == 0) {
+    uint32_t running = 0;
 #pragma unroll
-    for (int i = 0; i < kGridMaxCtas / 32; ++i) counts[i] = 32 * i + lane < ctas ? in.counts[32 * i + lane] : 0u;
-#pragma unroll
-    for (int i = 0; i < kGridMaxCtas / 32; ++i) total += __reduce_add_sync(0xffffffffu, counts[i]);
-    if (warp == 0) {
-      uint32_t running = 0;
-#pragma unroll
-      for (int i = 0; i < kGridMaxCtas / 32; ++i) {
-        uint32_t inclusive = counts[i];
-        for (int offset = 1; offset < 32; offset *= 2) {
-          const uint32_t v = __shfl_up_sync(0xffffffffu, inclusive, offset);
-          if (lane >= offset) inclusive += v;
-        }
-        if (32 * i + lane < ctas) offsets[32 * i + lane] = running + inclusive - counts[i];
-        running += __shfl_sync(0xffffffffu, inclusive, 31);
+    for (int i = 0; i < kGridMaxCtas / 32; ++i) {
+      const uint32_t count = 32 * i + lane < ctas ? in.counts[32 * i + lane] : 0u;
+      uint32_t inclusive = count;
+      for (int offset = 1; offset < 32; offset *= 2) {
+        const uint32_t v = __shfl_up_sync(0xffffffffu, inclusive, offset);
+        if (lane >= offset) inclusive += v;
       }
+      if (32 * i + lane < ctas) offsets[32 * i + lane] = running + inclusive - count;
+      running += __shfl_sync(0xffffffffu, inclusive, 31);
     }
+    if (lane == 0) offsets[ctas] = running;
   }
+  __syncthreads();
+  const uint32_t total = offsets[ctas];
   const bool exact_on_candidates = !force_fallback && total <= static_cast<uint32_t>(kGridCapacity) &&
                                    (total >= static_cast<uint32_t>(p.k) || threshold == 1);
 
   Selection sel;
   sel.need = static_cast<uint32_t>(p.k);
   KeySource source{candidate_keys, candidate_entries, p.scores + row * p.row_stride, static_cast<int>(total), 0};
+  int passes_run = 0;
   if (exact_on_candidates) {
-    uint32_t* first_histogram = sh.histogram[0];  // zeroed at the start; radix_select's first pass uses buffer 0
-    // Stores one fetched slot and counts its first digit; whole warps call it together.
-    auto keep = [&](bool valid, uint32_t at, uint32_t key, int32_t entry) {
+    // The candidates go to shared memory in CTA order (= entry order), and the first radix pass is counted from
+    // registers as they go (as the sampled path counts it while filtering), instead of in a pass of its own.
+    sel.floor = threshold;
+    uint32_t* first_histogram = sh.histogram[passes_run & 1];  // zeroed at the start
+    ++passes_run;
+    auto keep = [&](bool valid, uint32_t at, uint32_t key, int32_t entry) {  // whole warps call it together
       if (valid) {
         candidate_keys[at] = key;
         candidate_entries[at] = entry;
       }
-      const bool match = valid && key >= threshold;
-      if (__ballot_sync(0xffffffffu, match) == 0) return;
-      const uint32_t digit = key >> (32 - digit_bits(0));
-      const uint32_t peers = __match_any_sync(0xffffffffu, match ? digit : 0xffffffffu);
-      if (match && lane == __ffs(peers) - 1) atomicAdd(&first_histogram[digit], static_cast<uint32_t>(__popc(peers)));
+      count_key(valid ? key : 0u, sel, digit_bits(0), first_histogram);
     };
-    __syncthreads();  // offsets
     for (int first_group = 0; first_group < groups; first_group += kGroupsInFlight) {
       if (first_group > 0) fetch(first_group);
 #pragma unroll
       for (int i = 0; i < kGroupsInFlight; ++i) {
         const int c = warp + 32 * (first_group + i);
         if (first_group + i >= groups) break;  // uniform
-        const uint32_t count = c < ctas ? (c + 1 < ctas ? offsets[c + 1] : total) - offsets[c] : 0u;
+        const uint32_t count = c < ctas ? offsets[c + 1] - offsets[c] : 0u;
         const uint32_t first = c < ctas ? offsets[c] : 0u;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -968,15 +960,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
-    sel.floor = threshold;
+    __syncthreads();  // the candidates and the first pass's counts
+    if (!resolve_digit(cluster, 1, first_histogram, digit_bits(0), sel, sh))
+      radix_select(source, cluster, 1, sel, sh, passes_run, 2);
   } else {
     source.keys = nullptr;  // the row's scores in global memory, entry = position
     source.entries = nullptr;
     source.count = static_cast<int>(length);
+    radix_select(source, cluster, 1, sel, sh, passes_run, 3);
   }
-  int passes_run = 0;
-  // The candidates' stores and first-pass counts are ordered before their readers by the pass's CTA barrier.
-  radix_select(source, cluster, 1, sel, sh, passes_run, 3, exact_on_candidates);
   compact_selection(source, sel, cluster, 1, 0, sh, p.indices + row * p.k, p.k, p.lengths + row);
 }
 
