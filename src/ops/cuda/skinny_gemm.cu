@@ -153,8 +153,10 @@ __global__ void __launch_bounds__(kMaxWarps * 32, min_blocks<kRing>())
     w_batch = w + (batch_valid ? int64_t{index} : 0) * p.w_batch_stride;
     prologue();
   }
-  // This lane's x vectors of an item (the A fragments of tokens g and g + 8).
-  auto load_x = [&](int64_t item, uint4 (&xl)[kVectors], uint4 (&xh)[kVectors]) {
+  // One work item: x loads, the next item's weight loads, the math, and at a tile's end the CTA reduction.
+  // Two named register buffers (wv, next) swapped by unrolling the loop by two, not copied.
+  auto run_item = [&](int64_t item, uint4 (&current)[kVectors], uint4 (&following)[kVectors]) {
+    uint4 xl[kVectors], xh[kVectors];
     const int k0 = vector_k(item, 0);
 #pragma unroll
     for (int u = 0; u < kVectors; ++u) {
@@ -163,10 +165,21 @@ __global__ void __launch_bounds__(kMaxWarps * 32, min_blocks<kRing>())
       xl[u] = inside && has_low ? *reinterpret_cast<const uint4*>(xlow + (k - 8 * q)) : zero;
       xh[u] = inside && has_high ? *reinterpret_cast<const uint4*>(xhigh + (k - 8 * q)) : zero;
     }
-  };
-  // An item's math, and at a tile's end the CTA reduction.
-  auto math = [&](int64_t item, const uint4 (&current)[kVectors], const uint4 (&xl)[kVectors],
-                  const uint4 (&xh)[kVectors]) {
+    if constexpr (kRing > 0) {
+      // This lane's copies of `item` have landed once at most kRing − 2 younger groups are pending; its slot is
+      // then read into `current`, and the slot read one item ago (whose mma already consumed its registers) is
+      // refilled with item + kRing − 1.
+      cp_async_wait<kRing - 2>();
+#pragma unroll
+      for (int u = 0; u < kVectors; ++u)
+        asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(current[u].x), "=r"(current[u].y), "=r"(current[u].z), "=r"(current[u].w)
+                     : "r"(ring_vector(item, u))
+                     : "memory");
+      issue_weights(item + kRing - 1);
+    } else {
+      if (item + 1 < items) load_weights(item + 1, following);
+    }
 #pragma unroll
     for (int u = 0; u < kVectors; ++u) {
       mma_bf16(c, xl[u].x, xh[u].x, xl[u].y, xh[u].y, current[u].x, current[u].y);
@@ -200,39 +213,9 @@ __global__ void __launch_bounds__(kMaxWarps * 32, min_blocks<kRing>())
     }
   };
   if constexpr (kRing > 0) {
-    // One ring item: this lane's copies of `item` have landed once at most kRing − 2 younger groups are pending;
-    // the slot is read into registers and the slot read one item ago (whose mma already consumed its registers)
-    // refilled with item + kRing − 1. x of the next item is requested here too, so no item waits on an x round
-    // trip either (with one CTA of 8 warps an SM, a serial L2 trip per item would cap a warp's rate).
-    auto ring_item = [&](int64_t item, const uint4 (&xl)[kVectors], const uint4 (&xh)[kVectors],
-                         uint4 (&xl_next)[kVectors], uint4 (&xh_next)[kVectors]) {
-      cp_async_wait<kRing - 2>();
-#pragma unroll
-      for (int u = 0; u < kVectors; ++u)
-        asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-                     : "=r"(wv[u].x), "=r"(wv[u].y), "=r"(wv[u].z), "=r"(wv[u].w)
-                     : "r"(ring_vector(item, u))
-                     : "memory");
-      issue_weights(item + kRing - 1);
-      if (item + 1 < items) load_x(item + 1, xl_next, xh_next);
-      math(item, wv, xl, xh);
-    };
-    uint4 xl[kVectors], xh[kVectors], xl_next[kVectors], xh_next[kVectors];
-    if (items > 0) load_x(0, xl, xh);
-    for (int64_t item = 0; item < items; item += 2) {  // unrolled by two: the x buffers swap names, not values
-      ring_item(item, xl, xh, xl_next, xh_next);
-      if (item + 1 < items) ring_item(item + 1, xl_next, xh_next, xl, xh);
-    }
+    for (int64_t item = 0; item < items; ++item) run_item(item, wv, next);
     cp_async_wait<0>();  // no copy outlives the CTA (the trailing groups are empty)
   } else {
-    // One work item: x loads, the next item's weight loads, the math. Two named register buffers (wv, next)
-    // swapped by unrolling the loop by two, not copied.
-    auto run_item = [&](int64_t item, uint4 (&current)[kVectors], uint4 (&following)[kVectors]) {
-      uint4 xl[kVectors], xh[kVectors];
-      load_x(item, xl, xh);
-      if (item + 1 < items) load_weights(item + 1, following);
-      math(item, current, xl, xh);
-    };
     for (int64_t item = 0; item < items; item += 2) {
       run_item(item, wv, next);
       if (item + 1 < items) run_item(item + 1, next, wv);
