@@ -1,8 +1,6 @@
 #include "ops/cuda/skinny_gemm.h"
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 
 #include "ops/cuda/bf16.cuh"
 #include "ops/cuda/launch.cuh"
@@ -42,31 +40,8 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
 template <bool kSixteenTokens>
 constexpr int kVectorsOf = 2 * batch_lines(kSixteenTokens);
 
-//
-// kRing > 0 (SkinnyKernel::kSharedRing): the weights go through a ring of kRing work items per warp in shared
-// memory, filled by cp.async, instead of two register buffers: kRing − 1 items in flight per warp instead of one
-// (the register kernel streams at ~72 % of the copy bandwidth on the 64 MiB projections, docs/PERF.md, where
-// the MoE expert kernel's 12-stage cp.async pipeline reaches ~93 %). Each lane copies and later reads back only
-// its own 16-byte vectors, so a lane's cp.async.wait_group is all the synchronisation a slot needs; the math, its
-// order and the reduction are the register kernel's, so the two are bitwise equal.
-template <int kRing>
-constexpr int min_blocks() {
-  return kRing > 0 ? 1 : 2;
-}
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  // src-size 0 zero-fills the 16 bytes: the k ≥ in tail, as the register kernel's `zero`.
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
-template <bool kSixteenTokens, int kRing>
-__global__ void __launch_bounds__(kMaxWarps * 32, min_blocks<kRing>())
+template <bool kSixteenTokens>
+__global__ void __launch_bounds__(kMaxWarps * 32, 2)
     skinny_gemm_kernel(const SkinnyGemmParams p, const uint16_t* __restrict__ w, const uint16_t* x, void* y) {
   const int warps = static_cast<int>(blockDim.x / 32);
   const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
@@ -106,43 +81,11 @@ __global__ void __launch_bounds__(kMaxWarps * 32, min_blocks<kRing>())
       v[u] = k < in ? __ldcs(reinterpret_cast<const uint4*>(wrow + k)) : zero;  // streamed once: evict first
     }
   };
-  // kRing: this warp's ring, [kRing][kVectors][32 lanes] 16-byte vectors; item i lives in slot i % kRing.
-  extern __shared__ uint4 ring_memory[];
-  const uint32_t ring = static_cast<uint32_t>(__cvta_generic_to_shared(ring_memory)) +
-                        static_cast<uint32_t>((warp * kRing * kVectors * 32 + lane) * 16);
-  auto ring_vector = [&](int64_t item, int u) {
-    return ring + static_cast<uint32_t>(((item % (kRing > 0 ? kRing : 1)) * kVectors + u) * 32 * 16);
-  };
-  // Requests item's weights into its slot (nothing past the last item) and closes one commit group either way,
-  // so that the group count, and with it cp.async.wait_group's meaning, is the same in every lane and item.
-  auto issue_weights = [&](int64_t item) {
-    if (item < items) {
-      const int64_t tile = blockIdx.x + (item / batches_per_tile) * gridDim.x;
-      const int64_t row = tile * kTileRows + g < p.out ? tile * kTileRows + g : p.out - 1;
-      const uint16_t* wrow = w_batch + row * p.w_stride;
-      const int k0 = vector_k(item, 0);
-#pragma unroll
-      for (int u = 0; u < kVectors; ++u) {
-        const int k = k0 + (u / 2) * warps * kLineK + (u % 2) * 32;
-        cp_async16(ring_vector(item, u), k < in ? wrow + k : wrow, k < in);
-      }
-    }
-    cp_async_commit();
-  };
   __shared__ float partial[kMaxWarps][16][kTileRows];  // [warp][token][row]
   uint4 wv[kVectors], next[kVectors];
   float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // (token g, rows 2q, 2q + 1), (token g + 8, rows 2q, 2q + 1)
-  // The first item (kRing: the first kRing − 1) requested: before the PDL wait unless the weights are gathered.
-  auto prologue = [&] {
-    if constexpr (kRing > 0) {
-#pragma unroll
-      for (int i = 0; i < kRing - 1; ++i) issue_weights(i);
-    } else {
-      if (items > 0) load_weights(0, wv);
-    }
-  };
   if (p.w_batch_index == nullptr) {
-    prologue();
+    if (items > 0) load_weights(0, wv);
     wait_for_prior_grid();  // x (and y when accumulating) come from earlier kernels
     allow_dependents();
   } else {
@@ -151,7 +94,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, min_blocks<kRing>())
     const int32_t index = p.w_batch_index[b];
     batch_valid = index >= 0 && index < p.w_batch_count;
     w_batch = w + (batch_valid ? int64_t{index} : 0) * p.w_batch_stride;
-    prologue();
+    if (items > 0) load_weights(0, wv);
   }
   // One work item: x loads, the next item's weight loads, the math, and at a tile's end the CTA reduction.
   // Two named register buffers (wv, next) swapped by unrolling the loop by two, not copied.
@@ -165,21 +108,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, min_blocks<kRing>())
       xl[u] = inside && has_low ? *reinterpret_cast<const uint4*>(xlow + (k - 8 * q)) : zero;
       xh[u] = inside && has_high ? *reinterpret_cast<const uint4*>(xhigh + (k - 8 * q)) : zero;
     }
-    if constexpr (kRing > 0) {
-      // This lane's copies of `item` have landed once at most kRing − 2 younger groups are pending; its slot is
-      // then read into `current`, and the slot read one item ago (whose mma already consumed its registers) is
-      // refilled with item + kRing − 1.
-      cp_async_wait<kRing - 2>();
-#pragma unroll
-      for (int u = 0; u < kVectors; ++u)
-        asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-                     : "=r"(current[u].x), "=r"(current[u].y), "=r"(current[u].z), "=r"(current[u].w)
-                     : "r"(ring_vector(item, u))
-                     : "memory");
-      issue_weights(item + kRing - 1);
-    } else {
-      if (item + 1 < items) load_weights(item + 1, following);
-    }
+    if (item + 1 < items) load_weights(item + 1, following);
 #pragma unroll
     for (int u = 0; u < kVectors; ++u) {
       mma_bf16(c, xl[u].x, xh[u].x, xl[u].y, xh[u].y, current[u].x, current[u].y);
@@ -212,14 +141,9 @@ __global__ void __launch_bounds__(kMaxWarps * 32, min_blocks<kRing>())
       __syncthreads();
     }
   };
-  if constexpr (kRing > 0) {
-    for (int64_t item = 0; item < items; ++item) run_item(item, wv, next);
-    cp_async_wait<0>();  // no copy outlives the CTA (the trailing groups are empty)
-  } else {
-    for (int64_t item = 0; item < items; item += 2) {
-      run_item(item, wv, next);
-      if (item + 1 < items) run_item(item + 1, next, wv);
-    }
+  for (int64_t item = 0; item < items; item += 2) {
+    run_item(item, wv, next);
+    if (item + 1 < items) run_item(item + 1, next, wv);
   }
 }
 
@@ -229,53 +153,22 @@ int skinny_gemm_warps(const SkinnyGemmParams& p) {
   return static_cast<int>(std::clamp<int64_t>((lines + per_batch - 1) / per_batch, 1, kMaxWarps));
 }
 
-// Work items per warp's shared-memory ring (SkinnyKernel::kSharedRing): 5 requested ahead of the one being
-// read, 24 KB a warp at ≤ 8 tokens (192 KB for 8 warps: one CTA an SM, 160 KB of weights in flight), 12 KB at 16.
-constexpr int kRingItems = 6;
-
-size_t ring_bytes(bool sixteen_tokens, int warps) {
-  const int vectors = sixteen_tokens ? kVectorsOf<true> : kVectorsOf<false>;
-  return static_cast<size_t>(warps) * kRingItems * vectors * 32 * 16;
-}
-
-template <bool kSixteenTokens, int kRing>
-int resident_ctas_of(int warps) {
-  const size_t smem = kRing > 0 ? ring_bytes(kSixteenTokens, warps) : 0;
-  if (kRing > 0 && cudaFuncSetAttribute(skinny_gemm_kernel<kSixteenTokens, kRing>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(ring_bytes(kSixteenTokens, kMaxWarps))) != cudaSuccess)
-    return 0;
-  int per_sm = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, skinny_gemm_kernel<kSixteenTokens, kRing>, warps * 32,
-                                                    smem) != cudaSuccess)
-    return 0;
-  return per_sm;
-}
-
-// CTAs resident at once on the device for this kernel and block size (the persistent grid's size); 0 when the
-// kernel cannot run here (the ring's shared memory refused).
-int skinny_gemm_resident_ctas(bool sixteen_tokens, bool shared_ring, int warps) {
-  static int cached[2][2][kMaxWarps + 1] = {};
-  int& ctas = cached[sixteen_tokens ? 1 : 0][shared_ring ? 1 : 0][warps];
+// CTAs resident at once on the device for this block size (the persistent grid's size).
+int skinny_gemm_resident_ctas(bool sixteen_tokens, int warps) {
+  static int cached[2][kMaxWarps + 1] = {};
+  int& ctas = cached[sixteen_tokens ? 1 : 0][warps];
   if (ctas == 0) {
-    int device = 0, sms = 0;
+    int device = 0, sms = 0, per_sm = 0;
     cudaGetDevice(&device);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    const int per_sm = shared_ring ? (sixteen_tokens ? resident_ctas_of<true, kRingItems>(warps)
-                                                     : resident_ctas_of<false, kRingItems>(warps))
-                                   : (sixteen_tokens ? resident_ctas_of<true, 0>(warps)
-                                                     : resident_ctas_of<false, 0>(warps));
-    ctas = per_sm > 0 ? sms * per_sm : -1;
+    if (sixteen_tokens) {
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, skinny_gemm_kernel<true>, warps * 32, 0);
+    } else {
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, skinny_gemm_kernel<false>, warps * 32, 0);
+    }
+    ctas = std::max(1, sms * std::max(1, per_sm));
   }
-  return std::max(ctas, 0);
-}
-
-// kAuto: DSV4_SKINNY_KERNEL=ring picks the shared-memory ring (read per call, to measure the two); registers
-// otherwise, until the ring has been measured on a device.
-bool use_shared_ring(SkinnyKernel kernel) {
-  if (kernel != SkinnyKernel::kAuto) return kernel == SkinnyKernel::kSharedRing;
-  const char* choice = std::getenv("DSV4_SKINNY_KERNEL");
-  return choice != nullptr && std::strcmp(choice, "ring") == 0;
+  return ctas;
 }
 
 constexpr int kF32Threads = 256;
@@ -352,27 +245,14 @@ cudaError_t skinny_gemm(const SkinnyGemmParams& p, const void* w, const void* x,
   if (!skinny_gemm_supported(p, w, x)) return cudaErrorInvalidValue;
   const bool sixteen_tokens = p.rows > 8;
   const int warps = skinny_gemm_warps(p);
-  bool shared_ring = use_shared_ring(p.kernel);
-  int resident = skinny_gemm_resident_ctas(sixteen_tokens, shared_ring, warps);
-  if (resident == 0 && shared_ring && p.kernel == SkinnyKernel::kAuto) {  // no room for the ring: registers
-    shared_ring = false;
-    resident = skinny_gemm_resident_ctas(sixteen_tokens, false, warps);
-  }
-  if (resident == 0) return cudaErrorInvalidConfiguration;
   const int64_t tiles = (p.out + kTileRows - 1) / kTileRows;
-  const int64_t ctas_per_batch = std::max<int64_t>(1, resident / p.batch);
+  const int64_t ctas_per_batch = std::max<int64_t>(1, skinny_gemm_resident_ctas(sixteen_tokens, warps) / p.batch);
   const dim3 grid(static_cast<unsigned>(std::min(tiles, ctas_per_batch)), static_cast<unsigned>(p.batch));
   const dim3 block(static_cast<unsigned>(32 * warps));
   const auto* wb = static_cast<const uint16_t*>(w);
   const auto* xb = static_cast<const uint16_t*>(x);
-  if (shared_ring) {
-    const size_t smem = ring_bytes(sixteen_tokens, warps);
-    if (!sixteen_tokens)
-      return launch_dependent(skinny_gemm_kernel<false, kRingItems>, grid, block, smem, stream, p, wb, xb, y);
-    return launch_dependent(skinny_gemm_kernel<true, kRingItems>, grid, block, smem, stream, p, wb, xb, y);
-  }
-  if (!sixteen_tokens) return launch_dependent(skinny_gemm_kernel<false, 0>, grid, block, 0, stream, p, wb, xb, y);
-  return launch_dependent(skinny_gemm_kernel<true, 0>, grid, block, 0, stream, p, wb, xb, y);
+  if (!sixteen_tokens) return launch_dependent(skinny_gemm_kernel<false>, grid, block, 0, stream, p, wb, xb, y);
+  return launch_dependent(skinny_gemm_kernel<true>, grid, block, 0, stream, p, wb, xb, y);
 }
 
 }  // namespace dsv4::ops::cuda

@@ -19,11 +19,6 @@ namespace dsv4::ops::cuda {
 
 inline constexpr int64_t kSkinnyMaxRows = 16;
 
-// Where the weights wait between their request and the math: two register buffers (one work item in flight
-// per warp) or a ring of work items in shared memory filled by cp.async (five in flight per warp). The two
-// give bitwise the same y. kAuto: the register kernel unless DSV4_SKINNY_KERNEL=ring (read per call).
-enum class SkinnyKernel { kAuto, kRegisters, kSharedRing };
-
 struct SkinnyGemmParams {
   int64_t rows = 0;  // ≤ kSkinnyMaxRows
   int64_t out = 0;
@@ -41,7 +36,6 @@ struct SkinnyGemmParams {
   // index outside [0, w_batch_count) writes zeros for its batch. Not with `accumulate`.
   const int32_t* w_batch_index = nullptr;
   int64_t w_batch_count = 0;
-  SkinnyKernel kernel = SkinnyKernel::kAuto;
 };
 
 // Whether the kernel takes these shapes and pointers (16-byte aligned W and x).
