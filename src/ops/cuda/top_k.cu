@@ -864,9 +864,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
+template <bool kCountWhileGathering>
 __global__ void __launch_bounds__(kThreads, 1)
     top_k_grid_select_kernel(const TopKParams p, int64_t first_row, int ctas, int span, const void* workspace,
                              bool force_fallback) {
+  constexpr bool count_while_gathering = kCountWhileGathering;
   extern __shared__ uint4 dynamic_candidates[];
   __shared__ Shared sh;
   __shared__ uint32_t offsets[kGridMaxCtas + 1];  // the first candidate slot of each filter CTA, then the total
@@ -928,17 +930,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   KeySource source{candidate_keys, candidate_entries, p.scores + row * p.row_stride, static_cast<int>(total), 0};
   int passes_run = 0;
   if (exact_on_candidates) {
-    // The candidates go to shared memory in CTA order (= entry order), and the first radix pass is counted from
-    // registers as they go (as the sampled path counts it while filtering), instead of in a pass of its own.
+    // The candidates go to shared memory in CTA order (= entry order). `count_while_gathering`
+    // (DSV4_TOPK_GATHER_COUNT=1, to measure): the first radix pass is counted from registers as they go, as the
+    // sampled path counts it while filtering; otherwise by a pass over the packed candidates after the barrier.
+    // The gather's warps are sparse (a CTA's ~16-32 candidates in 64 slots, 8 steps a warp at 128 CTAs) where the
+    // packed pass takes 2-3 full steps, and each step is a ballot, a match_any and the atomics.
     sel.floor = threshold;
     uint32_t* first_histogram = sh.histogram[passes_run & 1];  // zeroed at the start
-    ++passes_run;
+    if constexpr (count_while_gathering) ++passes_run;
     auto keep = [&](bool valid, uint32_t at, uint32_t key, int32_t entry) {  // whole warps call it together
       if (valid) {
         candidate_keys[at] = key;
         candidate_entries[at] = entry;
       }
-      count_key(valid ? key : 0u, sel, digit_bits(0), first_histogram);
+      if constexpr (count_while_gathering) count_key(valid ? key : 0u, sel, digit_bits(0), first_histogram);
     };
     for (int first_group = 0; first_group < groups; first_group += kGroupsInFlight) {
       if (first_group > 0) fetch(first_group);
@@ -960,9 +965,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
-    __syncthreads();  // the candidates and the first pass's counts
-    if (!resolve_digit(cluster, 1, first_histogram, digit_bits(0), sel, sh))
+    __syncthreads();  // the candidates (and the first pass's counts)
+    if constexpr (!count_while_gathering) {
+      radix_select(source, cluster, 1, sel, sh, passes_run, 3);
+    } else if (!resolve_digit(cluster, 1, first_histogram, digit_bits(0), sel, sh)) {
       radix_select(source, cluster, 1, sel, sh, passes_run, 2);
+    }
   } else {
     source.keys = nullptr;  // the row's scores in global memory, entry = position
     source.entries = nullptr;
@@ -978,6 +986,7 @@ size_t grid_workspace_bytes(int64_t rows, int64_t columns) {
 
 cudaError_t launch_grid(const TopKParams& p, int multiprocessors, void* workspace, cudaStream_t stream) {
   const bool force_fallback = env_is("DSV4_TOPK_FALLBACK", "1");
+  const bool count_while_gathering = env_is("DSV4_TOPK_GATHER_COUNT", "1");
   for (int64_t first_row = 0; first_row < p.rows; first_row += kGridMaxRows) {
     const int64_t rows = std::min(kGridMaxRows, p.rows - first_row);
     const GridShape shape = grid_shape(rows, p.columns, multiprocessors);
@@ -988,9 +997,9 @@ cudaError_t launch_grid(const TopKParams& p, int multiprocessors, void* workspac
                                          dim3(static_cast<unsigned>(shape.ctas), static_cast<unsigned>(rows)),
                                          kFilterShared, kFilterShared, stream, p, first_row, shape.span, workspace);
     if (status != cudaSuccess) return status;
-    status = launch_clusters(top_k_grid_select_kernel, 1, dim3(1, static_cast<unsigned>(rows)), kSelectShared,
-                             kSelectShared, stream, p, first_row, shape.ctas, shape.span,
-                             static_cast<const void*>(workspace), force_fallback);
+    const auto select = count_while_gathering ? top_k_grid_select_kernel<true> : top_k_grid_select_kernel<false>;
+    status = launch_clusters(select, 1, dim3(1, static_cast<unsigned>(rows)), kSelectShared, kSelectShared, stream, p,
+                             first_row, shape.ctas, shape.span, static_cast<const void*>(workspace), force_fallback);
     if (status != cudaSuccess) return status;
   }
   return cudaSuccess;

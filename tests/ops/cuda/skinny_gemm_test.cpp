@@ -225,7 +225,9 @@ void check_f32(const SkinnyGemmParams& p, uint32_t seed) {
       }
       ASSERT_NEAR(actual[static_cast<size_t>(t * p.y_stride + o)], sum, 2e-6 * magnitude) << "row " << t << " out " << o;
     }
-  if (p.y_stride > p.out) EXPECT_TRUE(std::isnan(actual[static_cast<size_t>(p.out)])) << "wrote past a row";
+  if (p.y_stride > p.out) {
+    EXPECT_TRUE(std::isnan(actual[static_cast<size_t>(p.out)])) << "wrote past a row";
+  }
   dy.poison();
   ASSERT_EQ(skinny_gemm_f32(p, dw.get(), dx.get(), dy.get(), nullptr), cudaSuccess);
   EXPECT_TRUE(bitwise_equal(dy.download(), actual)) << "not bitwise repeatable";
