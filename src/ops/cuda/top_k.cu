@@ -864,11 +864,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-template <bool kCountWhileGathering>
 __global__ void __launch_bounds__(kThreads, 1)
     top_k_grid_select_kernel(const TopKParams p, int64_t first_row, int ctas, int span, const void* workspace,
                              bool force_fallback) {
-  constexpr bool count_while_gathering = kCountWhileGathering;
   extern __shared__ uint4 dynamic_candidates[];
   __shared__ Shared sh;
   __shared__ uint32_t offsets[kGridMaxCtas + 1];  // the first candidate slot of each filter CTA, then the total
@@ -883,100 +881,53 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t length = row_valid_entries(p, row);
   const GridRow in = grid_row(const_cast<void*>(workspace), blockIdx.y, p.columns);
   const uint32_t threshold = *in.threshold;
-  // One round trip to L2 for the counts and the candidates together: warp 0 loads the filter CTAs' counts (lane l
-  // those of CTAs 32i + l) and scans them into `offsets`, while warp w requests, speculatively, slots lane and
-  // lane + 32 of the CTAs c = w + 32i it gathers (a region holds ≥ 1,024 slots, so the reads stay inside it; a CTA
-  // holds ~24-32 candidates at 256K × 1), 4 groups of 32 CTAs at a time; slots past 64 are fetched afterwards.
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  constexpr int kGroupsInFlight = 4;
-  const int groups = (ctas + 31) / 32;
-  uint32_t keys[kGroupsInFlight][2];
-  int32_t entries[kGroupsInFlight][2];
-  auto fetch = [&](int first_group) {
-#pragma unroll
-    for (int i = 0; i < kGroupsInFlight; ++i) {
-      const int c = warp + 32 * (first_group + i);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int64_t at = static_cast<int64_t>(c) * span + 32 * h + lane;
-        keys[i][h] = c < ctas ? in.keys[at] : 0u;
-        entries[i][h] = c < ctas ? in.entries[at] : 0;
-      }
-    }
-  };
-  fetch(0);  // before the counts arrive
-  if (warp == 0) {
-    uint32_t running = 0;
-#pragma unroll
-    for (int i = 0; i < kGridMaxCtas / 32; ++i) {
-      const uint32_t count = 32 * i + lane < ctas ? in.counts[32 * i + lane] : 0u;
-      uint32_t inclusive = count;
-      for (int offset = 1; offset < 32; offset *= 2) {
-        const uint32_t v = __shfl_up_sync(0xffffffffu, inclusive, offset);
-        if (lane >= offset) inclusive += v;
-      }
-      if (32 * i + lane < ctas) offsets[32 * i + lane] = running + inclusive - count;
-      running += __shfl_sync(0xffffffffu, inclusive, 31);
-    }
-    if (lane == 0) offsets[ctas] = running;
-  }
-  __syncthreads();
-  const uint32_t total = offsets[ctas];
+  const uint32_t count = static_cast<int>(threadIdx.x) < ctas ? in.counts[threadIdx.x] : 0u;
+  uint32_t total;
+  const uint32_t inclusive = block_inclusive_scan(count, sh, total);
+  if (static_cast<int>(threadIdx.x) < ctas) offsets[threadIdx.x] = inclusive - count;
+  if (threadIdx.x == 0) offsets[ctas] = total;
   const bool exact_on_candidates = !force_fallback && total <= static_cast<uint32_t>(kGridCapacity) &&
                                    (total >= static_cast<uint32_t>(p.k) || threshold == 1);
+  __syncthreads();
 
   Selection sel;
   sel.need = static_cast<uint32_t>(p.k);
   KeySource source{candidate_keys, candidate_entries, p.scores + row * p.row_stride, static_cast<int>(total), 0};
-  int passes_run = 0;
   if (exact_on_candidates) {
-    // The candidates go to shared memory in CTA order (= entry order). `count_while_gathering`
-    // (DSV4_TOPK_GATHER_COUNT=1, to measure): the first radix pass is counted from registers as they go, as the
-    // sampled path counts it while filtering; otherwise by a pass over the packed candidates after the barrier.
-    // The gather's warps are sparse (a CTA's ~16-32 candidates in 64 slots, 8 steps a warp at 128 CTAs) where the
-    // packed pass takes 2-3 full steps, and each step is a ballot, a match_any and the atomics.
+    // Slot j of the gathered list belongs to the CTA whose offsets bracket it (a binary search in shared
+    // memory); a thread's ≤ 8 loads are issued together.
+    constexpr int kPerThread = kGridCapacity / kThreads;
+    uint32_t keys[kPerThread];
+    int32_t entries[kPerThread];
+#pragma unroll
+    for (int t = 0; t < kPerThread; ++t) {
+      const int j = t * kThreads + static_cast<int>(threadIdx.x);
+      if (j >= static_cast<int>(total)) continue;
+      int low = 0, high = ctas;  // offsets[low] ≤ j < offsets[high]
+      while (high - low > 1) {
+        const int mid = (low + high) / 2;
+        if (offsets[mid] <= static_cast<uint32_t>(j)) low = mid; else high = mid;
+      }
+      const int64_t at = static_cast<int64_t>(low) * span + (j - static_cast<int>(offsets[low]));
+      keys[t] = in.keys[at];
+      entries[t] = in.entries[at];
+    }
+#pragma unroll
+    for (int t = 0; t < kPerThread; ++t) {
+      const int j = t * kThreads + static_cast<int>(threadIdx.x);
+      if (j >= static_cast<int>(total)) continue;
+      candidate_keys[j] = keys[t];
+      candidate_entries[j] = entries[t];
+    }
+    __syncthreads();
     sel.floor = threshold;
-    uint32_t* first_histogram = sh.histogram[passes_run & 1];  // zeroed at the start
-    if constexpr (count_while_gathering) ++passes_run;
-    auto keep = [&](bool valid, uint32_t at, uint32_t key, int32_t entry) {  // whole warps call it together
-      if (valid) {
-        candidate_keys[at] = key;
-        candidate_entries[at] = entry;
-      }
-      if constexpr (count_while_gathering) count_key(valid ? key : 0u, sel, digit_bits(0), first_histogram);
-    };
-    for (int first_group = 0; first_group < groups; first_group += kGroupsInFlight) {
-      if (first_group > 0) fetch(first_group);
-#pragma unroll
-      for (int i = 0; i < kGroupsInFlight; ++i) {
-        const int c = warp + 32 * (first_group + i);
-        if (first_group + i >= groups) break;  // uniform
-        const uint32_t count = c < ctas ? offsets[c + 1] - offsets[c] : 0u;
-        const uint32_t first = c < ctas ? offsets[c] : 0u;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint32_t slot = 32 * h + lane;
-          keep(slot < count, first + slot, keys[i][h], entries[i][h]);
-        }
-        for (uint32_t slot0 = 64; slot0 < count; slot0 += 32) {  // uniform over the warp
-          const uint32_t slot = slot0 + lane;
-          const int64_t at = static_cast<int64_t>(c) * span + slot;
-          keep(slot < count, first + slot, slot < count ? in.keys[at] : 0u, slot < count ? in.entries[at] : 0);
-        }
-      }
-    }
-    __syncthreads();  // the candidates (and the first pass's counts)
-    if constexpr (!count_while_gathering) {
-      radix_select(source, cluster, 1, sel, sh, passes_run, 3);
-    } else if (!resolve_digit(cluster, 1, first_histogram, digit_bits(0), sel, sh)) {
-      radix_select(source, cluster, 1, sel, sh, passes_run, 2);
-    }
   } else {
     source.keys = nullptr;  // the row's scores in global memory, entry = position
     source.entries = nullptr;
     source.count = static_cast<int>(length);
-    radix_select(source, cluster, 1, sel, sh, passes_run, 3);
   }
+  int passes_run = 0;
+  radix_select(source, cluster, 1, sel, sh, passes_run, 3);
   compact_selection(source, sel, cluster, 1, 0, sh, p.indices + row * p.k, p.k, p.lengths + row);
 }
 
@@ -986,7 +937,6 @@ size_t grid_workspace_bytes(int64_t rows, int64_t columns) {
 
 cudaError_t launch_grid(const TopKParams& p, int multiprocessors, void* workspace, cudaStream_t stream) {
   const bool force_fallback = env_is("DSV4_TOPK_FALLBACK", "1");
-  const bool count_while_gathering = env_is("DSV4_TOPK_GATHER_COUNT", "1");
   for (int64_t first_row = 0; first_row < p.rows; first_row += kGridMaxRows) {
     const int64_t rows = std::min(kGridMaxRows, p.rows - first_row);
     const GridShape shape = grid_shape(rows, p.columns, multiprocessors);
@@ -997,9 +947,9 @@ cudaError_t launch_grid(const TopKParams& p, int multiprocessors, void* workspac
                                          dim3(static_cast<unsigned>(shape.ctas), static_cast<unsigned>(rows)),
                                          kFilterShared, kFilterShared, stream, p, first_row, shape.span, workspace);
     if (status != cudaSuccess) return status;
-    const auto select = count_while_gathering ? top_k_grid_select_kernel<true> : top_k_grid_select_kernel<false>;
-    status = launch_clusters(select, 1, dim3(1, static_cast<unsigned>(rows)), kSelectShared, kSelectShared, stream, p,
-                             first_row, shape.ctas, shape.span, static_cast<const void*>(workspace), force_fallback);
+    status = launch_clusters(top_k_grid_select_kernel, 1, dim3(1, static_cast<unsigned>(rows)), kSelectShared,
+                             kSelectShared, stream, p, first_row, shape.ctas, shape.span,
+                             static_cast<const void*>(workspace), force_fallback);
     if (status != cudaSuccess) return status;
   }
   return cudaSuccess;

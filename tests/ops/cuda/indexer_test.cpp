@@ -192,8 +192,8 @@ void check_top_k(int64_t rows, int64_t columns, int64_t stride, int64_t k, const
   TopKParams p{rows, columns, stride, k, d_scores, d_row_lengths, d_indices, d_lengths};
   std::vector<int32_t> first;
   // Every path of top_k gives the same answer (the switches are read on every call): the default choice twice
-  // (bitwise repeatable), then each path forced at this shape (the grid path with both ways of counting its first
-  // pass), and the sampled and grid paths' exact fallbacks over global memory.
+  // (bitwise repeatable), then each path forced at this shape, and the sampled and grid paths' exact fallbacks over
+  // global memory.
   const std::vector<std::vector<std::pair<const char*, const char*>>> runs = {
       {},
       {},
@@ -202,12 +202,11 @@ void check_top_k(int64_t rows, int64_t columns, int64_t stride, int64_t k, const
       {{"DSV4_TOPK_PATH", "sampled"}},
       {{"DSV4_TOPK_PATH", "sampled"}, {"DSV4_TOPK_FALLBACK", "1"}},
       {{"DSV4_TOPK_PATH", "grid"}},
-      {{"DSV4_TOPK_PATH", "grid"}, {"DSV4_TOPK_GATHER_COUNT", "1"}},
       {{"DSV4_TOPK_PATH", "grid"}, {"DSV4_TOPK_FALLBACK", "1"}},
   };
   struct SwitchesOffOnExit {
     static void clear() {
-      for (const char* name : {"DSV4_TOPK_PATH", "DSV4_TOPK_FALLBACK", "DSV4_TOPK_GATHER_COUNT"}) unsetenv(name);
+      for (const char* name : {"DSV4_TOPK_PATH", "DSV4_TOPK_FALLBACK"}) unsetenv(name);
     }
     ~SwitchesOffOnExit() { clear(); }
   } switches_off_on_exit;  // also when an ASSERT returns early
