@@ -118,6 +118,12 @@ std::vector<CaseResult> run(const Ceilings& ceilings, const Options& options) {
     for (const int64_t rows : row_counts) {
       const std::string tag = std::string(s.name) + " " + std::to_string(s.in) + "->" +
                               std::to_string(s.out) + " r" + std::to_string(rows);
+      // --case: the shape runs when any of its cases ("bf16 <tag>", "bf16 chain <tag>", "fp8 <tag>", …) is asked.
+      if (!options.cases.empty() &&
+          std::none_of(options.cases.begin(), options.cases.end(), [&](const std::string& c) {
+            return c.size() >= tag.size() && c.compare(c.size() - tag.size(), tag.size(), tag) == 0;
+          }))
+        continue;
       const double flops = 2.0 * rows * s.out * s.in;
       const double scale_bytes =
           4.0 * ((s.out + 127) / 128) * ((s.in + 127) / 128) + 4.0 * rows * ((s.in + 127) / 128);
