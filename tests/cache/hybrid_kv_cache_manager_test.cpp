@@ -296,7 +296,9 @@ TEST(HybridKvCacheManager, PrefixCacheEventsReplayToTheCachedBlocks) {
     EXPECT_GT(hits, 0);
     EXPECT_GT(evicted_events, 10) << "the pool never evicted: the test did not exercise eviction events";
     EXPECT_GT(cached_events, 10);
-    if (drain_every == 50) EXPECT_GT(evicted_unseen, 0) << "no block was registered and evicted within a drain";
+    if (drain_every == 50) {
+      EXPECT_GT(evicted_unseen, 0) << "no block was registered and evicted within a drain";
+    }
     EXPECT_TRUE(manager.drain_prefix_cache_events().empty()) << "a drain clears the events";
   }
 }
