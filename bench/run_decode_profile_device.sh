@@ -9,11 +9,8 @@
 #   CARRY=.devcarry/new bench/run_decode_profile_device.sh [batch, default 1]
 # Carry a build in $CARRY (dsv4, dsv4_kbench).
 set -uo pipefail
-CARRY=${CARRY:-.devcarry/new}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source "$(dirname "${BASH_SOURCE[0]}")/device_env.sh"
 BATCH=${1:-1}
-export LD_LIBRARY_PATH="$CARRY:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-MODEL=(--model bench/configs/v4_flash_4layer.json --load-format dummy --device cuda)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 timeout 200 "$CARRY/dsv4" bench latency "${MODEL[@]}" --input-len 1024 --output-len 64 --batch-size 1,8 \
   > "$OUT/latency_decode.log" 2>&1; echo "decode bench rc=$?"

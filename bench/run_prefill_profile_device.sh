@@ -3,11 +3,8 @@
 # per kernel name, tools/reference/ncu_summary.py), beside the end-to-end bench latency figures of the same binary.
 #   CARRY=.devcarry/new bench/run_prefill_profile_device.sh [input_len, default 4096]
 set -uo pipefail
-CARRY=${CARRY:-.devcarry/new}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source "$(dirname "${BASH_SOURCE[0]}")/device_env.sh"
 LEN=${1:-4096}
-export LD_LIBRARY_PATH="$CARRY:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-MODEL=(--model bench/configs/v4_flash_4layer.json --load-format dummy --device cuda)
 timeout 200 "$CARRY/dsv4" bench latency "${MODEL[@]}" --input-len 1024 --output-len 64 --batch-size 1,8 \
   > "$OUT/latency_decode.log" 2>&1; echo "decode bench rc=$?"
 timeout 120 "$CARRY/dsv4" bench latency "${MODEL[@]}" --input-len "$LEN" --output-len 2 --batch-size 1 \
