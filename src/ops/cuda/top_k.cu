@@ -216,24 +216,23 @@ struct KeySource {
   __device__ int32_t entry(int i) const { return entries != nullptr ? entries[i] : first + i; }
 };
 
-// One key per lane, whole warps together (so ballots and __match_any_sync see full warps): adds the `bits`-bit digit
-// below `sel.prefix` of a key matching the selection to the histogram; key 0 (padding) never matches, the floor
-// being ≥ 1. Scores cluster in few bins (a pass sees sign, exponent and a few mantissa bits), and lanes adding to one
-// shared counter serialise: one atomic per distinct digit per warp instead.
-__device__ __forceinline__ void count_key(uint32_t key, const Selection& sel, int bits, uint32_t* histogram) {
-  const bool match = key >= sel.floor && top_bits(key, sel.resolved) == sel.prefix;
-  if (__ballot_sync(0xffffffffu, match) == 0) return;
-  const uint32_t digit = (key >> (32 - sel.resolved - bits)) & ((1u << bits) - 1u);
-  const uint32_t peers = __match_any_sync(0xffffffffu, match ? digit : 0xffffffffu);
-  if (match && threadIdx.x % 32 == __ffs(peers) - 1) atomicAdd(&histogram[digit], static_cast<uint32_t>(__popc(peers)));
-}
-
 // Adds the digit below `sel.prefix` of every key matching it to this CTA's histogram, one key per thread per
-// step; whole warps step together (the count is padded to 32).
+// step; whole warps step together (the count is padded to 32), so ballots and __match_any_sync see full warps.
+// Scores cluster in few bins (a pass sees sign, exponent and a few mantissa bits), and lanes adding to one shared
+// counter serialise: one atomic per distinct digit per warp instead.
 __device__ void histogram_pass_from(const KeySource& source, const Selection& sel, int bits, uint32_t* histogram) {
+  const int lane = threadIdx.x % 32;
+  const uint32_t mask = (1u << bits) - 1u;
+  const int shift = 32 - sel.resolved - bits;
   const int padded = (source.count + 31) & ~31;
-  for (int i = static_cast<int>(threadIdx.x); i < padded; i += kThreads)
-    count_key(i < source.count ? source.key(i) : 0u, sel, bits, histogram);
+  for (int i = static_cast<int>(threadIdx.x); i < padded; i += kThreads) {
+    const uint32_t key = i < source.count ? source.key(i) : 0u;
+    const bool match = key >= sel.floor && top_bits(key, sel.resolved) == sel.prefix;
+    if (__ballot_sync(0xffffffffu, match) == 0) continue;
+    const uint32_t digit = (key >> shift) & mask;
+    const uint32_t peers = __match_any_sync(0xffffffffu, match ? digit : 0xffffffffu);
+    if (match && lane == __ffs(peers) - 1) atomicAdd(&histogram[digit], static_cast<uint32_t>(__popc(peers)));
+  }
 }
 
 // Up to `max_passes` radix passes (11, 11, 10 bits) over the cluster's sources, stopping once resolved. The two
