@@ -711,21 +711,45 @@ __global__ void __launch_bounds__(128) sparse_attention_combine_kernel(const Spa
   allow_dependents();
   const int64_t head = blockIdx.x, token = blockIdx.y;
   const int dim = 4 * threadIdx.x;
+  // The splits are read kBatch at a time, every load of a batch issued before any is used: one L2 round trip a
+  // batch (a split a round trip before: ~2·splits + 1 of them, the most of this kernel's time at decode).
+  constexpr int kBatch = 8;
+  auto split_index = [&](int s) { return (int64_t{s} * p.tokens + token) * p.heads + head; };
   float m = -INFINITY;
-  for (int s = 0; s < splits; ++s) m = fmaxf(m, partial_ml[((int64_t{s} * p.tokens + token) * p.heads + head) * 2]);
+  for (int first = 0; first < splits; first += kBatch) {
+    float split_max[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u)
+      split_max[u] = first + u < splits ? partial_ml[split_index(first + u) * 2] : -INFINITY;
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) m = fmaxf(m, split_max[u]);
+  }
   float4 o = make_float4(0, 0, 0, 0);
   float l = 0.0f;
   if (m != -INFINITY) {
-    for (int s = 0; s < splits; ++s) {
-      const int64_t index = (int64_t{s} * p.tokens + token) * p.heads + head;
-      const float weight = exp2f(partial_ml[index * 2] - m);  // a split with no key: 2^(−inf) = 0
-      if (weight == 0.0f) continue;
-      l += weight * partial_ml[index * 2 + 1];
-      const float4 part = *reinterpret_cast<const float4*>(partial_o + index * kKvHeadDim + dim);
-      o.x += weight * part.x;
-      o.y += weight * part.y;
-      o.z += weight * part.z;
-      o.w += weight * part.w;
+    for (int first = 0; first < splits; first += kBatch) {
+      float split_max[kBatch], split_sum[kBatch];
+      float4 part[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        if (first + u >= splits) continue;
+        const int64_t index = split_index(first + u);
+        split_max[u] = partial_ml[index * 2];
+        split_sum[u] = partial_ml[index * 2 + 1];
+        part[u] = *reinterpret_cast<const float4*>(partial_o + index * kKvHeadDim + dim);
+      }
+      // In split order, as before: the same sums bit for bit.
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        if (first + u >= splits) continue;
+        const float weight = exp2f(split_max[u] - m);  // a split with no key: 2^(−inf) = 0 (its o, loaded, is not used)
+        if (weight == 0.0f) continue;
+        l += weight * split_sum[u];
+        o.x += weight * part[u].x;
+        o.y += weight * part[u].y;
+        o.z += weight * part[u].z;
+        o.w += weight * part[u].w;
+      }
     }
   }
   const float inverse = l > 0.0f ? 1.0f / (l + exp2f(p.sinks[head] * kLog2e - m)) : 0.0f;
