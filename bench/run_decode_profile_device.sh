@@ -18,7 +18,9 @@ timeout 200 "$CARRY/dsv4" bench latency "${MODEL[@]}" --input-len 1024 --output-
 grep -E "bench latency on|Decode" "$OUT/latency_decode.log"
 # 2a. The step as it runs in a graph (PDL overlap and side streams included): an nsys kernel trace, each step's wall
 #     time split over the kernels that advance it (tools/reference/nsys_step_timeline.py).
-NSYS=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems*/bin/nsys 2>/dev/null | head -1)
+# (On the lent H100/H200 machines nsys ships inside Nsight Compute: /opt/nvidia/nsight-compute/*/host/target-linux-x64.)
+NSYS=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems*/bin/nsys \
+  /opt/nvidia/nsight-compute/*/host/target-linux-x64/nsys 2>/dev/null | head -1)
 if [ -n "$NSYS" ]; then
   timeout 150 "$NSYS" profile -o "$OUT/decode_graph" --force-overwrite true --trace=cuda --cuda-graph-trace=node \
     "$CARRY/dsv4" bench latency "${MODEL[@]}" --input-len 1024 --output-len 24 --batch-size "$BATCH" \

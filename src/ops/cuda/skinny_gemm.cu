@@ -1,6 +1,8 @@
 #include "ops/cuda/skinny_gemm.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <string_view>
 
 #include "ops/cuda/bf16.cuh"
 #include "ops/cuda/launch.cuh"
@@ -40,7 +42,35 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
 template <bool kSixteenTokens>
 constexpr int kVectorsOf = 2 * batch_lines(kSixteenTokens);
 
-template <bool kSixteenTokens>
+// How a weight vector is read (DSV4_SKINNY_LOAD, measured side by side in docs/PERF.md "skinny_gemm's weight
+// loads"): kStreaming is ld.global.cs (evict first); the prefetch forms are ld.global.nc.L1::no_allocate with an
+// L2 prefetch-size hint, so a lane's 64-byte request of one row brings the row's aligned 128 or 256 bytes into L2
+// in one DRAM access. H100, session 31: the 128-byte form took the 4-layer decode step from 1.504-1.507 to
+// 1.492-1.494 ms at batch 1 and 2.229-2.233 to 2.212-2.213 at batch 8 (two alternating rounds); 256 bytes gained
+// nothing (its L2 hit rate rose from 2 to 43 %, the DRAM stayed 64 % busy: the stream is latency-bound, ncu's
+// stalls are long-scoreboard, 24 % of the warp slots in use). The default is the 128-byte form.
+enum class WeightLoad { kStreaming, kPrefetch128, kPrefetch256 };
+
+template <WeightLoad kLoad>
+__device__ __forceinline__ uint4 load_weight_vector(const uint16_t* at) {
+  if constexpr (kLoad == WeightLoad::kStreaming) {
+    return __ldcs(reinterpret_cast<const uint4*>(at));
+  } else if constexpr (kLoad == WeightLoad::kPrefetch128) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(at));
+    return v;
+  } else {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(at));
+    return v;
+  }
+}
+
+template <bool kSixteenTokens, WeightLoad kLoad>
 __global__ void __launch_bounds__(kMaxWarps * 32, 2)
     skinny_gemm_kernel(const SkinnyGemmParams p, const uint16_t* __restrict__ w, const uint16_t* x, void* y) {
   const int warps = static_cast<int>(blockDim.x / 32);
@@ -78,7 +108,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2)
 #pragma unroll
     for (int u = 0; u < kVectors; ++u) {
       const int k = k0 + (u / 2) * warps * kLineK + (u % 2) * 32;
-      v[u] = k < in ? __ldcs(reinterpret_cast<const uint4*>(wrow + k)) : zero;  // streamed once: evict first
+      v[u] = k < in ? load_weight_vector<kLoad>(wrow + k) : zero;  // streamed once
     }
   };
   __shared__ float partial[kMaxWarps][16][kTileRows];  // [warp][token][row]
@@ -147,6 +177,16 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2)
   }
 }
 
+// DSV4_SKINNY_LOAD=cs|256 picks another load form (read once); unset or anything else keeps the 128-byte prefetch.
+WeightLoad weight_load() {
+  static const WeightLoad load = [] {
+    const char* value = std::getenv("DSV4_SKINNY_LOAD");
+    const std::string_view choice = value != nullptr ? value : "";
+    return choice == "cs" ? WeightLoad::kStreaming : choice == "256" ? WeightLoad::kPrefetch256 : WeightLoad::kPrefetch128;
+  }();
+  return load;
+}
+
 int skinny_gemm_warps(const SkinnyGemmParams& p) {
   // Enough warps to split a tile's lines into full batches, up to kMaxWarps.
   const int64_t lines = (p.in + kLineK - 1) / kLineK, per_batch = batch_lines(p.rows > 8);
@@ -161,10 +201,13 @@ int skinny_gemm_resident_ctas(bool sixteen_tokens, int warps) {
     int device = 0, sms = 0, per_sm = 0;
     cudaGetDevice(&device);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    // Every load form has the same registers (one asm load for another); the streaming one stands for all.
     if (sixteen_tokens) {
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, skinny_gemm_kernel<true>, warps * 32, 0);
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, skinny_gemm_kernel<true, WeightLoad::kStreaming>,
+                                                    warps * 32, 0);
     } else {
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, skinny_gemm_kernel<false>, warps * 32, 0);
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, skinny_gemm_kernel<false, WeightLoad::kStreaming>,
+                                                    warps * 32, 0);
     }
     ctas = std::max(1, sms * std::max(1, per_sm));
   }
@@ -251,8 +294,21 @@ cudaError_t skinny_gemm(const SkinnyGemmParams& p, const void* w, const void* x,
   const dim3 block(static_cast<unsigned>(32 * warps));
   const auto* wb = static_cast<const uint16_t*>(w);
   const auto* xb = static_cast<const uint16_t*>(x);
-  if (!sixteen_tokens) return launch_dependent(skinny_gemm_kernel<false>, grid, block, 0, stream, p, wb, xb, y);
-  return launch_dependent(skinny_gemm_kernel<true>, grid, block, 0, stream, p, wb, xb, y);
+  switch (weight_load()) {
+    case WeightLoad::kPrefetch128:
+      if (!sixteen_tokens)
+        return launch_dependent(skinny_gemm_kernel<false, WeightLoad::kPrefetch128>, grid, block, 0, stream, p, wb, xb, y);
+      return launch_dependent(skinny_gemm_kernel<true, WeightLoad::kPrefetch128>, grid, block, 0, stream, p, wb, xb, y);
+    case WeightLoad::kPrefetch256:
+      if (!sixteen_tokens)
+        return launch_dependent(skinny_gemm_kernel<false, WeightLoad::kPrefetch256>, grid, block, 0, stream, p, wb, xb, y);
+      return launch_dependent(skinny_gemm_kernel<true, WeightLoad::kPrefetch256>, grid, block, 0, stream, p, wb, xb, y);
+    case WeightLoad::kStreaming:
+      break;
+  }
+  if (!sixteen_tokens)
+    return launch_dependent(skinny_gemm_kernel<false, WeightLoad::kStreaming>, grid, block, 0, stream, p, wb, xb, y);
+  return launch_dependent(skinny_gemm_kernel<true, WeightLoad::kStreaming>, grid, block, 0, stream, p, wb, xb, y);
 }
 
 }  // namespace dsv4::ops::cuda
