@@ -2,7 +2,7 @@
 # One device run: where a decode step of the 4-layer V4-Flash cut goes (issue 8), most important first, each step
 # logging under $OUT so a cut-off run still returns what it finished:
 #   1. `dsv4 bench latency` at batch 1 and 8 (CUDA graphs: the headline figures);
-#   2. one decode step as it runs in the graph (an nsys trace, where nsys is installed), then kernel by kernel: ncu
+#   2. one decode step as it runs in the graph (CUPTI's kernel records, DSV4_KERNEL_TRACE), then kernel by kernel: ncu
 #      kernel durations of two eager runs that differ by 8 decode steps, subtracted per kernel name and divided
 #      by 8 (tools/reference/ncu_summary.py --minus);
 #   3. why the decode GEMV streams the 64 MiB projections below the copy rate (72 % on the H200, 83 % on the H100,
@@ -16,23 +16,17 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 timeout 200 "$CARRY/dsv4" bench latency "${MODEL[@]}" --input-len 1024 --output-len 64 --batch-size 1,8 \
   > "$OUT/latency_decode.log" 2>&1; echo "decode bench rc=$?"
 grep -E "bench latency on|Decode" "$OUT/latency_decode.log"
-# 2a. The step as it runs in a graph (PDL overlap and side streams included): an nsys kernel trace, each step's wall
-#     time split over the kernels that advance it (tools/reference/nsys_step_timeline.py).
-# (On the lent H100/H200 machines nsys ships inside Nsight Compute: /opt/nvidia/nsight-compute/*/host/target-linux-x64.)
-NSYS=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems*/bin/nsys \
-  /opt/nvidia/nsight-compute/*/host/target-linux-x64/nsys 2>/dev/null | head -1)
-if [ -n "$NSYS" ]; then
-  timeout 150 "$NSYS" profile -o "$OUT/decode_graph" --force-overwrite true --trace=cuda --cuda-graph-trace=node \
-    "$CARRY/dsv4" bench latency "${MODEL[@]}" --input-len 1024 --output-len 24 --batch-size "$BATCH" \
-    --num-iters-warmup 0 --num-iters 1 > "$OUT/nsys_decode.log" 2>&1
-  echo "nsys rc=$?"
-  timeout 120 "$NSYS" stats --report cuda_gpu_trace --format csv --output "$OUT/decode_graph" \
-    "$OUT/decode_graph.nsys-rep" > "$OUT/nsys_stats.log" 2>&1
-  python3 tools/reference/nsys_step_timeline.py "$OUT/decode_graph_cuda_gpu_trace.csv" 45 --steps 8
-  rm -f "$OUT/decode_graph.nsys-rep" "$OUT/decode_graph.sqlite"
-else
-  echo "nsys: not found"
-fi
+# 2a. The step as it runs in the graph (PDL overlap and side streams included): the kernels CUPTI recorded
+#     (DSV4_KERNEL_TRACE, ops/cuda/kernel_trace.h; the lent machines' nsys cannot import its own reports), each
+#     step's wall time split over its kernels (tools/reference/nsys_step_timeline.py).
+CUPTI=$(ls /usr/local/cuda/extras/CUPTI/lib64/libcupti.so* /usr/local/cuda/lib64/libcupti.so* 2>/dev/null | head -1)
+[ -z "$CUPTI" ] && CUPTI=$(timeout 30 find / -xdev -name 'libcupti.so*' 2>/dev/null | head -1)
+for b in "$BATCH" 8; do
+  DSV4_CUPTI_LIBRARY="$CUPTI" DSV4_KERNEL_TRACE="$OUT/trace_b$b.csv" timeout 120 "$CARRY/dsv4" bench latency "${MODEL[@]}" \
+    --input-len 1024 --output-len 24 --batch-size "$b" --num-iters-warmup 0 --num-iters 1 > "$OUT/trace_b$b.log" 2>&1
+  echo "kernel trace batch $b rc=$? ($(tail -1 "$OUT/trace_b$b.log"))"
+  python3 tools/reference/nsys_step_timeline.py "$OUT/trace_b$b.csv" 45 --steps 8
+done
 for steps in 2 10; do
   DSV4_CUDA_GRAPHS=0 timeout 240 ncu --metrics gpu__time_duration.sum --csv --print-units base --cache-control none \
     --clock-control none "$CARRY/dsv4" bench latency "${MODEL[@]}" --input-len 1024 --output-len "$steps" \

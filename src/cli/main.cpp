@@ -1,6 +1,7 @@
 // `dsv4`: the command-line entry point. Subcommands live in cli/commands.cpp.
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <memory>
 
 #include "cli/bench_command.h"
 #include "cli/bench_offline.h"
@@ -10,8 +11,21 @@
 #include "cli/serve_command.h"
 #include "core/error.h"
 #include "tokenizer/tokenize_command.h"
+#ifdef DSV4_HAVE_CUDA
+#include "ops/cuda/kernel_trace.h"
+#endif
 
 int main(int argc, char** argv) {
+#ifdef DSV4_HAVE_CUDA
+  // DSV4_KERNEL_TRACE=FILE: every GPU kernel of this run, as it ran, into FILE (ops/cuda/kernel_trace.h).
+  std::unique_ptr<dsv4::ops::cuda::KernelTrace> kernel_trace;
+  try {
+    kernel_trace = dsv4::ops::cuda::KernelTrace::start_from_env();
+  } catch (const dsv4::Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+#endif
   CLI::App app{"dsv4: a serving engine for DeepSeek-V4 hybrid-attention models"};
   app.require_subcommand(1);
 

@@ -60,6 +60,15 @@ class NsysStepTimelineTest(unittest.TestCase):
         self.assertAlmostEqual(busy["row_decide_kernel"], 0.010)
         self.assertEqual(launches["side_kernel"], 1)
 
+    def test_short_names(self):
+        self.assertEqual(timeline.short_name(
+            "void dsv4::ops::cuda::(anonymous namespace)::finish_kernel<4, false, 4, true>(const float *, int)"),
+            "finish_kernel")
+        self.assertEqual(timeline.short_name("void dsv4::ops::cuda::<unnamed>::skinny_gemm_kernel<false>(P)"),
+                         "skinny_gemm_kernel")
+        self.assertEqual(timeline.short_name("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64"),
+                         "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64")
+
     def test_side_stream_charged_while_the_main_stream_waits(self):
         # Main stream 7: a (100-110), then b only at 145, after the side kernel s (105-140) it joins on.
         step = [(100, 110, "7", "a"), (105, 140, "9", "s"), (145, 160, "7", "b")]

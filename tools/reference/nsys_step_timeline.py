@@ -4,9 +4,13 @@ ncu (tools/reference/ncu_summary.py) times each kernel alone, serialised, so its
 that runs as one graph with programmatic dependent launch and side streams (1,897 µs of ncu kernel time against a
 1,539 µs step, docs/PERF.md). This reads the kernels as they ran:
 
+    DSV4_KERNEL_TRACE=trace.csv dsv4 bench latency ... --batch-size 1     (CUPTI, ops/cuda/kernel_trace.h)
+    python3 tools/reference/nsys_step_timeline.py trace.csv [top] [--boundary REGEX] [--steps N]
+
+or from Nsight Systems, where it can import its reports (the lent machines' copy cannot):
+
     nsys profile -o run --trace=cuda --cuda-graph-trace=node dsv4 bench latency ... --batch-size 1
-    nsys stats --report cuda_gpu_trace --format csv --output run run.nsys-rep
-    python3 tools/reference/nsys_step_timeline.py run_cuda_gpu_trace.csv [top] [--boundary REGEX] [--steps N]
+    nsys stats --report cuda_gpu_trace --format csv --output run run.nsys-rep   (then run_cuda_gpu_trace.csv)
 
 Steps are cut at the kernels whose name matches --boundary (default: the sampling kernels that end every decode
 step); the last N complete steps are averaged. Each step's wall time is split exactly over its kernels: an
@@ -30,6 +34,15 @@ def column(header, *prefixes):
     raise SystemExit(f"no column starting with {prefixes} in {header}")
 
 
+def short_name(name):
+    """The kernel's own name: no return type, namespaces, template arguments or parameters."""
+    for anonymous in ("(anonymous namespace)::", "<unnamed>::"):
+        name = name.replace(anonymous, "")
+    name = re.sub(r"^void ", "", name.strip())
+    name = re.split(r"[(<]", name, maxsplit=1)[0]
+    return name.rsplit("::", 1)[-1].strip()[:80]
+
+
 def read_kernels(path):
     """(start ns, end ns, stream, name) of every kernel, sorted by start; memcpy/memset rows are skipped."""
     with open(path, newline="") as f:
@@ -51,7 +64,7 @@ def read_kernels(path):
             continue
         start = float(row[start_col].replace(",", ""))
         end = start + float(row[duration_col].replace(",", ""))
-        kernels.append((start, end, row[stream_col].strip(), re.split(r"[(<]", name, maxsplit=1)[0].strip()[:80]))
+        kernels.append((start, end, row[stream_col].strip(), short_name(name)))
     kernels.sort()
     return kernels
 
