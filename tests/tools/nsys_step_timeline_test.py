@@ -48,7 +48,7 @@ class NsysStepTimelineTest(unittest.TestCase):
         with tempfile.TemporaryDirectory() as folder:
             path = os.path.join(folder, "trace.csv")
             write_trace(path, kernels)
-            steps = timeline.split_steps(timeline.read_kernels(path), r"row_decide")
+            steps = timeline.split_steps(timeline.read_kernels(path), r"row_decide", merge_within=0)
         self.assertEqual(len(steps), 1)
         busy, idle, launches, wall = timeline.attribute(steps[0], 100, "7")
         self.assertAlmostEqual(wall, 0.130)
@@ -59,6 +59,16 @@ class NsysStepTimelineTest(unittest.TestCase):
         self.assertAlmostEqual(idle["row_decide_kernel"], 0.020)
         self.assertAlmostEqual(busy["row_decide_kernel"], 0.010)
         self.assertEqual(launches["side_kernel"], 1)
+
+    def test_sampling_launches_end_a_step_once(self):
+        # A greedy step ends with chunk_argmax, chunk_pass, row_decide; a sampled one adds row_finish 2 launches on.
+        names = (["row_decide_kernel"] + [f"a{i}" for i in range(5)] + ["row_decide_kernel", "chunk_weight_kernel",
+                 "row_finish_kernel"] + [f"b{i}" for i in range(5)] + ["row_decide_kernel"])
+        kernels = [(2 * i, 2 * i + 1, "7", name) for i, name in enumerate(names)]
+        steps = timeline.split_steps(kernels, r"row_decide|row_finish")
+        self.assertEqual([[k[3] for k in step] for step in steps],
+                         [["a0", "a1", "a2", "a3", "a4", "row_decide_kernel", "chunk_weight_kernel", "row_finish_kernel"],
+                          ["b0", "b1", "b2", "b3", "b4", "row_decide_kernel"]])
 
     def test_short_names(self):
         self.assertEqual(timeline.short_name(
@@ -97,7 +107,7 @@ class NsysStepTimelineTest(unittest.TestCase):
             with tempfile.TemporaryDirectory() as folder:
                 path = os.path.join(folder, "trace.csv")
                 write_trace(path, kernels)
-                steps = timeline.split_steps(timeline.read_kernels(path), r"row_decide")
+                steps = timeline.split_steps(timeline.read_kernels(path), r"row_decide", merge_within=0)
             self.assertEqual(len(steps), 3, trial)
             for i, step in enumerate(steps):
                 begin = steps[i - 1][-1][1] if i else 10

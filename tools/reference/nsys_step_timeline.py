@@ -14,10 +14,11 @@ or from Nsight Systems, where it can import its reports (the lent machines' copy
 
 Steps are cut at the kernels whose name matches --boundary (default: the sampling kernels that end every decode
 step); the last N complete steps are averaged. Each step's wall time is split exactly over its kernels: an
-instant goes to the main stream's (the boundary kernel's stream) earliest-started running kernel, so a kernel
-launched early under PDL is charged only from its predecessor's end; to a side stream's kernel only while the
-main stream runs nothing (it waits at a join); and an instant with nothing running is idle (launch or dependency
-latency), charged to the kernel that starts the next busy stretch. A kernel charged nothing was hidden.
+instant goes to the earliest-started running kernel, so a kernel launched early under PDL is charged only from
+its predecessor's end (with --main-stream, the boundary kernel's stream first: a side stream's kernel then owns
+only the instants the main stream waits for it); an instant with nothing running is idle (launch or dependency
+latency, the host between steps), charged to the kernel that starts the next busy stretch. A kernel charged
+nothing was hidden.
 """
 import argparse
 import collections
@@ -69,21 +70,22 @@ def read_kernels(path):
     return kernels
 
 
-def split_steps(kernels, boundary):
-    """Lists of kernels between consecutive boundary kernels (each list ends with its boundary kernel)."""
+def split_steps(kernels, boundary, merge_within=4):
+    """Lists of kernels between consecutive boundary kernels (each list ends with its boundary kernel). Boundary
+    kernels at most `merge_within` launches apart are one boundary (sampling is a few launches; the last counts)."""
     pattern = re.compile(boundary)
     ends = [i for i, k in enumerate(kernels) if pattern.search(k[3])]
-    # One step may end with several boundary kernels in a row (sampling is a few launches): keep the last of a run.
-    last_of_run = [i for j, i in enumerate(ends) if j + 1 == len(ends) or ends[j + 1] != i + 1]
+    last_of_run = [i for j, i in enumerate(ends) if j + 1 == len(ends) or ends[j + 1] - i > merge_within]
     return [kernels[a + 1:b + 1] for a, b in zip(last_of_run, last_of_run[1:])]
 
 
-def attribute(step, step_begin, main_stream):
+def attribute(step, step_begin, main_stream=None):
     """Per kernel name: (busy µs, idle µs before it, launches) of one step, and its wall µs (step_begin to the
-    last end). Every instant of the wall goes to one kernel: among the kernels running then, the main stream's
-    earliest-started one (a kernel launched early under PDL waits while its predecessor runs: the instant is the
-    predecessor's), else a side stream's earliest-started one (the main stream waits for it at a join); an instant
-    with no kernel running is idle, charged to the kernel that starts the next busy stretch."""
+    last end). Every instant of the wall goes to one kernel: the earliest-started of those running then (a kernel
+    launched early under PDL waits while its predecessor runs: the instant is the predecessor's), preferring
+    `main_stream`'s when given (a side stream's kernel then owns only instants when the main stream waits for it);
+    an instant with no kernel running is idle, charged to the kernel that starts the next busy stretch. Graph
+    replays may put one chain's kernels on several internal streams (CUPTI reports them so): then pass None."""
     busy = collections.defaultdict(float)
     idle = collections.defaultdict(float)
     launches = collections.Counter(name for _, _, _, name in step)
@@ -95,7 +97,7 @@ def attribute(step, step_begin, main_stream):
         if not running:
             pending_idle += (b - a) / 1e3
             continue
-        main = [k for k in running if k[2] == main_stream]
+        main = [k for k in running if main_stream is not None and k[2] == main_stream]
         owner = min(main or running)  # earliest start
         busy[owner[3]] += (b - a) / 1e3
         if pending_idle:
@@ -109,7 +111,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("csv")
     parser.add_argument("top", nargs="?", type=int, default=40)
-    parser.add_argument("--boundary", default=r"row_finish|row_decide|chunk_argmax|argmax",
+    parser.add_argument("--main-stream", action="store_true",
+                        help="prefer the boundary kernel's stream (when every step's chain runs on one stream)")
+    parser.add_argument("--list", action="store_true", help="also list the last step's kernels in start order")
+    parser.add_argument("--boundary", default=r"row_finish|row_decide",
                         help="regex naming the kernel(s) that end a decode step")
     parser.add_argument("--steps", type=int, default=8, help="complete steps to average, the last ones")
     args = parser.parse_args()
@@ -125,7 +130,7 @@ def main():
     walls, kernel_time, streams = [], [], set()
     for i in chosen:
         step_begin = steps[i - 1][-1][1]
-        busy, idle, launches, wall = attribute(steps[i], step_begin, steps[i][-1][2])
+        busy, idle, launches, wall = attribute(steps[i], step_begin, steps[i][-1][2] if args.main_stream else None)
         walls.append(wall)
         kernel_time.append(sum(end - start for start, end, _, _ in steps[i]) / 1e3)
         streams.update(k[2] for k in steps[i])
@@ -142,6 +147,12 @@ def main():
     names = sorted(launches_all, key=lambda n: -(busy_all[n] + idle_all[n]))
     for name in names[:args.top]:
         print(f"{busy_all[name]:10.1f}{idle_all[name]:10.1f}{launches_all[name]:10.2f}  {name}")
+    if args.list:
+        last = steps[chosen[-1]]
+        begin = steps[chosen[-1] - 1][-1][1]
+        print("  start us   dur us  stream  kernel (the last step, start order; durations include PDL waits)")
+        for start, end, stream, name in last:
+            print(f"{(start - begin) / 1e3:10.1f}{(end - start) / 1e3:9.1f}{stream:>8}  {name}")
     hidden = [n for n in names if busy_all[n] + idle_all[n] < 0.05]
     if hidden:
         print(f"hidden (charged nothing): {', '.join(hidden[:12])}{' …' if len(hidden) > 12 else ''}")
