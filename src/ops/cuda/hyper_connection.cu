@@ -442,9 +442,19 @@ __global__ void __launch_bounds__(kThreads) post_mix_partial_kernel(
   store_split_partials<TT, NV>(acc, t0, tokens, split, splits, partial);
 }
 
+// Columns (VEC units) a collapse thread keeps in registers in the decode form (kKeep): D / VEC ≤ this × the
+// collapse threads (224 or 256), e.g. 4096 / 4 = 1,024 ≤ 8 × 224, and V4-Pro's 7168 / 4 = 1,792 ≤ 8 × 224.
+constexpr int kKeptColumns = 8;
+
 // One CTA per token: the mixes from the splits, pre (and for hc_pre post and the Sinkhorn comb), the collapse,
 // and, when `norm_weight_or_flag` is set (kNorm), the sublayer's RMSNorm of the collapsed row with its bf16 copy.
-template <int HC, bool kHead, int VEC, bool kNorm>
+// kKeep (decode-sized launches, kNorm only): a thread keeps its collapsed columns in registers for the norm, and
+// loads its columns of the norm weight before the PDL wait (weights never come from the kernel before), so the
+// norm pass only stores: the plain form writes the collapsed row, reads it back, reads the weight, then writes
+// again, 1-3 more L2 round trips on the critical path of every decode layer's mHC hand-over (the CUPTI trace of
+// session 31: finish ends ≈ 7.5-9 µs after its mix). Same values in the same order: the outputs are the plain
+// form's bit for bit.
+template <int HC, bool kHead, int VEC, bool kNorm, bool kKeep = false>
 __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restrict__ partial, int splits,
                                                           const float* __restrict__ streams,
                                                           const float* __restrict__ base,
@@ -452,9 +462,23 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
                                                           float norm_eps, int iters, float* __restrict__ collapsed,
                                                           float* __restrict__ post, float* __restrict__ comb,
                                                           CollapseNorm norm, bool deepseek, double hc_eps_d) {
+  static_assert(!kKeep || kNorm, "the decode form keeps columns for the fused norm");
+  using V = typename VecOf<VEC>::T;
+  constexpr int kFirstCollapseThread = 32 * (kHead ? 0 : 1);
+  constexpr int kCollapseThreads = kThreads - kFirstCollapseThread;
+  const int64_t vec_columns = D / VEC;
+  [[maybe_unused]] V kept_weight[kKeep ? kKeptColumns : 1];
+  if constexpr (kKeep) {
+#pragma unroll
+    for (int u = 0; u < kKeptColumns; ++u) {
+      const int64_t c = static_cast<int64_t>(threadIdx.x) - kFirstCollapseThread + int64_t{u} * kCollapseThreads;
+      kept_weight[u] = zero_vec(V{});
+      if (norm.weight != nullptr && static_cast<int>(threadIdx.x) >= kFirstCollapseThread && c < vec_columns)
+        kept_weight[u] = load<VEC>(norm.weight, c);
+    }
+  }
   wait_for_prior_grid();
   allow_dependents();
-  using V = typename VecOf<VEC>::T;
   constexpr int NOUT = kHead ? HC : (2 + HC) * HC, NV = NOUT + 1;
   static_assert(NV <= 32 && HC * HC <= 32, "one warp holds the mixes and comb");
   __shared__ float mix[NOUT];
@@ -592,41 +616,80 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
   for (int s = 0; s < HC; ++s) w[s] = pre[s];
   const float* h = streams + t * HC * D;
   float* x = collapsed + t * D;
-  const int64_t n = D / VEC;
-  const int first_thread = 32 * kFirstCollapseWarp, collapse_threads = kThreads - first_thread;
+  const int64_t n = vec_columns;
+  const int first_thread = kFirstCollapseThread, collapse_threads = kCollapseThreads;
+  static_assert(kFirstCollapseThread == 32 * kFirstCollapseWarp, "one collapse layout");
   float sum_squares = 0.0f;
-  // Unrolled so a thread's loads of all its columns (4 × 4 float4 at D = 4096) are in flight together: one
-  // memory latency instead of one per column step (the kernel took 10 µs per call at decode before).
-#pragma unroll 4
-  for (int64_t c = threadIdx.x - first_thread; c < n; c += collapse_threads) {
-    V sum = zero_vec(V{});
+  if constexpr (kKeep) {
+    // This thread's columns c = first + u · collapse_threads (the plain loop's, in its order), kept for the norm.
+    V kept[kKeptColumns];
 #pragma unroll
-    for (int s = 0; s < HC; ++s) sum = axpy_rn(sum, w[s], load<VEC>(h + s * D, c));
-    store<VEC>(x, c, sum);
-    if constexpr (kNorm) sum_squares = fma_dot(sum, sum, sum_squares);
-  }
-  if constexpr (kNorm) {
-    // ops/cpu/norm.h: y = weight ⊙ x · rsqrt(mean(x²) + eps), as ops/cuda/rms_norm.h computes it. Each thread
-    // reads back only the columns it wrote.
+    for (int u = 0; u < kKeptColumns; ++u) {
+      const int64_t c = static_cast<int64_t>(threadIdx.x) - first_thread + int64_t{u} * collapse_threads;
+      kept[u] = zero_vec(V{});
+      if (c < n) {
+        V sum = zero_vec(V{});
+#pragma unroll
+        for (int s = 0; s < HC; ++s) sum = axpy_rn(sum, w[s], load<VEC>(h + s * D, c));
+        kept[u] = sum;
+        sum_squares = fma_dot(sum, sum, sum_squares);
+      }
+    }
     for (int offset = 16; offset > 0; offset /= 2) sum_squares += __shfl_xor_sync(kFull, sum_squares, offset);
     if (threadIdx.x % 32 == 0) norm_sums[threadIdx.x / 32] = sum_squares;
-    // The collapse warps only (warp 0 may still be in the Sinkhorn): named barrier 1 over their threads.
-    asm volatile("bar.sync 1, %0;" ::"r"(collapse_threads) : "memory");
+    asm volatile("bar.sync 1, %0;" ::"r"(collapse_threads) : "memory");  // warp 0 may still be in the Sinkhorn
     float total = 0.0f;
 #pragma unroll
     for (int i = kFirstCollapseWarp; i < kWarps; ++i) total += norm_sums[i];
     const float rms = rsqrtf(total / static_cast<float>(D) + norm.eps);
-    for (int64_t c = threadIdx.x - first_thread; c < n; c += collapse_threads) {
-      const V value = load<VEC>(x, c);
-      const float* in = reinterpret_cast<const float*>(&value);
+#pragma unroll
+    for (int u = 0; u < kKeptColumns; ++u) {
+      const int64_t c = static_cast<int64_t>(threadIdx.x) - first_thread + int64_t{u} * collapse_threads;
+      if (c >= n) continue;
+      const float* in = reinterpret_cast<const float*>(&kept[u]);
+      const float* weight = reinterpret_cast<const float*>(&kept_weight[u]);
       float out[VEC];
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
-        const int64_t column = c * VEC + i;
-        out[i] = (norm.weight ? norm.weight[column] : 1.0f) * (in[i] * rms);
-        if (norm.bf16) norm.bf16[t * D + column] = f32_to_bf16_bits(out[i]);
+        out[i] = (norm.weight ? weight[i] : 1.0f) * (in[i] * rms);
+        if (norm.bf16) norm.bf16[t * D + c * VEC + i] = f32_to_bf16_bits(out[i]);
       }
       store<VEC>(x, c, *reinterpret_cast<const V*>(out));
+    }
+  } else {
+    // Unrolled so a thread's loads of all its columns (4 × 4 float4 at D = 4096) are in flight together: one
+    // memory latency instead of one per column step (the kernel took 10 µs per call at decode before).
+#pragma unroll 4
+    for (int64_t c = threadIdx.x - first_thread; c < n; c += collapse_threads) {
+      V sum = zero_vec(V{});
+#pragma unroll
+      for (int s = 0; s < HC; ++s) sum = axpy_rn(sum, w[s], load<VEC>(h + s * D, c));
+      store<VEC>(x, c, sum);
+      if constexpr (kNorm) sum_squares = fma_dot(sum, sum, sum_squares);
+    }
+    if constexpr (kNorm) {
+      // ops/cpu/norm.h: y = weight ⊙ x · rsqrt(mean(x²) + eps), as ops/cuda/rms_norm.h computes it. Each thread
+      // reads back only the columns it wrote.
+      for (int offset = 16; offset > 0; offset /= 2) sum_squares += __shfl_xor_sync(kFull, sum_squares, offset);
+      if (threadIdx.x % 32 == 0) norm_sums[threadIdx.x / 32] = sum_squares;
+      // The collapse warps only (warp 0 may still be in the Sinkhorn): named barrier 1 over their threads.
+      asm volatile("bar.sync 1, %0;" ::"r"(collapse_threads) : "memory");
+      float total = 0.0f;
+#pragma unroll
+      for (int i = kFirstCollapseWarp; i < kWarps; ++i) total += norm_sums[i];
+      const float rms = rsqrtf(total / static_cast<float>(D) + norm.eps);
+      for (int64_t c = threadIdx.x - first_thread; c < n; c += collapse_threads) {
+        const V value = load<VEC>(x, c);
+        const float* in = reinterpret_cast<const float*>(&value);
+        float out[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          const int64_t column = c * VEC + i;
+          out[i] = (norm.weight ? norm.weight[column] : 1.0f) * (in[i] * rms);
+          if (norm.bf16) norm.bf16[t * D + column] = f32_to_bf16_bits(out[i]);
+        }
+        store<VEC>(x, c, *reinterpret_cast<const V*>(out));
+      }
     }
   }
 }
@@ -676,6 +739,10 @@ __global__ void __launch_bounds__(kThreads) hc_post_kernel(const float* __restri
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// Tokens up to which finish_kernel takes its decode form (one CTA a token; beyond a wave of CTAs its extra
+// registers would cost occupancy where the plain form's round trips overlap across CTAs anyway).
+constexpr int64_t kKeepMaxTokens = 64;
+
 int mix_splits(int64_t tokens, int64_t vec_cols) {
   const int64_t groups = (tokens + kTokensPerCta - 1) / kTokensPerCta;
   int64_t splits = (kTargetCtas + groups - 1) / groups;
@@ -706,7 +773,15 @@ void launch_finish(const HyperConnectionParams& p, const float* partial, int spl
                    const float* base, const float* scale, float* collapsed, float* post, float* comb,
                    const CollapseNorm* norm, cudaStream_t stream) {
   const CollapseNorm fused = norm ? *norm : CollapseNorm{};
-  const auto kernel = norm ? finish_kernel<HC, kHead, VEC, true> : finish_kernel<HC, kHead, VEC, false>;
+  // The decode form where its registers hold a thread's columns and the CTAs are few (DSV4_HC_FINISH=plain keeps
+  // the plain form, to measure and test the two; read per call).
+  const char* finish_choice = std::getenv("DSV4_HC_FINISH");
+  const bool plain_only = finish_choice != nullptr && std::strcmp(finish_choice, "plain") == 0;
+  constexpr int kCollapseThreads = kThreads - 32 * (kHead ? 0 : 1);
+  const bool keep = norm != nullptr && !plain_only && p.tokens <= kKeepMaxTokens &&
+                    p.hidden / VEC <= int64_t{kKeptColumns} * kCollapseThreads;
+  const auto kernel = keep ? finish_kernel<HC, kHead, VEC, true, true>
+                      : norm ? finish_kernel<HC, kHead, VEC, true> : finish_kernel<HC, kHead, VEC, false>;
   launch_dependent(kernel, static_cast<unsigned>(p.tokens), kThreads, 0, stream, partial, splits, streams, base, scale,
                    p.hidden, p.hc_eps, p.norm_eps, static_cast<int>(p.sinkhorn_iters), collapsed, post, comb, fused,
                    p.deepseek, p.deepseek_hc_eps);
