@@ -295,24 +295,24 @@ void check_fused_norm(const Shape& s, bool head, bool weighted) {
     EXPECT_TRUE(bitwise_equal(d_post.download(), unfused.post) && bitwise_equal(d_comb.download(), unfused.comb))
         << "the fused norm changed post / comb";
   }
-  // Up to 64 tokens the finish kernel keeps its columns in registers (the decode form); the plain form
-  // (DSV4_HC_FINISH=plain) must give the same bits.
-  ::setenv("DSV4_HC_FINISH", "plain", 1);
-  DeviceArray<float> plain_out(expected.size()), plain_post(post.size()), plain_comb(comb.size());
-  DeviceArray<uint16_t> plain_bf16(expected.size());
-  const CollapseNorm plain_norm{weighted ? d_weight.get() : nullptr, 1e-6f, plain_bf16.get()};
-  const cudaError_t plain_status =
-      head ? hc_head(p, d_streams.get(), d_fn.get(), d_base.get(), d_scale.get(), plain_out.get(), workspace.get(), bytes,
-                     nullptr, &plain_norm)
-           : hc_pre(p, d_streams.get(), d_fn.get(), d_base.get(), d_scale.get(), plain_out.get(), plain_post.get(),
-                    plain_comb.get(), workspace.get(), bytes, nullptr, &plain_norm);
+  // Up to 64 tokens the finish kernel can keep its columns in registers (the decode form, DSV4_HC_FINISH=keep):
+  // it must give the plain form's bits.
+  ::setenv("DSV4_HC_FINISH", "keep", 1);
+  DeviceArray<float> kept_out(expected.size()), kept_post(post.size()), kept_comb(comb.size());
+  DeviceArray<uint16_t> kept_bf16(expected.size());
+  const CollapseNorm kept_norm{weighted ? d_weight.get() : nullptr, 1e-6f, kept_bf16.get()};
+  const cudaError_t kept_status =
+      head ? hc_head(p, d_streams.get(), d_fn.get(), d_base.get(), d_scale.get(), kept_out.get(), workspace.get(), bytes,
+                     nullptr, &kept_norm)
+           : hc_pre(p, d_streams.get(), d_fn.get(), d_base.get(), d_scale.get(), kept_out.get(), kept_post.get(),
+                    kept_comb.get(), workspace.get(), bytes, nullptr, &kept_norm);
   ::unsetenv("DSV4_HC_FINISH");
-  ASSERT_EQ(plain_status, cudaSuccess);
-  EXPECT_TRUE(bitwise_equal(plain_out.download(), actual)) << "the decode and plain finish forms differ";
-  EXPECT_EQ(plain_bf16.download(), actual_bf16) << "the decode and plain finish forms differ in the bf16 copy";
+  ASSERT_EQ(kept_status, cudaSuccess);
+  EXPECT_TRUE(bitwise_equal(kept_out.download(), actual)) << "the decode and plain finish forms differ";
+  EXPECT_EQ(kept_bf16.download(), actual_bf16) << "the decode and plain finish forms differ in the bf16 copy";
   if (!head) {
-    EXPECT_TRUE(bitwise_equal(plain_post.download(), d_post.download()) &&
-                bitwise_equal(plain_comb.download(), d_comb.download()))
+    EXPECT_TRUE(bitwise_equal(kept_post.download(), d_post.download()) &&
+                bitwise_equal(kept_comb.download(), d_comb.download()))
         << "the decode and plain finish forms differ in post / comb";
   }
 }
