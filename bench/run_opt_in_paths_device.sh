@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device run that decides the opt-in paths of 2026-12-06 (docs/gpu.md "opt-in"): the GPU tests that turn them
+# One device run that decides the opt-in paths of 2026-12-06 and 12-07 (docs/gpu.md "opt-in"; DSV4_HC_FINISH=keep is
+# session 31's, never timed): the GPU tests that turn them
 # on, then the 4-layer V4-Flash cut's decode (batch 1 and 8, 1K context) and 4K prefill with each switch alone and
 # all together, against the defaults, alternating, two runs each; the kbench hc cases of the fused post + mixes.
 # A path becomes the default once its tests pass and its figures here are better than the default's.
@@ -15,7 +16,7 @@ timeout 200 "$CARRY/dsv4_gpu_tests" \
 echo "opt-in tests rc=$?"
 grep -E "^\[  (PASSED|FAILED) |Failure|Expected|actual|trace:" "$OUT/opt_in_tests.log" | head -20
 MODEL=(--model bench/configs/v4_flash_4layer.json --load-format dummy --device cuda)
-ALL="DSV4_HC_POST_MIX=1 DSV4_SKINNY_F32=1 DSV4_SHARED_EXPERT_GEMV=1 DSV4_ROUTED_EXPERT_GEMV=1 DSV4_EARLY_WINDOW_WRITE=1"
+ALL="DSV4_HC_FINISH=keep DSV4_HC_POST_MIX=1 DSV4_SKINNY_F32=1 DSV4_SHARED_EXPERT_GEMV=1 DSV4_ROUTED_EXPERT_GEMV=1 DSV4_EARLY_WINDOW_WRITE=1"
 decode() {  # $1: label, rest: environment assignments
   local label=$1; shift
   env "$@" timeout 90 "$CARRY/dsv4" bench latency "${MODEL[@]}" --input-len 1024 --output-len 64 --batch-size 1,8 \
