@@ -18,14 +18,14 @@ timeout 200 "$CARRY/dsv4" bench latency "${MODEL[@]}" --input-len 1024 --output-
 grep -E "bench latency on|Decode" "$OUT/latency_decode.log"
 # 2a. The step as it runs in the graph (PDL overlap and side streams included): the kernels CUPTI recorded
 #     (DSV4_KERNEL_TRACE, ops/cuda/kernel_trace.h; the lent machines' nsys cannot import its own reports), each
-#     step's wall time split over its kernels (tools/reference/nsys_step_timeline.py).
+#     step's wall time split over its kernels (tools/reference/kernel_step_timeline.py).
 CUPTI=$(ls /usr/local/cuda/extras/CUPTI/lib64/libcupti.so* /usr/local/cuda/lib64/libcupti.so* 2>/dev/null | head -1)
 [ -z "$CUPTI" ] && CUPTI=$(timeout 30 find / -xdev -name 'libcupti.so*' 2>/dev/null | head -1)
 for b in "$BATCH" 8; do
   DSV4_CUPTI_LIBRARY="$CUPTI" DSV4_KERNEL_TRACE="$OUT/trace_b$b.csv" timeout 120 "$CARRY/dsv4" bench latency "${MODEL[@]}" \
     --input-len 1024 --output-len 24 --batch-size "$b" --num-iters-warmup 0 --num-iters 1 > "$OUT/trace_b$b.log" 2>&1
   echo "kernel trace batch $b rc=$? ($(tail -1 "$OUT/trace_b$b.log"))"
-  python3 tools/reference/nsys_step_timeline.py "$OUT/trace_b$b.csv" 45 --steps 8
+  python3 tools/reference/kernel_step_timeline.py "$OUT/trace_b$b.csv" 45 --steps 8
 done
 for steps in 2 10; do
   DSV4_CUDA_GRAPHS=0 timeout 240 ncu --metrics gpu__time_duration.sum --csv --print-units base --cache-control none \

@@ -1,6 +1,6 @@
 // Every kernel the process runs on the GPU, as it ran: CUPTI's concurrent-kernel activity records (launches inside
 // CUDA graphs included, nothing serialised), written as CSV when the trace stops. The columns are those of
-// `nsys stats --report cuda_gpu_trace` that tools/reference/nsys_step_timeline.py reads (Start (ns), Duration (ns),
+// `nsys stats --report cuda_gpu_trace` that tools/reference/kernel_step_timeline.py reads (Start (ns), Duration (ns),
 // GrdX, Strm, Name), so one decode step can be split over its kernels where nsys cannot run: the lent machines'
 // nsys cannot import its own reports (session 31), and ncu times kernels one at a time, serialised.
 //

@@ -1,11 +1,11 @@
-"""Where the wall time of one decode step goes inside a CUDA graph, from an Nsight Systems kernel trace.
+"""Where the wall time of one decode step goes inside a CUDA graph, from a kernel trace (CUPTI or Nsight Systems).
 
 ncu (tools/reference/ncu_summary.py) times each kernel alone, serialised, so its per-kernel sums overstate a step
 that runs as one graph with programmatic dependent launch and side streams (1,897 µs of ncu kernel time against a
 1,539 µs step, docs/PERF.md). This reads the kernels as they ran:
 
     DSV4_KERNEL_TRACE=trace.csv dsv4 bench latency ... --batch-size 1     (CUPTI, ops/cuda/kernel_trace.h)
-    python3 tools/reference/nsys_step_timeline.py trace.csv [top] [--boundary REGEX] [--steps N]
+    python3 tools/reference/kernel_step_timeline.py trace.csv [top] [--boundary REGEX] [--steps N]
 
 or from Nsight Systems, where it can import its reports (the lent machines' copy cannot):
 

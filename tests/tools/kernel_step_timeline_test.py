@@ -1,4 +1,4 @@
-"""tools/reference/nsys_step_timeline.py against a naive formula: on random multi-stream traces, a step's busy
+"""tools/reference/kernel_step_timeline.py against a naive formula: on random multi-stream traces, a step's busy
 time must equal the measure of the union of its kernels' intervals (clipped to the step) and its idle time the rest
 of the wall; and on hand-made steps, the share of each kernel must be the one worked out beside them."""
 import csv
@@ -11,7 +11,7 @@ import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SPEC = importlib.util.spec_from_file_location(
-    "nsys_step_timeline", os.path.join(HERE, "..", "..", "tools", "reference", "nsys_step_timeline.py"))
+    "kernel_step_timeline", os.path.join(HERE, "..", "..", "tools", "reference", "kernel_step_timeline.py"))
 timeline = importlib.util.module_from_spec(SPEC)
 SPEC.loader.exec_module(timeline)
 
