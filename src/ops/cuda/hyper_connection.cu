@@ -442,9 +442,43 @@ __global__ void __launch_bounds__(kThreads) post_mix_partial_kernel(
   store_split_partials<TT, NV>(acc, t0, tokens, split, splits, partial);
 }
 
+// finish_kernel's collapse threads: all of them for hc_head; for hc_pre all but warp 0, which runs the Sinkhorn.
+__host__ __device__ constexpr int first_collapse_warp(bool head) { return head ? 0 : 1; }
+__host__ __device__ constexpr int collapse_threads_of(bool head) { return kThreads - 32 * first_collapse_warp(head); }
+
 // Columns (VEC units) a collapse thread keeps in registers in the decode form (kKeep): D / VEC ≤ this × the
 // collapse threads (224 or 256), e.g. 4096 / 4 = 1,024 ≤ 8 × 224, and V4-Pro's 7168 / 4 = 1,792 ≤ 8 × 224.
 constexpr int kKeptColumns = 8;
+
+// The fused norm's 1 / rms of the collapsed row from each collapse thread's sum of squares: warp sums, then the
+// collapse warps' in warp order, behind named barrier 1 over their threads (warp 0 may still be in the Sinkhorn).
+// ops/cpu/norm.h: y = weight ⊙ x · rsqrt(mean(x²) + eps), as ops/cuda/rms_norm.h computes it.
+template <bool kHead>
+__device__ __forceinline__ float collapsed_row_rms(float sum_squares, float (&norm_sums)[kWarps], int64_t D,
+                                                   float eps) {
+  for (int offset = 16; offset > 0; offset /= 2) sum_squares += __shfl_xor_sync(kFull, sum_squares, offset);
+  if (threadIdx.x % 32 == 0) norm_sums[threadIdx.x / 32] = sum_squares;
+  asm volatile("bar.sync 1, %0;" ::"r"(collapse_threads_of(kHead)) : "memory");
+  float total = 0.0f;
+#pragma unroll
+  for (int i = first_collapse_warp(kHead); i < kWarps; ++i) total += norm_sums[i];
+  return rsqrtf(total / static_cast<float>(D) + eps);
+}
+
+// Column c (VEC units) of token t's normalized row: weight ⊙ value · rms (weight: its VEC values, or nullptr for
+// none) into x, and its bf16 copy when the norm keeps one.
+template <int VEC>
+__device__ __forceinline__ void store_normalized(const typename VecOf<VEC>::T& value, const float* weight, float rms,
+                                                 const CollapseNorm& norm, int64_t t, int64_t D, int64_t c, float* x) {
+  const float* in = reinterpret_cast<const float*>(&value);
+  float out[VEC];
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+    out[i] = (weight ? weight[i] : 1.0f) * (in[i] * rms);
+    if (norm.bf16) norm.bf16[t * D + c * VEC + i] = f32_to_bf16_bits(out[i]);
+  }
+  store<VEC>(x, c, *reinterpret_cast<const typename VecOf<VEC>::T*>(out));
+}
 
 // One CTA per token: the mixes from the splits, pre (and for hc_pre post and the Sinkhorn comb), the collapse,
 // and, when `norm_weight_or_flag` is set (kNorm), the sublayer's RMSNorm of the collapsed row with its bf16 copy.
@@ -464,16 +498,15 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
                                                           CollapseNorm norm, bool deepseek, double hc_eps_d) {
   static_assert(!kKeep || kNorm, "the decode form keeps columns for the fused norm");
   using V = typename VecOf<VEC>::T;
-  constexpr int kFirstCollapseThread = 32 * (kHead ? 0 : 1);
-  constexpr int kCollapseThreads = kThreads - kFirstCollapseThread;
-  const int64_t vec_columns = D / VEC;
+  constexpr int first_thread = 32 * first_collapse_warp(kHead), collapse_threads = collapse_threads_of(kHead);
+  const int64_t n = D / VEC;  // the row's columns in VEC units
   [[maybe_unused]] V kept_weight[kKeep ? kKeptColumns : 1];
   if constexpr (kKeep) {
 #pragma unroll
     for (int u = 0; u < kKeptColumns; ++u) {
-      const int64_t c = static_cast<int64_t>(threadIdx.x) - kFirstCollapseThread + int64_t{u} * kCollapseThreads;
+      const int64_t c = static_cast<int64_t>(threadIdx.x) - first_thread + int64_t{u} * collapse_threads;
       kept_weight[u] = zero_vec(V{});
-      if (norm.weight != nullptr && static_cast<int>(threadIdx.x) >= kFirstCollapseThread && c < vec_columns)
+      if (norm.weight != nullptr && static_cast<int>(threadIdx.x) >= first_thread && c < n)
         kept_weight[u] = load<VEC>(norm.weight, c);
     }
   }
@@ -541,7 +574,6 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
   // hc_pre: warp 0 runs the Sinkhorn comb (a serial chain of 2·iters dependent shuffles and divisions, ~4 µs at
   // 20 iterations) while the other warps collapse the streams, which need only `pre`: the kernel takes the
   // longer of the two instead of their sum.
-  constexpr int kFirstCollapseWarp = kHead ? 0 : 1;
   if constexpr (!kHead) {
     if (threadIdx.x < 32) {
       const int lane = threadIdx.x;
@@ -616,9 +648,6 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
   for (int s = 0; s < HC; ++s) w[s] = pre[s];
   const float* h = streams + t * HC * D;
   float* x = collapsed + t * D;
-  const int64_t n = vec_columns;
-  const int first_thread = kFirstCollapseThread, collapse_threads = kCollapseThreads;
-  static_assert(kFirstCollapseThread == 32 * kFirstCollapseWarp, "one collapse layout");
   float sum_squares = 0.0f;
   if constexpr (kKeep) {
     // This thread's columns c = first + u · collapse_threads (the plain loop's, in its order), kept for the norm.
@@ -635,26 +664,13 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
         sum_squares = fma_dot(sum, sum, sum_squares);
       }
     }
-    for (int offset = 16; offset > 0; offset /= 2) sum_squares += __shfl_xor_sync(kFull, sum_squares, offset);
-    if (threadIdx.x % 32 == 0) norm_sums[threadIdx.x / 32] = sum_squares;
-    asm volatile("bar.sync 1, %0;" ::"r"(collapse_threads) : "memory");  // warp 0 may still be in the Sinkhorn
-    float total = 0.0f;
-#pragma unroll
-    for (int i = kFirstCollapseWarp; i < kWarps; ++i) total += norm_sums[i];
-    const float rms = rsqrtf(total / static_cast<float>(D) + norm.eps);
+    const float rms = collapsed_row_rms<kHead>(sum_squares, norm_sums, D, norm.eps);
 #pragma unroll
     for (int u = 0; u < kKeptColumns; ++u) {
       const int64_t c = static_cast<int64_t>(threadIdx.x) - first_thread + int64_t{u} * collapse_threads;
       if (c >= n) continue;
-      const float* in = reinterpret_cast<const float*>(&kept[u]);
-      const float* weight = reinterpret_cast<const float*>(&kept_weight[u]);
-      float out[VEC];
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        out[i] = (norm.weight ? weight[i] : 1.0f) * (in[i] * rms);
-        if (norm.bf16) norm.bf16[t * D + c * VEC + i] = f32_to_bf16_bits(out[i]);
-      }
-      store<VEC>(x, c, *reinterpret_cast<const V*>(out));
+      store_normalized<VEC>(kept[u], norm.weight ? reinterpret_cast<const float*>(&kept_weight[u]) : nullptr, rms,
+                            norm, t, D, c, x);
     }
   } else {
     // Unrolled so a thread's loads of all its columns (4 × 4 float4 at D = 4096) are in flight together: one
@@ -668,28 +684,10 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
       if constexpr (kNorm) sum_squares = fma_dot(sum, sum, sum_squares);
     }
     if constexpr (kNorm) {
-      // ops/cpu/norm.h: y = weight ⊙ x · rsqrt(mean(x²) + eps), as ops/cuda/rms_norm.h computes it. Each thread
-      // reads back only the columns it wrote.
-      for (int offset = 16; offset > 0; offset /= 2) sum_squares += __shfl_xor_sync(kFull, sum_squares, offset);
-      if (threadIdx.x % 32 == 0) norm_sums[threadIdx.x / 32] = sum_squares;
-      // The collapse warps only (warp 0 may still be in the Sinkhorn): named barrier 1 over their threads.
-      asm volatile("bar.sync 1, %0;" ::"r"(collapse_threads) : "memory");
-      float total = 0.0f;
-#pragma unroll
-      for (int i = kFirstCollapseWarp; i < kWarps; ++i) total += norm_sums[i];
-      const float rms = rsqrtf(total / static_cast<float>(D) + norm.eps);
-      for (int64_t c = threadIdx.x - first_thread; c < n; c += collapse_threads) {
-        const V value = load<VEC>(x, c);
-        const float* in = reinterpret_cast<const float*>(&value);
-        float out[VEC];
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) {
-          const int64_t column = c * VEC + i;
-          out[i] = (norm.weight ? norm.weight[column] : 1.0f) * (in[i] * rms);
-          if (norm.bf16) norm.bf16[t * D + column] = f32_to_bf16_bits(out[i]);
-        }
-        store<VEC>(x, c, *reinterpret_cast<const V*>(out));
-      }
+      // Each thread reads back only the columns it wrote.
+      const float rms = collapsed_row_rms<kHead>(sum_squares, norm_sums, D, norm.eps);
+      for (int64_t c = threadIdx.x - first_thread; c < n; c += collapse_threads)
+        store_normalized<VEC>(load<VEC>(x, c), norm.weight ? norm.weight + c * VEC : nullptr, rms, norm, t, D, c, x);
     }
   }
 }
@@ -777,9 +775,8 @@ void launch_finish(const HyperConnectionParams& p, const float* partial, int spl
   // read per call) until it has been timed on a device: written in session 31 after its device time ran out.
   const char* finish_choice = std::getenv("DSV4_HC_FINISH");
   const bool plain_only = finish_choice == nullptr || std::strcmp(finish_choice, "keep") != 0;
-  constexpr int kCollapseThreads = kThreads - 32 * (kHead ? 0 : 1);
   const bool keep = norm != nullptr && !plain_only && p.tokens <= kKeepMaxTokens &&
-                    p.hidden / VEC <= int64_t{kKeptColumns} * kCollapseThreads;
+                    p.hidden / VEC <= int64_t{kKeptColumns} * collapse_threads_of(kHead);
   const auto kernel = keep ? finish_kernel<HC, kHead, VEC, true, true>
                       : norm ? finish_kernel<HC, kHead, VEC, true> : finish_kernel<HC, kHead, VEC, false>;
   launch_dependent(kernel, static_cast<unsigned>(p.tokens), kThreads, 0, stream, partial, splits, streams, base, scale,

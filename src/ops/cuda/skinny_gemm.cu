@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string_view>
+#include <type_traits>
 
 #include "ops/cuda/bf16.cuh"
 #include "ops/cuda/launch.cuh"
@@ -294,21 +295,20 @@ cudaError_t skinny_gemm(const SkinnyGemmParams& p, const void* w, const void* x,
   const dim3 block(static_cast<unsigned>(32 * warps));
   const auto* wb = static_cast<const uint16_t*>(w);
   const auto* xb = static_cast<const uint16_t*>(x);
+  auto launch = [&](auto load) {
+    constexpr WeightLoad kLoad = decltype(load)::value;
+    if (!sixteen_tokens) return launch_dependent(skinny_gemm_kernel<false, kLoad>, grid, block, 0, stream, p, wb, xb, y);
+    return launch_dependent(skinny_gemm_kernel<true, kLoad>, grid, block, 0, stream, p, wb, xb, y);
+  };
   switch (weight_load()) {
-    case WeightLoad::kPrefetch128:
-      if (!sixteen_tokens)
-        return launch_dependent(skinny_gemm_kernel<false, WeightLoad::kPrefetch128>, grid, block, 0, stream, p, wb, xb, y);
-      return launch_dependent(skinny_gemm_kernel<true, WeightLoad::kPrefetch128>, grid, block, 0, stream, p, wb, xb, y);
-    case WeightLoad::kPrefetch256:
-      if (!sixteen_tokens)
-        return launch_dependent(skinny_gemm_kernel<false, WeightLoad::kPrefetch256>, grid, block, 0, stream, p, wb, xb, y);
-      return launch_dependent(skinny_gemm_kernel<true, WeightLoad::kPrefetch256>, grid, block, 0, stream, p, wb, xb, y);
     case WeightLoad::kStreaming:
+      return launch(std::integral_constant<WeightLoad, WeightLoad::kStreaming>{});
+    case WeightLoad::kPrefetch256:
+      return launch(std::integral_constant<WeightLoad, WeightLoad::kPrefetch256>{});
+    case WeightLoad::kPrefetch128:
       break;
   }
-  if (!sixteen_tokens)
-    return launch_dependent(skinny_gemm_kernel<false, WeightLoad::kStreaming>, grid, block, 0, stream, p, wb, xb, y);
-  return launch_dependent(skinny_gemm_kernel<true, WeightLoad::kStreaming>, grid, block, 0, stream, p, wb, xb, y);
+  return launch(std::integral_constant<WeightLoad, WeightLoad::kPrefetch128>{});
 }
 
 }  // namespace dsv4::ops::cuda
