@@ -6,6 +6,7 @@
 
 #include "ops/cuda/bf16.cuh"
 #include "ops/cuda/launch.cuh"
+#include "ops/cuda/phase_probe.cuh"
 
 namespace dsv4::ops::cuda {
 namespace {
@@ -104,8 +105,10 @@ __global__ void __launch_bounds__(kThreads) mix_partial_kernel(const float* __re
                                                                const float* __restrict__ fn, int64_t tokens,
                                                                int64_t width, int64_t chunk, int splits,
                                                                float* __restrict__ partial) {
+  PhaseProbe probe(kProbeHcMix, threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0);
   wait_for_prior_grid();
   allow_dependents();
+  probe.mark();
   using V = typename VecOf<VEC>::T;
   constexpr int TT = kTokensPerCta, NV = NOUT + 1;
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * TT;
@@ -138,7 +141,10 @@ __global__ void __launch_bounds__(kThreads) mix_partial_kernel(const float* __re
       for (int t = 0; t < TT; ++t) acc[t][o] = fma_dot(xv[t], f, acc[t][o]);
     }
   }
+  probe.mark();
   store_split_partials<TT, NV>(acc, t0, tokens, split, splits, partial);
+  probe.mark();
+  probe.report("hc_mix");
 }
 
 // Tensor-core mixes for prefill-sized batches: the same partial sums (layout and meaning) as mix_partial_kernel.
@@ -510,8 +516,11 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
         kept_weight[u] = load<VEC>(norm.weight, c);
     }
   }
+  PhaseProbe probe(kProbeHcFinishHead, threadIdx.x == 0 && blockIdx.x == 0);
+  PhaseProbe collapse_probe(kProbeHcFinishCollapse, threadIdx.x == first_thread && blockIdx.x == 0);
   wait_for_prior_grid();
   allow_dependents();
+  probe.mark();  // 1: inputs ready
   constexpr int NOUT = kHead ? HC : (2 + HC) * HC, NV = NOUT + 1;
   static_assert(NV <= 32 && HC * HC <= 32, "one warp holds the mixes and comb");
   __shared__ float mix[NOUT];
@@ -540,6 +549,7 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
     }
   }
   __syncthreads();
+  probe.mark();  // 2: split sums staged
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
     float s = 0.0f;
@@ -569,8 +579,10 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
           post[t * HC + lane] = __fmul_rn(2.0f, sigmoid(affine(mix[HC + lane], scale[1], base[HC + lane])));
       }
     }
+    probe.mark();  // 3: mixes, pre and post
   }
   __syncthreads();
+  collapse_probe.mark();  // 1: pre shared
   // hc_pre: warp 0 runs the Sinkhorn comb (a serial chain of 2·iters dependent shuffles and divisions, ~4 µs at
   // 20 iterations) while the other warps collapse the streams, which need only `pre`: the kernel takes the
   // longer of the two instead of their sum.
@@ -608,6 +620,8 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
           normalise_columns();
         }
         if (lane < HC * HC) comb[t * HC * HC + lane] = static_cast<float>(c);
+        probe.mark();  // 4: Sinkhorn
+        probe.report("hc_finish.sinkhorn");
         return;
       }
       float c = affine(mix[2 * HC + l], scale[2], base[2 * HC + l]);
@@ -640,6 +654,8 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
         normalise_columns();
       }
       if (lane < HC * HC) comb[t * HC * HC + lane] = c;
+      probe.mark();  // 4: Sinkhorn
+      probe.report("hc_finish.sinkhorn");
       return;
     }
   }
@@ -664,7 +680,9 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
         sum_squares = fma_dot(sum, sum, sum_squares);
       }
     }
+    collapse_probe.mark();  // 2: collapsed
     const float rms = collapsed_row_rms<kHead>(sum_squares, norm_sums, D, norm.eps);
+    collapse_probe.mark();  // 3: row rms
 #pragma unroll
     for (int u = 0; u < kKeptColumns; ++u) {
       const int64_t c = static_cast<int64_t>(threadIdx.x) - first_thread + int64_t{u} * collapse_threads;
@@ -683,13 +701,18 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
       store<VEC>(x, c, sum);
       if constexpr (kNorm) sum_squares = fma_dot(sum, sum, sum_squares);
     }
+    collapse_probe.mark();  // 2: collapsed
     if constexpr (kNorm) {
       // Each thread reads back only the columns it wrote.
       const float rms = collapsed_row_rms<kHead>(sum_squares, norm_sums, D, norm.eps);
+      collapse_probe.mark();  // 3: row rms
       for (int64_t c = threadIdx.x - first_thread; c < n; c += collapse_threads)
         store_normalized<VEC>(load<VEC>(x, c), norm.weight ? norm.weight + c * VEC : nullptr, rms, norm, t, D, c, x);
     }
   }
+  collapse_probe.mark();  // 4: normalized (stores issued)
+  collapse_probe.report(kHead ? "hc_finish.collapse_head" : "hc_finish.collapse");
+  if constexpr (kHead) probe.report("hc_finish.head");
 }
 
 // grid (tokens, column blocks): out[t, k] = post[t, k]·y[t] + Σ_j comb[t, j, k]·h[t, j]; kDeepSeek: Σ_j first,
@@ -700,8 +723,10 @@ __global__ void __launch_bounds__(kThreads) hc_post_kernel(const float* __restri
                                                            const float* __restrict__ post,
                                                            const float* __restrict__ comb, float* __restrict__ out,
                                                            int64_t D) {
+  PhaseProbe probe(kProbeHcPost, threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0);
   wait_for_prior_grid();
   allow_dependents();
+  probe.mark();
   using V = typename VecOf<VEC>::T;
   const int64_t t = blockIdx.x;
   float w[HC], cm[HC][HC];
@@ -733,6 +758,8 @@ __global__ void __launch_bounds__(kThreads) hc_post_kernel(const float* __restri
       }
     }
   }
+  probe.mark();
+  probe.report("hc_post");
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
