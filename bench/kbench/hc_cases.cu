@@ -123,8 +123,9 @@ CaseResult hc_post_case(int64_t tokens, int iterations) {
 }
 
 // hc_post then the next hc_pre (norm fused), as the model calls them between sublayers: one kernel for the new
-// streams and their mixes (`fused`: DSV4_HC_POST_MIX=1), or the two calls.
-CaseResult hc_post_pre_case(int64_t tokens, bool fused, int iterations) {
+// streams and their mixes (`fused`: DSV4_HC_POST_MIX=1), or the two calls; `handover`: the one-launch decode
+// hand-over (DSV4_HC_HANDOVER=1, ≤ 8 tokens).
+CaseResult hc_post_pre_case(int64_t tokens, bool fused, int iterations, bool handover = false) {
   const int64_t width = PreOperands::kWidth, mixes = PreOperands::kMixes;
   float* y = random_floats(tokens * kHidden, 31);
   float* streams = random_floats(tokens * width, 32);
@@ -138,17 +139,28 @@ CaseResult hc_post_pre_case(int64_t tokens, bool fused, int iterations) {
   const std::string saved = before ? before : "";
   if (!fused) unsetenv("DSV4_HC_POST_MIX");
   else if (saved != "3") setenv("DSV4_HC_POST_MIX", "1", 1);
+  unsigned* sync = nullptr;
+  if (handover) {
+    setenv("DSV4_HC_HANDOVER", "1", 1);
+    DSV4_CUDA_OK(cudaMalloc(&sync, ops::cuda::kHcHandoverSyncBytes));
+    DSV4_CUDA_OK(cudaMemset(sync, 0, ops::cuda::kHcHandoverSyncBytes));
+  }
   const double us = time_kernel_us(
       [&] {
         DSV4_CUDA_OK(ops::cuda::hc_post_pre(next.params, y, streams, post, comb, out, next.fn, next.base, next.scale,
                                           next.collapsed, next.post, next.comb, next.workspace, next.workspace_bytes,
-                                          nullptr, &next.norm));
+                                          nullptr, &next.norm, sync));
       },
       iterations);
   if (before) setenv("DSV4_HC_POST_MIX", saved.c_str(), 1);
   else unsetenv("DSV4_HC_POST_MIX");
+  if (handover) unsetenv("DSV4_HC_HANDOVER");
+  cudaFree(sync);
   CaseResult r;
-  r.name = shape(fused ? "hc_post + hc_pre" : "hc_post + hc_pre (two calls)", tokens);
+  r.name = shape(handover ? "hc_post + hc_pre (one-launch hand-over)"
+                 : fused  ? "hc_post + hc_pre"
+                          : "hc_post + hc_pre (two calls)",
+                 tokens);
   r.microseconds = us;
   r.flops = 2.0 * tokens * width * (mixes + 1);
   // What one kernel must move: y and the old streams read, the new streams written and read back by the
@@ -190,7 +202,7 @@ std::vector<CaseResult> hc_suite(const Ceilings&, const Options& options) {
   if (ops::cuda::list_devices().empty()) return results;
   const int iterations = options.quick ? 5 : 20;
   const std::vector<int64_t> token_counts =
-      options.quick ? std::vector<int64_t>{1, 1024} : std::vector<int64_t>{1, 32, 128, 1024, 2048, 4096};
+      options.quick ? std::vector<int64_t>{1, 1024} : std::vector<int64_t>{1, 8, 32, 128, 1024, 2048, 4096};
   for (const int64_t tokens : token_counts) {
     if (options.wants(shape("hc_pre", tokens))) results.push_back(hc_pre_case(tokens, nullptr, iterations));
     if (tokens >= 512 && options.wants(shape("hc_pre (split-K mixes)", tokens)))
@@ -199,6 +211,8 @@ std::vector<CaseResult> hc_suite(const Ceilings&, const Options& options) {
     if (options.wants(shape("hc_post + hc_pre", tokens))) results.push_back(hc_post_pre_case(tokens, true, iterations));
     if (options.wants(shape("hc_post + hc_pre (two calls)", tokens)))
       results.push_back(hc_post_pre_case(tokens, false, iterations));
+    if (tokens <= 8 && options.wants(shape("hc_post + hc_pre (one-launch hand-over)", tokens)))
+      results.push_back(hc_post_pre_case(tokens, false, iterations, true));
     if (options.wants(shape("q norm + rope (64 x 512)", tokens)))
       results.push_back(q_norm_rope_case(tokens, iterations));
   }

@@ -215,6 +215,9 @@ struct DeepseekV4CudaModel::Impl {
   std::vector<int32_t> host_meta;
   int32_t* device_meta = nullptr;
   size_t device_meta_capacity = 0;
+  // The grid-barrier words of hc_post_pre's one-launch hand-over (ops/cuda/hyper_connection.h): zeroed once, left
+  // zero by every call; allocated by the first eager step (never during graph capture).
+  unsigned* hc_handover_sync = nullptr;
 
   ~Impl() {
     cudaSetDevice(options.device);  // the model's memory, streams and events, whatever thread ends it
@@ -224,6 +227,7 @@ struct DeepseekV4CudaModel::Impl {
       if (graph.exec) cudaGraphExecDestroy(graph.exec);
     cudaFree(arena);
     cudaFree(device_meta);
+    cudaFree(hc_handover_sync);
     if (index_fork) cudaEventDestroy(index_fork);
     if (index_join) cudaEventDestroy(index_join);
     if (index_stream) cudaStreamDestroy(index_stream);
@@ -1193,6 +1197,10 @@ float* DeepseekV4CudaModel::Impl::run(const Step& step, LogitsMode mode) {
   hp.deepseek_hc_eps = c.hc_eps;
   const size_t hc_workspace_bytes = cu::hc_workspace_bytes(std::max<int64_t>(N, step.rows), hc);
   void* hc_workspace = buffer<std::byte>("hc_workspace", hc_workspace_bytes);
+  if (hc_handover_sync == nullptr && !capturing) {
+    DSV4_CU(cudaMalloc(&hc_handover_sync, cu::kHcHandoverSyncBytes));
+    DSV4_CU(cudaMemset(hc_handover_sync, 0, cu::kHcHandoverSyncBytes));
+  }
   float* collapsed = buffer<float>("collapsed", N * D);
   float* sublayer_out = buffer<float>("sublayer_out", N * D);
   float* post = buffer<float>("post", N * hc);
@@ -1221,7 +1229,7 @@ float* DeepseekV4CudaModel::Impl::run(const Step& step, LogitsMode mode) {
     }
     if (after_post) {
       DSV4_CU(cu::hc_post_pre(hp, sublayer_out, streams, post, comb, next_streams, fn, base, scale, collapsed, post,
-                              comb, hc_workspace, hc_workspace_bytes, stream, &fused));
+                              comb, hc_workspace, hc_workspace_bytes, stream, &fused, hc_handover_sync));
       std::swap(streams, next_streams);
     } else {
       DSV4_CU(cu::hc_pre(hp, streams, fn, base, scale, collapsed, post, comb, hc_workspace, hc_workspace_bytes,

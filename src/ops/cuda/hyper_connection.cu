@@ -69,6 +69,45 @@ __device__ __forceinline__ float sigmoid(float x) { return __fdiv_rn(1.0f, __fad
 // m·scale + base, each operation rounded (the CPU's expression, never an FMA).
 __device__ __forceinline__ float affine(float m, float scale, float base) { return __fadd_rn(__fmul_rn(m, scale), base); }
 
+// The Sinkhorn comb of one token in fp32, the CPU's sequential sums (gathered by shuffles): lane first_lane + l,
+// l = j·HC + k < HC², returns comb[j][k] (a lane given l = 0 computes a copy of entry 0). mix: the token's
+// (2 + HC)·HC mixes; the HC² lanes from first_lane must all call it (the whole warp converged).
+template <int HC>
+__device__ __forceinline__ float sinkhorn_comb(const float* mix, const float* scale, const float* base, int iters,
+                                               float hc_eps, int first_lane, int l) {
+  const int j = l / HC, k = l - j * HC;
+  float c = affine(mix[2 * HC + l], scale[2], base[2 * HC + l]);
+  float row_max = -INFINITY;
+#pragma unroll
+  for (int kk = 0; kk < HC; ++kk) {
+    const float v = __shfl_sync(kFull, c, first_lane + j * HC + kk);
+    row_max = row_max < v ? v : row_max;  // std::max
+  }
+  const float e = expf(__fsub_rn(c, row_max));
+  float sum = 0.0f;
+#pragma unroll
+  for (int kk = 0; kk < HC; ++kk) sum = __fadd_rn(sum, __shfl_sync(kFull, e, first_lane + j * HC + kk));
+  c = __fadd_rn(__fdiv_rn(e, sum), hc_eps);
+  auto normalise_columns = [&] {
+    float column = 0.0f;
+#pragma unroll
+    for (int jj = 0; jj < HC; ++jj) column = __fadd_rn(column, __shfl_sync(kFull, c, first_lane + jj * HC + k));
+    c = __fdiv_rn(c, __fadd_rn(column, hc_eps));
+  };
+  auto normalise_rows = [&] {
+    float row = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < HC; ++kk) row = __fadd_rn(row, __shfl_sync(kFull, c, first_lane + j * HC + kk));
+    c = __fdiv_rn(c, __fadd_rn(row, hc_eps));
+  };
+  normalise_columns();
+  for (int iter = 1; iter < iters; ++iter) {
+    normalise_rows();
+    normalise_columns();
+  }
+  return c;
+}
+
 // The split-K kernels' epilogue: each thread's sums acc[t][v] of its columns, added over the CTA (warp shuffles,
 // then the warps in order) into partial[((t0 + t) · splits + split) · NV + v].
 template <int TT, int NV>
@@ -636,35 +675,7 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
         probe.report("hc_finish.sinkhorn");
         return;
       }
-      float c = affine(mix[2 * HC + l], scale[2], base[2 * HC + l]);
-      float row_max = -INFINITY;
-#pragma unroll
-      for (int kk = 0; kk < HC; ++kk) {
-        const float v = __shfl_sync(kFull, c, j * HC + kk);
-        row_max = row_max < v ? v : row_max;  // std::max
-      }
-      const float e = expf(__fsub_rn(c, row_max));
-      float sum = 0.0f;
-#pragma unroll
-      for (int kk = 0; kk < HC; ++kk) sum = __fadd_rn(sum, __shfl_sync(kFull, e, j * HC + kk));
-      c = __fadd_rn(__fdiv_rn(e, sum), hc_eps);
-      auto normalise_columns = [&] {
-        float column = 0.0f;
-#pragma unroll
-        for (int jj = 0; jj < HC; ++jj) column = __fadd_rn(column, __shfl_sync(kFull, c, jj * HC + k));
-        c = __fdiv_rn(c, __fadd_rn(column, hc_eps));
-      };
-      auto normalise_rows = [&] {
-        float row = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < HC; ++kk) row = __fadd_rn(row, __shfl_sync(kFull, c, j * HC + kk));
-        c = __fdiv_rn(c, __fadd_rn(row, hc_eps));
-      };
-      normalise_columns();
-      for (int iter = 1; iter < iters; ++iter) {
-        normalise_rows();
-        normalise_columns();
-      }
+      const float c = sinkhorn_comb<HC>(mix, scale, base, iters, hc_eps, 0, l);
       if (lane < HC * HC) comb[t * HC * HC + lane] = c;
       probe.mark();  // 4: Sinkhorn
       probe.report("hc_finish.sinkhorn");
@@ -725,6 +736,276 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
   collapse_probe.mark();  // 4: normalized (stores issued)
   collapse_probe.report(kHead ? "hc_finish.collapse_head" : "hc_finish.collapse");
   if constexpr (kHead) probe.report("hc_finish.head");
+}
+
+// ---- The decode hand-over in one launch (hc_post_pre for ≤ kHandoverMaxTokens tokens) ----
+// hc_post, the next sublayer's mixes, pre / post / Sinkhorn comb, the collapse and its RMSNorm in one grid. As
+// three dependent kernels (hc_post, mix, finish) the hand-over took ≈ 14 µs at batch 1, 8 times a step (session
+// 31's CUPTI trace): two kernel boundaries, and one CTA doing a token's whole collapse after the mix. Here the
+// splits of a token group meet at two grid barriers instead:
+//   1. each split CTA makes its columns' new streams and their mix partial sums (post_mix_partial_kernel's
+//      arithmetic, bit for bit); the last CTA to arrive sums the splits (a fixed order), writes pre and post,
+//      releases the others, then runs the Sinkhorn (two tokens a warp) while they go on;
+//   2. each split's warp 0 collapses its own columns from shared memory (the streams are not read again) and adds
+//      their squares; the last to arrive sums them (a fixed order) into the row's RMS scale;
+//   3. each split normalises its columns (the norm weight was loaded before the PDL wait) and stores them with
+//      their bf16 copy.
+// The barriers need every CTA of the grid resident at once; the launcher checks the occupancy, and PDL's dependents
+// cannot take the SMs first (they launch only once every CTA here has run allow_dependents).
+constexpr int kHandoverThreads = 128;
+constexpr int64_t kHandoverMaxTokens = 8;
+constexpr int kHandoverMaxSpan = 32;  // hidden float4 columns of a split: warp 0 collapses them
+constexpr int kHandoverSyncWords = 4;  // per token group: count and generation of each barrier
+static_assert((kHandoverMaxTokens + kTokensPerCta - 1) / kTokensPerCta * kHandoverSyncWords * sizeof(unsigned) <=
+                  kHcHandoverSyncBytes,
+              "the caller's sync words cover every token group");
+
+struct HandoverArgs {
+  const float* y;        // [tokens, D] the sublayer's output
+  const float* streams;  // [tokens, HC, D]
+  const float* post;     // [tokens, HC] this sublayer's
+  const float* comb;     // [tokens, HC, HC]
+  const float* fn;       // the next sublayer's mix weights [(2 + HC)·HC, HC·D], base, scale
+  const float* base;
+  const float* scale;
+  float* out;        // [tokens, HC, D] the new streams
+  float* collapsed;  // [tokens, D] normalised
+  float* next_post;  // may alias post (read before the first barrier, written after it)
+  float* next_comb;  // may alias comb
+  CollapseNorm norm;
+  float* partial;  // workspace: [tokens, splits, NOUT + 1] mix partial sums
+  float* squares;  // [tokens, splits] the collapsed row's partial sums of squares
+  float* pre;      // [tokens, HC]
+  float* rms;      // [tokens]
+  unsigned* sync;  // [groups, kHandoverSyncWords], zero between calls
+  int64_t tokens, D, chunk;
+  int splits, iters;
+  float hc_eps, norm_eps;
+};
+
+__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
+  unsigned value;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(p) : "memory");
+  return value;
+}
+
+// One CTA's (or, with kWarp, one warp's) arrival at a barrier of `arrivals` CTAs over (count, generation), after its
+// writes. True, in every thread, in the CTA that arrived last: it sees every other CTA's writes, does the group's
+// serial step, then calls release_group; the others call wait_group with the generation read before arriving
+// (valid in thread 0).
+template <bool kWarp>
+__device__ __forceinline__ bool arrive_group(unsigned* count, const unsigned* generation, unsigned arrivals,
+                                             unsigned& seen_generation) {
+  __shared__ int last_shared;
+  int last = 0;
+  if constexpr (kWarp) __syncwarp();
+  else __syncthreads();
+  if (threadIdx.x == 0) {
+    seen_generation = load_acquire(generation);  // before arriving: the release cannot have happened yet
+    __threadfence();                             // this CTA's writes before its arrival
+    last = atomicAdd(count, 1u) == arrivals - 1;
+    __threadfence();  // and the last CTA's reads after every arrival
+    if constexpr (!kWarp) last_shared = last;
+  }
+  if constexpr (kWarp) {
+    __syncwarp();  // memory order: the other lanes read what lane 0's arrival saw
+    return __shfl_sync(kFull, last, 0) != 0;
+  }
+  __syncthreads();
+  return last_shared != 0;
+}
+
+template <bool kWarp>
+__device__ __forceinline__ void release_group(unsigned* count, unsigned* generation) {
+  if constexpr (kWarp) __syncwarp();
+  else __syncthreads();  // the last CTA's writes before the release
+  if (threadIdx.x == 0) {
+    atomicExch(count, 0u);  // every CTA has arrived: none adds to it until the next call
+    __threadfence();
+    atomicAdd(generation, 1u);
+  }
+}
+
+template <bool kWarp>
+__device__ __forceinline__ void wait_group(const unsigned* generation, unsigned seen_generation) {
+  if (threadIdx.x == 0)
+    while (load_acquire(generation) == seen_generation) {
+    }
+  if constexpr (kWarp) __syncwarp();
+  else __syncthreads();
+}
+
+// grid (ceil(tokens / kTokensPerCta), splits), kHandoverThreads; D % 4 == 0, rows 16-byte aligned, HC·chunk ≤
+// kHandoverThreads and chunk ≤ kHandoverMaxSpan (hidden float4 columns per split).
+template <int HC>
+__global__ void __launch_bounds__(kHandoverThreads) post_pre_handover_kernel(const HandoverArgs a) {
+  constexpr int NOUT = (2 + HC) * HC, TT = kTokensPerCta, NV = NOUT + 1;
+  static_assert(HC * HC <= 16, "two tokens' Sinkhorn a warp");
+  const int group = static_cast<int>(blockIdx.x), split = static_cast<int>(blockIdx.y);
+  const int64_t t0 = int64_t{group} * TT;
+  const int64_t vec_d = a.D / 4, width = HC * a.D;
+  const int64_t begin = split * a.chunk, end = min(vec_d, begin + a.chunk);
+  const int span = static_cast<int>(end > begin ? end - begin : 0);
+  const int c = static_cast<int>(threadIdx.x);
+  // Thread c < HC·span makes stream k = c / span at hidden float4 v, as post_mix_partial_kernel's thread c.
+  const bool stream_thread = c < HC * span;
+  const int k = stream_thread ? c / span : 0;
+  const int64_t v = begin + (stream_thread ? c % span : 0);
+  // Weights, never written by an earlier kernel, so read before the PDL wait: fn at this thread's stream column,
+  // and the norm weight of hidden column begin + c (warp 0 normalises it).
+  float4 f[NOUT];
+#pragma unroll
+  for (int o = 0; o < NOUT; ++o)
+    f[o] = stream_thread ? load<4>(a.fn + o * width, k * vec_d + v) : zero_vec(float4{});
+  float4 weight = make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+  if (c < span && a.norm.weight != nullptr) weight = load<4>(a.norm.weight, begin + c);
+  PhaseProbe probe(kProbeHcHandover, c == 0 && group == 0 && split == 0);
+  wait_for_prior_grid();
+  allow_dependents();
+  probe.mark();  // 1: inputs ready
+  unsigned* sync = a.sync + group * kHandoverSyncWords;
+
+  // 1. New streams and mix partial sums: store_split_partials' reduction (shuffles, then the warps in order), each
+  // sum reduced as soon as it is made so the CTA never holds TT·NV of them.
+  __shared__ float4 fresh[TT][kHandoverThreads];
+  __shared__ float warp_sums[kHandoverThreads / 32][TT * NV];
+  const int lane = c % 32, warp = c / 32;
+  auto reduce_into = [&](float value, int slot) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(kFull, value, offset);
+    if (lane == 0) warp_sums[warp][slot] = value;
+  };
+#pragma unroll
+  for (int t = 0; t < TT; ++t) {
+    if (t0 + t >= a.tokens) break;  // uniform across the CTA
+    const int64_t row = t0 + t;
+    float4 value = zero_vec(float4{});
+    if (stream_thread) {
+      const float* h = a.streams + row * width;
+      value = scale_rn(a.post[row * HC + k], load<4>(a.y + row * a.D, v));
+#pragma unroll
+      for (int j = 0; j < HC; ++j) value = axpy_rn(value, a.comb[(row * HC + j) * HC + k], load<4>(h + j * a.D, v));
+      store<4>(a.out + row * width + k * a.D, v, value);
+    }
+    fresh[t][c] = value;
+    reduce_into(fma_dot(value, value, 0.0f), t * NV + NOUT);
+#pragma unroll
+    for (int o = 0; o < NOUT; ++o) reduce_into(fma_dot(value, f[o], 0.0f), t * NV + o);
+  }
+  __syncthreads();
+  for (int i = c; i < TT * NV; i += kHandoverThreads) {
+    const int t = i / NV, o = i - t * NV;
+    if (t0 + t >= a.tokens) continue;
+    float sum = 0.0f;
+    for (int w = 0; w < kHandoverThreads / 32; ++w) sum += warp_sums[w][i];
+    a.partial[((t0 + t) * a.splits + split) * NV + o] = sum;
+  }
+
+  probe.mark();  // 2: new streams and partial sums stored
+  // 2. Barrier 1; the last CTA makes pre and post, then the Sinkhorn comb.
+  __shared__ float quarter[4][NV];
+  __shared__ float mixes[TT][NOUT];
+  unsigned seen = 0;
+  if (arrive_group<false>(sync + 0, sync + 1, static_cast<unsigned>(a.splits), seen)) {
+    const int per_quarter = (a.splits + 3) / 4;
+    for (int t = 0; t < TT; ++t) {
+      if (c < NOUT) mixes[t][c] = 0.0f;
+      if (t0 + t >= a.tokens) continue;  // uniform across the CTA
+      const float* token_partial = a.partial + (t0 + t) * a.splits * NV;
+      if (c < 4 * NV) {  // quarter q of the splits of output o, in split order
+        const int o = c % NV, q = c / NV;
+        const int first = q * per_quarter, last = min(a.splits, first + per_quarter);
+        float s = 0.0f;
+#pragma unroll 8
+        for (int sp = first; sp < last; ++sp) s += __ldcg(token_partial + sp * NV + o);
+        quarter[q][o] = s;
+      }
+      __syncthreads();
+      if (c < NOUT) {
+        const float sum = ((quarter[0][c] + quarter[1][c]) + quarter[2][c]) + quarter[3][c];
+        const float sumsq = ((quarter[0][NOUT] + quarter[1][NOUT]) + quarter[2][NOUT]) + quarter[3][NOUT];
+        // finish_kernel's scale: 1 / sqrt(mean(h²) + eps), the mix rms(h)·fnᵀ.
+        const float rms =
+            __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sumsq, static_cast<float>(HC * a.D)), a.norm_eps)));
+        const float mix = __fmul_rn(sum, rms);
+        mixes[t][c] = mix;
+        if (c < HC) {
+          a.pre[(t0 + t) * HC + c] = __fadd_rn(sigmoid(affine(mix, a.scale[0], a.base[c])), a.hc_eps);
+        } else if (c < 2 * HC) {
+          a.next_post[(t0 + t) * HC + c - HC] = __fmul_rn(2.0f, sigmoid(affine(mix, a.scale[1], a.base[c])));
+        }
+      }
+      __syncthreads();
+    }
+    release_group<false>(sync + 0, sync + 1);
+    // Warps 1 and 2: the comb of tokens 2·(warp − 1) + half, 16 lanes each (off the path of the collapse).
+    const int warp = c / 32, lane = c % 32;
+    if (warp == 1 || warp == 2) {
+      const int t = 2 * (warp - 1) + lane / 16, l16 = lane % 16;
+      const float comb = sinkhorn_comb<HC>(mixes[t], a.scale, a.base, a.iters, a.hc_eps, lane & 16,
+                                           l16 < HC * HC ? l16 : 0);
+      if (t0 + t < a.tokens && l16 < HC * HC) a.next_comb[(t0 + t) * HC * HC + l16] = comb;
+    }
+  } else {
+    wait_group<false>(sync + 1, seen);
+  }
+  probe.mark();  // 3: past barrier 1
+  if (c >= 32) return;
+
+  // 3. Warp 0: the collapse of this split's columns and their squares.
+  float4 collapsed[TT];
+#pragma unroll
+  for (int t = 0; t < TT; ++t) {
+    collapsed[t] = zero_vec(float4{});
+    float squares = 0.0f;
+    if (t0 + t < a.tokens) {
+      if (c < span) {
+        float4 sum = zero_vec(float4{});
+#pragma unroll
+        for (int s = 0; s < HC; ++s) sum = axpy_rn(sum, __ldcg(a.pre + (t0 + t) * HC + s), fresh[t][s * span + c]);
+        collapsed[t] = sum;
+        squares = fma_dot(sum, sum, 0.0f);
+      }
+      for (int offset = 16; offset > 0; offset /= 2) squares += __shfl_xor_sync(kFull, squares, offset);
+      if (c == 0) a.squares[(t0 + t) * a.splits + split] = squares;
+    }
+  }
+  // 4. Barrier 2 (warp 0 of every split); the last sums the squares into each row's RMS scale.
+  if (arrive_group<true>(sync + 2, sync + 3, static_cast<unsigned>(a.splits), seen)) {
+    for (int t = 0; t < TT && t0 + t < a.tokens; ++t) {
+      float total = 0.0f;
+      for (int sp = c; sp < a.splits; sp += 32) total += __ldcg(a.squares + (t0 + t) * a.splits + sp);
+      for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(kFull, total, offset);
+      if (c == 0) a.rms[t0 + t] = rsqrtf(total / static_cast<float>(a.D) + a.norm.eps);
+    }
+    release_group<true>(sync + 2, sync + 3);
+  } else {
+    wait_group<true>(sync + 3, seen);
+  }
+  probe.mark();  // 4: past barrier 2
+  // 5. The normalised columns and their bf16 copy.
+  if (c < span) {
+#pragma unroll
+    for (int t = 0; t < TT; ++t) {
+      if (t0 + t >= a.tokens) break;
+      const int64_t row = t0 + t;
+      // store_normalized's arithmetic, the weight in registers: weight ⊙ (value · rms).
+      const float rms = __ldcg(a.rms + row);
+      const float4 value = collapsed[t];
+      const float4 normalized = make_float4(weight.x * (value.x * rms), weight.y * (value.y * rms),
+                                            weight.z * (value.z * rms), weight.w * (value.w * rms));
+      store<4>(a.collapsed + row * a.D, begin + c, normalized);
+      if (a.norm.bf16) {
+        uint16_t* bf16 = a.norm.bf16 + row * a.D + (begin + c) * 4;
+        bf16[0] = f32_to_bf16_bits(normalized.x);
+        bf16[1] = f32_to_bf16_bits(normalized.y);
+        bf16[2] = f32_to_bf16_bits(normalized.z);
+        bf16[3] = f32_to_bf16_bits(normalized.w);
+      }
+    }
+  }
+  probe.mark();  // 5: stored
+  probe.report("hc_handover");
 }
 
 // grid (tokens, column blocks): out[t, k] = post[t, k]·y[t] + Σ_j comb[t, j, k]·h[t, j]; kDeepSeek: Σ_j first,
@@ -907,11 +1188,87 @@ int post_mix_splits(const HyperConnectionParams& p) {
 // out): DSV4_HC_POST_MIX=1 (or 3: the tensor-core kernel's 3-CTA build, 150 registers instead of 128, to
 // measure), read per call. Where the mixes would run on the tensor cores, post_mix_tf32_kernel; below,
 // post_mix_partial_kernel; otherwise (switch off, unaligned rows, a short workspace) hc_post then hc_pre.
+// Whether every CTA of a `ctas`-CTA grid of the hand-over kernel is resident at once on the current device (its
+// barriers need that); the answer per device is cached.
+template <int HC>
+bool handover_fits(int64_t ctas) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  static int resident[64] = {};  // CTAs resident at once per device, 0 until asked
+  if (device < 0 || device >= 64) return false;
+  if (resident[device] == 0) {
+    int per_sm = 0, sms = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, post_pre_handover_kernel<HC>, kHandoverThreads, 0) !=
+            cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+      return false;
+    resident[device] = std::max(1, per_sm * sms);
+  }
+  return ctas <= resident[device];
+}
+
+// The one-launch hand-over where it applies (a decode-sized batch, the fused norm, aligned rows, its sync words, a
+// workspace that fits, the grid resident at once); false to take the kernels below. Opt-in (DSV4_HC_HANDOVER=1,
+// read per call) until timed on a device.
+template <int HC>
+bool launch_handover(const HyperConnectionParams& p, const float* y, const float* streams, const float* post,
+                     const float* comb, float* out, const float* fn, const float* base, const float* scale,
+                     float* collapsed, float* next_post, float* next_comb, void* workspace, size_t workspace_bytes,
+                     const CollapseNorm* norm, unsigned* sync, cudaStream_t stream) {
+  const char* choice = std::getenv("DSV4_HC_HANDOVER");
+  if (choice == nullptr || std::strcmp(choice, "1") != 0) return false;
+  if (sync == nullptr || norm == nullptr || p.tokens > kHandoverMaxTokens || p.hidden % 4 != 0) return false;
+  if (!aligned16(y) || !aligned16(streams) || !aligned16(out) || !aligned16(fn) || !aligned16(collapsed) ||
+      (norm->weight != nullptr && !aligned16(norm->weight)))
+    return false;
+  constexpr int NOUT = (2 + HC) * HC;
+  const int64_t vec_d = p.hidden / 4;
+  // post_mix_partial_kernel's splits (so the partial sums are its, bit for bit).
+  const int splits = static_cast<int>(std::min<int64_t>(mix_splits(p.tokens, HC * vec_d), std::max<int64_t>(1, vec_d)));
+  const int64_t chunk = (vec_d + splits - 1) / splits;
+  if (chunk > kHandoverMaxSpan || HC * chunk > kHandoverThreads) return false;
+  const int64_t groups = (p.tokens + kTokensPerCta - 1) / kTokensPerCta;
+  const size_t floats = static_cast<size_t>(p.tokens) * splits * (NOUT + 2) + static_cast<size_t>(p.tokens) * (HC + 1);
+  if (workspace == nullptr || workspace_bytes < floats * sizeof(float)) return false;
+  if (!handover_fits<HC>(groups * splits)) return false;
+  HandoverArgs a{};
+  a.y = y;
+  a.streams = streams;
+  a.post = post;
+  a.comb = comb;
+  a.fn = fn;
+  a.base = base;
+  a.scale = scale;
+  a.out = out;
+  a.collapsed = collapsed;
+  a.next_post = next_post;
+  a.next_comb = next_comb;
+  a.norm = *norm;
+  a.partial = static_cast<float*>(workspace);
+  a.squares = a.partial + p.tokens * splits * (NOUT + 1);
+  a.pre = a.squares + p.tokens * splits;
+  a.rms = a.pre + p.tokens * HC;
+  a.sync = sync;
+  a.tokens = p.tokens;
+  a.D = p.hidden;
+  a.chunk = chunk;
+  a.splits = splits;
+  a.iters = static_cast<int>(p.sinkhorn_iters);
+  a.hc_eps = p.hc_eps;
+  a.norm_eps = p.norm_eps;
+  launch_dependent(post_pre_handover_kernel<HC>, dim3(static_cast<unsigned>(groups), static_cast<unsigned>(splits)),
+                   kHandoverThreads, 0, stream, a);
+  return true;
+}
+
 template <int HC>
 cudaError_t launch_post_pre(const HyperConnectionParams& p, const float* y, const float* streams, const float* post,
                             const float* comb, float* out, const float* fn, const float* base, const float* scale,
                             float* collapsed, float* next_post, float* next_comb, void* workspace,
-                            size_t workspace_bytes, const CollapseNorm* norm, cudaStream_t stream) {
+                            size_t workspace_bytes, const CollapseNorm* norm, unsigned* sync, cudaStream_t stream) {
+  if (launch_handover<HC>(p, y, streams, post, comb, out, fn, base, scale, collapsed, next_post, next_comb, workspace,
+                          workspace_bytes, norm, sync, stream))
+    return cudaGetLastError();
   constexpr int NOUT = (2 + HC) * HC;
   const char* choice = std::getenv("DSV4_HC_POST_MIX");
   const bool fuse = choice != nullptr && (std::strcmp(choice, "1") == 0 || std::strcmp(choice, "3") == 0);
@@ -963,7 +1320,10 @@ size_t hc_workspace_bytes(int64_t max_tokens, int64_t hc) {
   const int64_t T = std::max<int64_t>(max_tokens, 0);
   int64_t rows = std::min<int64_t>(kMaxSplits * T, int64_t{kTokensPerCta} * kTargetCtas + T);
   if (T >= kTensorCoreMinTokens) rows = std::max<int64_t>(rows, kTensorCoreMaxSplits * T);
-  return static_cast<size_t>(rows) * static_cast<size_t>((2 + hc) * hc + 1) * sizeof(float);
+  // The one-launch hand-over (≤ kHandoverMaxTokens) also keeps a sum of squares per split, and pre and the RMS
+  // scale per token.
+  return (static_cast<size_t>(rows) * static_cast<size_t>((2 + hc) * hc + 2) + static_cast<size_t>(T * (hc + 1))) *
+         sizeof(float);
 }
 
 cudaError_t hc_pre(const HyperConnectionParams& p, const float* streams, const float* fn, const float* base,
@@ -983,15 +1343,15 @@ cudaError_t hc_head(const HyperConnectionParams& p, const float* streams, const 
 cudaError_t hc_post_pre(const HyperConnectionParams& p, const float* y, const float* streams, const float* post,
                         const float* comb, float* out, const float* fn, const float* base, const float* scale,
                         float* collapsed, float* next_post, float* next_comb, void* workspace, size_t workspace_bytes,
-                        cudaStream_t stream, const CollapseNorm* norm) {
+                        cudaStream_t stream, const CollapseNorm* norm, unsigned* handover_sync) {
   if (!valid_params(p)) return cudaErrorInvalidValue;
   if (p.tokens == 0) return cudaSuccess;
   if (norm && norm->bf16 && reinterpret_cast<uintptr_t>(norm->bf16) % 2 != 0) return cudaErrorInvalidValue;
   if (p.deepseek) return cudaErrorInvalidValue;  // the fused paths keep kHf's order: hc_post, then hc_pre
   switch (p.hc) {
-    case 1: return launch_post_pre<1>(p, y, streams, post, comb, out, fn, base, scale, collapsed, next_post, next_comb, workspace, workspace_bytes, norm, stream);
-    case 2: return launch_post_pre<2>(p, y, streams, post, comb, out, fn, base, scale, collapsed, next_post, next_comb, workspace, workspace_bytes, norm, stream);
-    case 4: return launch_post_pre<4>(p, y, streams, post, comb, out, fn, base, scale, collapsed, next_post, next_comb, workspace, workspace_bytes, norm, stream);
+    case 1: return launch_post_pre<1>(p, y, streams, post, comb, out, fn, base, scale, collapsed, next_post, next_comb, workspace, workspace_bytes, norm, handover_sync, stream);
+    case 2: return launch_post_pre<2>(p, y, streams, post, comb, out, fn, base, scale, collapsed, next_post, next_comb, workspace, workspace_bytes, norm, handover_sync, stream);
+    case 4: return launch_post_pre<4>(p, y, streams, post, comb, out, fn, base, scale, collapsed, next_post, next_comb, workspace, workspace_bytes, norm, handover_sync, stream);
     default: return cudaErrorInvalidValue;
   }
 }

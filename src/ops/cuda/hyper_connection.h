@@ -41,7 +41,10 @@ struct CollapseNorm {
   uint16_t* bf16 = nullptr;
 };
 
-// Workspace bytes that hc_pre and hc_head need for any tokens <= max_tokens at this hc.
+// Device memory hc_post_pre's one-launch hand-over uses as its grid barriers' words.
+constexpr size_t kHcHandoverSyncBytes = 64;
+
+// Workspace bytes that hc_pre, hc_head and hc_post_pre need for any tokens <= max_tokens at this hc.
 size_t hc_workspace_bytes(int64_t max_tokens, int64_t hc);
 
 // streams [tokens, hc, D] -> collapsed [tokens, D] = Σ_s pre[s]·h[s]; post [tokens, hc]; comb [tokens, hc, hc]
@@ -63,10 +66,16 @@ cudaError_t hc_post(const HyperConnectionParams& p, const float* y, const float*
 // prefill, and a decode step has one dependent kernel fewer. Opt-in until measured on a GPU (the first tensor-core
 // version was slower than the two calls at 4K tokens, docs/PERF.md); otherwise the two calls. post / comb are read
 // before next_post / next_comb are written, which may alias them.
+//
+// `handover_sync` (optional, kHcHandoverSyncBytes of device memory, zeroed once when allocated; every call leaves
+// it zero; one per stream running hand-overs at the same time): with it, the fused norm, and up to 8 tokens, one
+// launch does it all, its token groups' split CTAs meeting at two grid barriers (DSV4_HC_HANDOVER=1, opt-in until
+// timed): the new streams are post_mix's bit for bit, pre / post / comb and the collapse equal the kernels' to
+// fp32 rounding (the splits are summed in another fixed order).
 cudaError_t hc_post_pre(const HyperConnectionParams& p, const float* y, const float* streams, const float* post,
                         const float* comb, float* out, const float* fn, const float* base, const float* scale,
                         float* collapsed, float* next_post, float* next_comb, void* workspace, size_t workspace_bytes,
-                        cudaStream_t stream, const CollapseNorm* norm = nullptr);
+                        cudaStream_t stream, const CollapseNorm* norm = nullptr, unsigned* handover_sync = nullptr);
 
 // Final collapse: out[t] = Σ_s (σ(mix[s]·scale[0] + base[s]) + hc_eps)·h[t, s], mix = rms(h)·fnᵀ.
 // fn [hc, hc·D], base [hc], scale [1]; out [tokens, D].

@@ -25,6 +25,7 @@ enum PhaseProbeId : int {
   kProbeHcMix = 1,
   kProbeHcFinishHead = 2,    // finish_kernel's thread 0: staging, split sums, pre, Sinkhorn
   kProbeHcFinishCollapse = 3,  // its first collapsing thread: collapse, norm
+  kProbeHcHandover = 4,        // the one-launch hand-over's CTA (0, 0)
   kProbeIds = 8,
 };
 

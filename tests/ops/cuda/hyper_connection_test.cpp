@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -366,23 +367,47 @@ void check_post_pre(const Shape& s) {
   const std::vector<float> post_alone = d_out_alone.download();
   const size_t bytes = hc_workspace_bytes(s.tokens, s.hc);
   DeviceArray<uint8_t> workspace(bytes);
-  for (const char* mode : {"1", "3", ""}) {
-    SCOPED_TRACE(::testing::Message() << "DSV4_HC_POST_MIX=" << mode);
-    if (*mode) ::setenv("DSV4_HC_POST_MIX", mode, 1);
+  // The one-launch hand-over's barrier words: zero before the first call, and left zero by every call.
+  DeviceArray<unsigned> sync(std::vector<unsigned>(kHcHandoverSyncBytes / sizeof(unsigned), 0u));
+  std::vector<float> first_handover;
+  for (const char* mode : {"1", "3", "", "handover", "handover again"}) {
+    SCOPED_TRACE(::testing::Message() << "mode " << mode);
+    const bool handover = std::strncmp(mode, "handover", 8) == 0;
+    if (handover) ::setenv("DSV4_HC_HANDOVER", "1", 1);
+    else if (*mode) ::setenv("DSV4_HC_POST_MIX", mode, 1);
     DeviceArray<float> d_post(post), d_comb(comb), d_out(next_streams.size()), d_collapsed(collapsed.size());
     DeviceArray<uint16_t> d_bf16(collapsed.size());
     const CollapseNorm norm{d_weight.get(), 1e-6f, d_bf16.get()};
     ASSERT_EQ(hc_post_pre(p, d_y.get(), d_streams.get(), d_post.get(), d_comb.get(), d_out.get(), d_fn.get(),
                           d_base.get(), d_scale.get(), d_collapsed.get(), d_post.get(), d_comb.get(), workspace.get(),
-                          bytes, nullptr, &norm),
+                          bytes, nullptr, &norm, handover ? sync.get() : nullptr),
               cudaSuccess);
     ::unsetenv("DSV4_HC_POST_MIX");
+    ::unsetenv("DSV4_HC_HANDOVER");
     EXPECT_TRUE(bitwise_equal(d_out.download(), post_alone)) << "the new streams are not hc_post's";
     const std::vector<float> actual_post = d_post.download(), actual_comb = d_comb.download();
-    EXPECT_LE(rel_l2(d_collapsed.download(), collapsed), 1e-5);
+    const std::vector<float> actual_collapsed = d_collapsed.download();
+    EXPECT_LE(rel_l2(actual_collapsed, collapsed), 1e-5);
     EXPECT_LE(max_rel(actual_post, next_post), 1e-5);
     EXPECT_LE(max_rel(actual_comb, next_comb), 2e-5);
     EXPECT_LE(rel_l2(actual_comb, next_comb), 1e-5);
+    const std::vector<uint16_t> actual_bf16 = d_bf16.download();
+    for (size_t i = 0; i < actual_bf16.size(); ++i)
+      ASSERT_EQ(actual_bf16[i], f32_to_bf16(actual_collapsed[i])) << "bf16 copy " << i;
+    if (handover) {
+      // Per token group: count and generation of barrier 1, then of barrier 2. A call that took the hand-over
+      // advanced group 0's generations; every count is back at zero.
+      const std::vector<unsigned> words = sync.download();
+      for (size_t i = 0; i < words.size(); i += 2) EXPECT_EQ(words[i], 0u) << "a barrier count left nonzero";
+      if (s.tokens <= 8 && s.hidden % 4 == 0) {
+        EXPECT_TRUE(words[1] > 0 && words[3] > 0) << "the one-launch hand-over did not run";
+      }
+      std::vector<float> outputs = actual_collapsed;
+      outputs.insert(outputs.end(), actual_post.begin(), actual_post.end());
+      outputs.insert(outputs.end(), actual_comb.begin(), actual_comb.end());
+      if (first_handover.empty()) first_handover = outputs;
+      else EXPECT_TRUE(bitwise_equal(outputs, first_handover)) << "the hand-over is not bitwise repeatable";
+    }
   }
 }
 
