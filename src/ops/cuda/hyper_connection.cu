@@ -1,6 +1,7 @@
 #include "ops/cuda/hyper_connection.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 
@@ -1194,17 +1195,17 @@ template <int HC>
 bool handover_fits(int64_t ctas) {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return false;
-  static int resident[64] = {};  // CTAs resident at once per device, 0 until asked
+  static std::atomic<int> resident[64] = {};  // CTAs resident at once per device, 0 until asked
   if (device < 0 || device >= 64) return false;
-  if (resident[device] == 0) {
+  if (resident[device].load() == 0) {
     int per_sm = 0, sms = 0;
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, post_pre_handover_kernel<HC>, kHandoverThreads, 0) !=
             cudaSuccess ||
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
       return false;
-    resident[device] = std::max(1, per_sm * sms);
+    resident[device].store(std::max(1, per_sm * sms));
   }
-  return ctas <= resident[device];
+  return ctas <= resident[device].load();
 }
 
 // The one-launch hand-over where it applies (a decode-sized batch, the fused norm, aligned rows, its sync words, a
