@@ -744,9 +744,9 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
 // three dependent kernels (hc_post, mix, finish) the hand-over took ≈ 14 µs at batch 1, 8 times a step (session
 // 31's CUPTI trace): two kernel boundaries, and one CTA doing a token's whole collapse after the mix. Here the
 // splits of a token group meet at two grid barriers instead:
-//   1. each split CTA makes its columns' new streams and their mix partial sums (post_mix_partial_kernel's
-//      arithmetic, bit for bit); the last CTA to arrive sums the splits (a fixed order), writes pre and post,
-//      releases the others, then runs the Sinkhorn (two tokens a warp) while they go on;
+//   1. each split CTA (32 hidden float4 columns of every stream at HC = 4) makes its columns' new streams (hc_post's
+//      values, bit for bit) and their mix partial sums; the last CTA to arrive sums the splits (a fixed order),
+//      writes pre and post, releases the others, then runs the Sinkhorn (two tokens a warp) while they go on;
 //   2. each split's warp 0 collapses its own columns from shared memory (the streams are not read again) and adds
 //      their squares; the last to arrive sums them (a fixed order) into the row's RMS scale;
 //   3. each split normalises its columns (the norm weight was loaded before the PDL wait) and stores them with
@@ -756,9 +756,8 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
 constexpr int kHandoverThreads = 128;
 constexpr int64_t kHandoverMaxTokens = 8;
 constexpr int kHandoverMaxSpan = 32;  // hidden float4 columns of a split: warp 0 collapses them
-constexpr int kHandoverSyncWords = 4;  // per token group: count and generation of each barrier
-static_assert((kHandoverMaxTokens + kTokensPerCta - 1) / kTokensPerCta * kHandoverSyncWords * sizeof(unsigned) <=
-                  kHcHandoverSyncBytes,
+static_assert(hc_handover_generation_word((kHandoverMaxTokens + kTokensPerCta - 1) / kTokensPerCta - 1, 1) <
+                  kHcHandoverSyncBytes / sizeof(unsigned),
               "the caller's sync words cover every token group");
 
 struct HandoverArgs {
@@ -789,6 +788,17 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(p) : "memory");
   return value;
 }
+// One arrival: release (this CTA's writes before it) and acquire (the last arriver sees everyone's) in one atomic,
+// instead of a full fence on each side (the first version's two __threadfence()s and polling without pause made
+// each barrier of 128 CTAs cost ≈ 4-5 µs on an H100, session 32's phase probe).
+__device__ __forceinline__ unsigned add_acq_rel(unsigned* p, unsigned value) {
+  unsigned old;
+  asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(value) : "memory");
+  return old;
+}
+__device__ __forceinline__ void add_release(unsigned* p, unsigned value) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(value) : "memory");
+}
 
 // One CTA's (or, with kWarp, one warp's) arrival at a barrier of `arrivals` CTAs over (count, generation), after its
 // writes. True, in every thread, in the CTA that arrived last: it sees every other CTA's writes, does the group's
@@ -803,9 +813,7 @@ __device__ __forceinline__ bool arrive_group(unsigned* count, const unsigned* ge
   else __syncthreads();
   if (threadIdx.x == 0) {
     seen_generation = load_acquire(generation);  // before arriving: the release cannot have happened yet
-    __threadfence();                             // this CTA's writes before its arrival
-    last = atomicAdd(count, 1u) == arrivals - 1;
-    __threadfence();  // and the last CTA's reads after every arrival
+    last = add_acq_rel(count, 1u) == arrivals - 1;
     if constexpr (!kWarp) last_shared = last;
   }
   if constexpr (kWarp) {
@@ -822,16 +830,14 @@ __device__ __forceinline__ void release_group(unsigned* count, unsigned* generat
   else __syncthreads();  // the last CTA's writes before the release
   if (threadIdx.x == 0) {
     atomicExch(count, 0u);  // every CTA has arrived: none adds to it until the next call
-    __threadfence();
-    atomicAdd(generation, 1u);
+    add_release(generation, 1u);
   }
 }
 
 template <bool kWarp>
 __device__ __forceinline__ void wait_group(const unsigned* generation, unsigned seen_generation) {
   if (threadIdx.x == 0)
-    while (load_acquire(generation) == seen_generation) {
-    }
+    while (load_acquire(generation) == seen_generation) __nanosleep(32);  // fewer polls of the line being released
   if constexpr (kWarp) __syncwarp();
   else __syncthreads();
 }
@@ -864,7 +870,11 @@ __global__ void __launch_bounds__(kHandoverThreads) post_pre_handover_kernel(con
   wait_for_prior_grid();
   allow_dependents();
   probe.mark();  // 1: inputs ready
-  unsigned* sync = a.sync + group * kHandoverSyncWords;
+  // Each barrier's count and generation on their own 128-byte lines (hc_handover_generation_word).
+  unsigned* count1 = a.sync + hc_handover_generation_word(group, 0) - 32;
+  unsigned* generation1 = count1 + 32;
+  unsigned* count2 = a.sync + hc_handover_generation_word(group, 1) - 32;
+  unsigned* generation2 = count2 + 32;
 
   // 1. New streams and mix partial sums: store_split_partials' reduction (shuffles, then the warps in order), each
   // sum reduced as soon as it is made so the CTA never holds TT·NV of them.
@@ -907,7 +917,7 @@ __global__ void __launch_bounds__(kHandoverThreads) post_pre_handover_kernel(con
   __shared__ float quarter[4][NV];
   __shared__ float mixes[TT][NOUT];
   unsigned seen = 0;
-  if (arrive_group<false>(sync + 0, sync + 1, static_cast<unsigned>(a.splits), seen)) {
+  if (arrive_group<false>(count1, generation1, static_cast<unsigned>(a.splits), seen)) {
     const int per_quarter = (a.splits + 3) / 4;
     for (int t = 0; t < TT; ++t) {
       if (c < NOUT) mixes[t][c] = 0.0f;
@@ -938,7 +948,7 @@ __global__ void __launch_bounds__(kHandoverThreads) post_pre_handover_kernel(con
       }
       __syncthreads();
     }
-    release_group<false>(sync + 0, sync + 1);
+    release_group<false>(count1, generation1);
     // Warps 1 and 2: the comb of tokens 2·(warp − 1) + half, 16 lanes each (off the path of the collapse).
     const int warp = c / 32, lane = c % 32;
     if (warp == 1 || warp == 2) {
@@ -948,7 +958,7 @@ __global__ void __launch_bounds__(kHandoverThreads) post_pre_handover_kernel(con
       if (t0 + t < a.tokens && l16 < HC * HC) a.next_comb[(t0 + t) * HC * HC + l16] = comb;
     }
   } else {
-    wait_group<false>(sync + 1, seen);
+    wait_group<false>(generation1, seen);
   }
   probe.mark();  // 3: past barrier 1
   if (c >= 32) return;
@@ -972,16 +982,16 @@ __global__ void __launch_bounds__(kHandoverThreads) post_pre_handover_kernel(con
     }
   }
   // 4. Barrier 2 (warp 0 of every split); the last sums the squares into each row's RMS scale.
-  if (arrive_group<true>(sync + 2, sync + 3, static_cast<unsigned>(a.splits), seen)) {
+  if (arrive_group<true>(count2, generation2, static_cast<unsigned>(a.splits), seen)) {
     for (int t = 0; t < TT && t0 + t < a.tokens; ++t) {
       float total = 0.0f;
       for (int sp = c; sp < a.splits; sp += 32) total += __ldcg(a.squares + (t0 + t) * a.splits + sp);
       for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(kFull, total, offset);
       if (c == 0) a.rms[t0 + t] = rsqrtf(total / static_cast<float>(a.D) + a.norm.eps);
     }
-    release_group<true>(sync + 2, sync + 3);
+    release_group<true>(count2, generation2);
   } else {
-    wait_group<true>(sync + 3, seen);
+    wait_group<true>(generation2, seen);
   }
   probe.mark();  // 4: past barrier 2
   // 5. The normalised columns and their bf16 copy.
@@ -1224,10 +1234,12 @@ bool launch_handover(const HyperConnectionParams& p, const float* y, const float
     return false;
   constexpr int NOUT = (2 + HC) * HC;
   const int64_t vec_d = p.hidden / 4;
-  // post_mix_partial_kernel's splits (so the partial sums are its, bit for bit).
-  const int splits = static_cast<int>(std::min<int64_t>(mix_splits(p.tokens, HC * vec_d), std::max<int64_t>(1, vec_d)));
-  const int64_t chunk = (vec_d + splits - 1) / splits;
-  if (chunk > kHandoverMaxSpan || HC * chunk > kHandoverThreads) return false;
+  // Splits as wide as a CTA allows (HC·chunk stream columns ≤ its threads, chunk ≤ warp 0's lanes): each barrier
+  // then has 32 arrivals at D = 4096 instead of post_mix_partial_kernel's 128 splits (the first version's; ≈ 4-5
+  // µs a barrier, and 2.5 µs worse per hand-over at 8 tokens than the kernels). fn, read before the PDL wait, no
+  // longer needs 128 SMs to arrive in time.
+  const int64_t chunk = std::min<int64_t>(kHandoverMaxSpan, kHandoverThreads / HC);
+  const int splits = static_cast<int>((vec_d + chunk - 1) / chunk);
   const int64_t groups = (p.tokens + kTokensPerCta - 1) / kTokensPerCta;
   const size_t floats = static_cast<size_t>(p.tokens) * splits * (NOUT + 2) + static_cast<size_t>(p.tokens) * (HC + 1);
   if (workspace == nullptr || workspace_bytes < floats * sizeof(float)) return false;

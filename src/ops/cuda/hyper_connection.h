@@ -41,8 +41,14 @@ struct CollapseNorm {
   uint16_t* bf16 = nullptr;
 };
 
-// Device memory hc_post_pre's one-launch hand-over uses as its grid barriers' words.
-constexpr size_t kHcHandoverSyncBytes = 64;
+// Device memory hc_post_pre's one-launch hand-over uses as its grid barriers' words: per token group of 4 and
+// barrier (2), a count and a generation, each on its own 128-byte line.
+constexpr size_t kHcHandoverSyncBytes = 1024;
+// The word index of barrier `barrier`'s generation for token group `group` (its count is 32 words before); tests
+// read it to see that a call took the hand-over.
+__host__ __device__ constexpr size_t hc_handover_generation_word(int group, int barrier) {
+  return static_cast<size_t>(group * 2 + barrier) * 64 + 32;
+}
 
 // Workspace bytes that hc_pre, hc_head and hc_post_pre need for any tokens <= max_tokens at this hc.
 size_t hc_workspace_bytes(int64_t max_tokens, int64_t hc);
@@ -70,8 +76,8 @@ cudaError_t hc_post(const HyperConnectionParams& p, const float* y, const float*
 // `handover_sync` (optional, kHcHandoverSyncBytes of device memory, zeroed once when allocated; every call leaves
 // it zero; one per stream running hand-overs at the same time): with it, the fused norm, and up to 8 tokens, one
 // launch does it all, its token groups' split CTAs meeting at two grid barriers (DSV4_HC_HANDOVER=1, opt-in until
-// timed): the new streams are post_mix's bit for bit, pre / post / comb and the collapse equal the kernels' to
-// fp32 rounding (the splits are summed in another fixed order).
+// timed): the new streams are hc_post's bit for bit, pre / post / comb and the collapse equal the kernels' to
+// fp32 rounding (wider splits, summed in another fixed order).
 cudaError_t hc_post_pre(const HyperConnectionParams& p, const float* y, const float* streams, const float* post,
                         const float* comb, float* out, const float* fn, const float* base, const float* scale,
                         float* collapsed, float* next_post, float* next_comb, void* workspace, size_t workspace_bytes,
