@@ -140,26 +140,20 @@ __device__ __forceinline__ void store_split_partials(float (&acc)[TT][NV], int64
 // (o = NOUT). grid (ceil(tokens / kTokensPerCta), splits); `chunk` columns (in VEC units) per split, blockDim.x
 // (a multiple of 32, ≤ kThreads) threads: at decode the splits are narrow (a warp or two of columns each) so that
 // fn's 1.5 MB is read by ~128 SMs at once instead of 16 (7 µs a call before, the SMs' own load rate the limit).
-// kPrefetch (chunk ≤ blockDim.x: a thread has at most one column, the decode shapes): the thread's NOUT values of
-// fn are loaded before the PDL wait — fn is a weight, never written by an earlier kernel — so the DRAM read of
-// fn overlaps the previous kernel's tail instead of following the wait; the same operations in the same order.
-template <int NOUT, int VEC, bool kPrefetch = false>
+// TT: tokens a CTA takes, kTokensPerCta, or 1 for a one-token batch (a decode step at batch 1: the CTA then reduces
+// 25 sums instead of 100, three quarters of them for tokens that do not exist; the probe of session 32 put that
+// reduction at 1.7 µs a call). Either way the stored sums are the same.
+template <int NOUT, int VEC, int TT = kTokensPerCta>
 __global__ void __launch_bounds__(kThreads) mix_partial_kernel(const float* __restrict__ streams,
                                                                const float* __restrict__ fn, int64_t tokens,
                                                                int64_t width, int64_t chunk, int splits,
                                                                float* __restrict__ partial) {
   using V = typename VecOf<VEC>::T;
-  constexpr int TT = kTokensPerCta, NV = NOUT + 1;
+  constexpr int NV = NOUT + 1;
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * TT;
   const int split = static_cast<int>(blockIdx.y);
   const int64_t vec_cols = width / VEC;
   const int64_t begin = split * chunk, end = min(vec_cols, begin + chunk);
-  [[maybe_unused]] V prefetched[kPrefetch ? NOUT : 1];
-  if constexpr (kPrefetch) {
-    const int64_t c = begin + threadIdx.x;
-#pragma unroll
-    for (int o = 0; o < NOUT; ++o) prefetched[o] = c < end ? load<VEC>(fn + o * width, c) : zero_vec(V{});
-  }
   PhaseProbe probe(kProbeHcMix, threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0);
   wait_for_prior_grid();
   allow_dependents();
@@ -185,13 +179,10 @@ __global__ void __launch_bounds__(kThreads) mix_partial_kernel(const float* __re
     }
 #pragma unroll
     for (int o = 0; o < NOUT; ++o) {
-      V f;
-      if constexpr (kPrefetch) f = prefetched[o];  // c is the thread's only column
-      else f = load<VEC>(fn + o * width, c);
+      const V f = load<VEC>(fn + o * width, c);
 #pragma unroll
       for (int t = 0; t < TT; ++t) acc[t][o] = fma_dot(xv[t], f, acc[t][o]);
     }
-    if constexpr (kPrefetch) break;
   }
   probe.mark();
   store_split_partials<TT, NV>(acc, t0, tokens, split, splits, partial);
@@ -1139,11 +1130,7 @@ cudaError_t launch_mix(const HyperConnectionParams& p, const float* streams, con
                      width / splits, splits, partial);
     launch_finish<HC, kHead, 4>(p, partial, splits, streams, base, scale, collapsed, post, comb, norm, stream);
   } else if (vec4) {
-    // fn read before the PDL wait where each thread has one column (opt-in, DSV4_HC_MIX_PREFETCH=1, read per call,
-    // until timed on a device).
-    const char* prefetch_choice = std::getenv("DSV4_HC_MIX_PREFETCH");
-    const bool prefetch = prefetch_choice != nullptr && std::strcmp(prefetch_choice, "1") == 0 && chunk <= mix_threads;
-    launch_dependent(prefetch ? mix_partial_kernel<NOUT, 4, true> : mix_partial_kernel<NOUT, 4>, mix_grid,
+    launch_dependent(p.tokens == 1 ? mix_partial_kernel<NOUT, 4, 1> : mix_partial_kernel<NOUT, 4>, mix_grid,
                      mix_threads, 0, stream, streams, fn, p.tokens, width, chunk, splits, partial);
     launch_finish<HC, kHead, 4>(p, partial, splits, streams, base, scale, collapsed, post, comb, norm, stream);
   } else {
