@@ -2,18 +2,16 @@
 time must equal the measure of the union of its kernels' intervals (clipped to the step) and its idle time the rest
 of the wall; and on hand-made steps, the share of each kernel must be the one worked out beside them."""
 import csv
-import importlib.util
 import os
 import random
 import sys
 import tempfile
 import unittest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SPEC = importlib.util.spec_from_file_location(
-    "kernel_step_timeline", os.path.join(HERE, "..", "..", "tools", "reference", "kernel_step_timeline.py"))
-timeline = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(timeline)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from reference_tool import load  # noqa: E402
+
+timeline = load("kernel_step_timeline")
 
 
 def write_trace(path, kernels):

@@ -1,18 +1,16 @@
 """tools/reference/ncu_source_hotspots.py on a synthetic ncu source-page export: notices before the CSV header are
 skipped, rows are ranked by their stall samples, and each share is the row's samples over the kernel's total."""
 import contextlib
-import importlib.util
 import io
 import os
 import sys
 import tempfile
 import unittest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SPEC = importlib.util.spec_from_file_location(
-    "ncu_source_hotspots", os.path.join(HERE, "..", "..", "tools", "reference", "ncu_source_hotspots.py"))
-hotspots = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(hotspots)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from reference_tool import load  # noqa: E402
+
+hotspots = load("ncu_source_hotspots")
 
 EXPORT = '''==PROF== Connected to process 1234
 "#","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)","Instructions Executed"

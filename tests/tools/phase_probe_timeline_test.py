@@ -2,7 +2,6 @@
 the generating clock, the per-probe medians are statistics.median of each mark in µs, and --grid keeps only the
 lines of that grid."""
 import contextlib
-import importlib.util
 import io
 import os
 import random
@@ -11,11 +10,10 @@ import sys
 import tempfile
 import unittest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SPEC = importlib.util.spec_from_file_location(
-    "phase_probe_timeline", os.path.join(HERE, "..", "..", "tools", "reference", "phase_probe_timeline.py"))
-timeline = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(timeline)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from reference_tool import load  # noqa: E402
+
+timeline = load("phase_probe_timeline")
 
 
 def random_log(rng, ghz):
