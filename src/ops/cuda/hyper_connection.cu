@@ -941,7 +941,6 @@ __global__ void __launch_bounds__(kHandoverThreads) post_pre_handover_kernel(con
     }
     release_group<false>(count1, generation1);
     // Warps 1 and 2: the comb of tokens 2·(warp − 1) + half, 16 lanes each (off the path of the collapse).
-    const int warp = c / 32, lane = c % 32;
     if (warp == 1 || warp == 2) {
       const int t = 2 * (warp - 1) + lane / 16, l16 = lane % 16;
       const float comb = sinkhorn_comb<HC>(mixes[t], a.scale, a.base, a.iters, a.hc_eps, lane & 16,
