@@ -1233,7 +1233,7 @@ float* DeepseekV4CudaModel::Impl::run(const Step& step, LogitsMode mode) {
       std::swap(streams, next_streams);
     } else {
       DSV4_CU(cu::hc_pre(hp, streams, fn, base, scale, collapsed, post, comb, hc_workspace, hc_workspace_bytes,
-                         stream, &fused));
+                         stream, &fused, hc_handover_sync));
     }
     return bf16 ? static_cast<const void*>(fused.bf16) : collapsed;
   };
@@ -1276,7 +1276,7 @@ float* DeepseekV4CudaModel::Impl::run(const Step& step, LogitsMode mode) {
     DSV4_CU(cu::rms_norm_with_bf16({R, D, eps}, final_hidden, norm, final_hidden, final_norm.bf16, stream));
   } else {
     DSV4_CU(cu::hc_head(head_params, selected, hc_head_fn, hc_head_base, hc_head_scale, final_hidden, hc_workspace,
-                        hc_workspace_bytes, stream, &final_norm));
+                        hc_workspace_bytes, stream, &final_norm, hc_handover_sync));
   }
   const void* head_operand = bf16 ? static_cast<const void*>(final_norm.bf16) : final_hidden;
   float* logits_device = buffer<float>("logits", R * c.vocab_size);

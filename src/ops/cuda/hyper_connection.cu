@@ -768,7 +768,7 @@ struct HandoverArgs {
   float* squares;  // [tokens, splits] the collapsed row's partial sums of squares
   float* pre;      // [tokens, HC]
   float* rms;      // [tokens]
-  unsigned* sync;  // [groups, kHandoverSyncWords], zero between calls
+  unsigned* sync;  // kHcHandoverSyncBytes, zero between calls
   int64_t tokens, D, chunk;
   int splits, iters;
   float hc_eps, norm_eps;
@@ -834,10 +834,13 @@ __device__ __forceinline__ void wait_group(const unsigned* generation, unsigned 
 }
 
 // grid (ceil(tokens / kTokensPerCta), splits), kHandoverThreads; D % 4 == 0, rows 16-byte aligned, HC·chunk ≤
-// kHandoverThreads and chunk ≤ kHandoverMaxSpan (hidden float4 columns per split).
-template <int HC>
+// kHandoverThreads and chunk ≤ kHandoverMaxSpan (hidden float4 columns per split). kPost: the streams are made
+// from y, post and comb first (hc_post_pre); otherwise they are read as they are (a first hc_pre, or hc_head).
+// kHead: hc_head's mixes (HC of them: pre only; no post, no Sinkhorn).
+template <int HC, bool kPost, bool kHead>
 __global__ void __launch_bounds__(kHandoverThreads) post_pre_handover_kernel(const HandoverArgs a) {
-  constexpr int NOUT = (2 + HC) * HC, TT = kTokensPerCta, NV = NOUT + 1;
+  static_assert(!(kPost && kHead), "hc_head follows an hc_post of its own");
+  constexpr int NOUT = kHead ? HC : (2 + HC) * HC, TT = kTokensPerCta, NV = NOUT + 1;
   static_assert(HC * HC <= 16, "two tokens' Sinkhorn a warp");
   const int group = static_cast<int>(blockIdx.x), split = static_cast<int>(blockIdx.y);
   const int64_t t0 = int64_t{group} * TT;
@@ -884,10 +887,14 @@ __global__ void __launch_bounds__(kHandoverThreads) post_pre_handover_kernel(con
     float4 value = zero_vec(float4{});
     if (stream_thread) {
       const float* h = a.streams + row * width;
-      value = scale_rn(a.post[row * HC + k], load<4>(a.y + row * a.D, v));
+      if constexpr (kPost) {
+        value = scale_rn(a.post[row * HC + k], load<4>(a.y + row * a.D, v));
 #pragma unroll
-      for (int j = 0; j < HC; ++j) value = axpy_rn(value, a.comb[(row * HC + j) * HC + k], load<4>(h + j * a.D, v));
-      store<4>(a.out + row * width + k * a.D, v, value);
+        for (int j = 0; j < HC; ++j) value = axpy_rn(value, a.comb[(row * HC + j) * HC + k], load<4>(h + j * a.D, v));
+        store<4>(a.out + row * width + k * a.D, v, value);
+      } else {
+        value = load<4>(h + k * a.D, v);
+      }
     }
     fresh[t][c] = value;
     reduce_into(fma_dot(value, value, 0.0f), t * NV + NOUT);
@@ -933,7 +940,7 @@ __global__ void __launch_bounds__(kHandoverThreads) post_pre_handover_kernel(con
         mixes[t][c] = mix;
         if (c < HC) {
           a.pre[(t0 + t) * HC + c] = __fadd_rn(sigmoid(affine(mix, a.scale[0], a.base[c])), a.hc_eps);
-        } else if (c < 2 * HC) {
+        } else if (!kHead && c < 2 * HC) {
           a.next_post[(t0 + t) * HC + c - HC] = __fmul_rn(2.0f, sigmoid(affine(mix, a.scale[1], a.base[c])));
         }
       }
@@ -941,7 +948,7 @@ __global__ void __launch_bounds__(kHandoverThreads) post_pre_handover_kernel(con
     }
     release_group<false>(count1, generation1);
     // Warps 1 and 2: the comb of tokens 2·(warp − 1) + half, 16 lanes each (off the path of the collapse).
-    if (warp == 1 || warp == 2) {
+    if (!kHead && (warp == 1 || warp == 2)) {
       const int t = 2 * (warp - 1) + lane / 16, l16 = lane % 16;
       const float comb = sinkhorn_comb<HC>(mixes[t], a.scale, a.base, a.iters, a.hc_eps, lane & 16,
                                            l16 < HC * HC ? l16 : 0);
@@ -1105,11 +1112,92 @@ void launch_finish(const HyperConnectionParams& p, const float* partial, int spl
                    p.deepseek, p.deepseek_hc_eps);
 }
 
-// The mix kernel then the finish kernel, for hc_pre (kHead false) and hc_head.
+// Whether every CTA of a `ctas`-CTA grid of the hand-over kernel is resident at once on the current device (its
+// barriers need that); the answer per device is cached.
+template <int HC, bool kPost, bool kHead>
+bool handover_fits(int64_t ctas) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  static std::atomic<int> resident[64] = {};  // CTAs resident at once per device, 0 until asked
+  if (device < 0 || device >= 64) return false;
+  if (resident[device].load() == 0) {
+    int per_sm = 0, sms = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, post_pre_handover_kernel<HC, kPost, kHead>,
+                                                      kHandoverThreads, 0) !=
+            cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+      return false;
+    resident[device].store(std::max(1, per_sm * sms));
+  }
+  return ctas <= resident[device].load();
+}
+
+// The one-launch hand-over where it applies (a decode-sized batch, the fused norm, fp32 numerics, aligned rows, its
+// sync words, a workspace that fits, the grid resident at once); false to take the kernels below. Opt-in
+// (DSV4_HC_HANDOVER=1, read per call) until timed on a device. kPost / kHead as the kernel's (y, post, comb and
+// out unused without kPost; next_post and next_comb with kHead).
+template <int HC, bool kPost, bool kHead>
+bool launch_handover(const HyperConnectionParams& p, const float* y, const float* streams, const float* post,
+                     const float* comb, float* out, const float* fn, const float* base, const float* scale,
+                     float* collapsed, float* next_post, float* next_comb, void* workspace, size_t workspace_bytes,
+                     const CollapseNorm* norm, unsigned* sync, cudaStream_t stream) {
+  const char* choice = std::getenv("DSV4_HC_HANDOVER");
+  if (choice == nullptr || std::strcmp(choice, "1") != 0) return false;
+  if (sync == nullptr || norm == nullptr || p.deepseek || p.tokens > kHandoverMaxTokens || p.hidden % 4 != 0)
+    return false;
+  if ((kPost && (!aligned16(y) || !aligned16(out))) || !aligned16(streams) || !aligned16(fn) ||
+      !aligned16(collapsed) || (norm->weight != nullptr && !aligned16(norm->weight)))
+    return false;
+  constexpr int NOUT = kHead ? HC : (2 + HC) * HC;
+  const int64_t vec_d = p.hidden / 4;
+  // Splits as wide as a CTA allows (HC·chunk stream columns ≤ its threads, chunk ≤ warp 0's lanes): each barrier
+  // then has 32 arrivals at D = 4096 instead of post_mix_partial_kernel's 128 splits (the first version's; ≈ 4-5
+  // µs a barrier, and 2.5 µs worse per hand-over at 8 tokens than the kernels). fn, read before the PDL wait, no
+  // longer needs 128 SMs to arrive in time.
+  const int64_t chunk = std::min<int64_t>(kHandoverMaxSpan, kHandoverThreads / HC);
+  const int splits = static_cast<int>((vec_d + chunk - 1) / chunk);
+  const int64_t groups = (p.tokens + kTokensPerCta - 1) / kTokensPerCta;
+  const size_t floats = static_cast<size_t>(p.tokens) * splits * (NOUT + 2) + static_cast<size_t>(p.tokens) * (HC + 1);
+  if (workspace == nullptr || workspace_bytes < floats * sizeof(float)) return false;
+  if (!handover_fits<HC, kPost, kHead>(groups * splits)) return false;
+  HandoverArgs a{};
+  a.y = y;
+  a.streams = streams;
+  a.post = post;
+  a.comb = comb;
+  a.fn = fn;
+  a.base = base;
+  a.scale = scale;
+  a.out = out;
+  a.collapsed = collapsed;
+  a.next_post = next_post;
+  a.next_comb = next_comb;
+  a.norm = *norm;
+  a.partial = static_cast<float*>(workspace);
+  a.squares = a.partial + p.tokens * splits * (NOUT + 1);
+  a.pre = a.squares + p.tokens * splits;
+  a.rms = a.pre + p.tokens * HC;
+  a.sync = sync;
+  a.tokens = p.tokens;
+  a.D = p.hidden;
+  a.chunk = chunk;
+  a.splits = splits;
+  a.iters = static_cast<int>(p.sinkhorn_iters);
+  a.hc_eps = p.hc_eps;
+  a.norm_eps = p.norm_eps;
+  launch_dependent(post_pre_handover_kernel<HC, kPost, kHead>,
+                   dim3(static_cast<unsigned>(groups), static_cast<unsigned>(splits)), kHandoverThreads, 0, stream, a);
+  return true;
+}
+
+// The mix kernel then the finish kernel, for hc_pre (kHead false) and hc_head; or the one-launch hand-over.
 template <int HC, bool kHead>
 cudaError_t launch_mix(const HyperConnectionParams& p, const float* streams, const float* fn, const float* base,
                        const float* scale, float* collapsed, float* post, float* comb, void* workspace,
-                       size_t workspace_bytes, const CollapseNorm* norm, cudaStream_t stream) {
+                       size_t workspace_bytes, const CollapseNorm* norm, unsigned* sync, cudaStream_t stream) {
+  if (launch_handover<HC, false, kHead>(p, nullptr, streams, nullptr, nullptr, nullptr, fn, base, scale, collapsed,
+                                        post, comb, workspace, workspace_bytes, norm, sync, stream))
+    return cudaGetLastError();
   constexpr int NOUT = kHead ? HC : (2 + HC) * HC;
   const int64_t width = HC * p.hidden;
   const bool vec4 = p.hidden % 4 == 0 && aligned16(streams) && aligned16(fn) && aligned16(collapsed);
@@ -1143,14 +1231,14 @@ cudaError_t launch_mix(const HyperConnectionParams& p, const float* streams, con
 template <bool kHead>
 cudaError_t dispatch_mix(const HyperConnectionParams& p, const float* streams, const float* fn, const float* base,
                          const float* scale, float* collapsed, float* post, float* comb, void* workspace,
-                         size_t workspace_bytes, const CollapseNorm* norm, cudaStream_t stream) {
+                         size_t workspace_bytes, const CollapseNorm* norm, unsigned* sync, cudaStream_t stream) {
   if (!valid_params(p)) return cudaErrorInvalidValue;
   if (p.tokens == 0) return cudaSuccess;
   if (norm && norm->bf16 && reinterpret_cast<uintptr_t>(norm->bf16) % 2 != 0) return cudaErrorInvalidValue;
   switch (p.hc) {
-    case 1: return launch_mix<1, kHead>(p, streams, fn, base, scale, collapsed, post, comb, workspace, workspace_bytes, norm, stream);
-    case 2: return launch_mix<2, kHead>(p, streams, fn, base, scale, collapsed, post, comb, workspace, workspace_bytes, norm, stream);
-    case 4: return launch_mix<4, kHead>(p, streams, fn, base, scale, collapsed, post, comb, workspace, workspace_bytes, norm, stream);
+    case 1: return launch_mix<1, kHead>(p, streams, fn, base, scale, collapsed, post, comb, workspace, workspace_bytes, norm, sync, stream);
+    case 2: return launch_mix<2, kHead>(p, streams, fn, base, scale, collapsed, post, comb, workspace, workspace_bytes, norm, sync, stream);
+    case 4: return launch_mix<4, kHead>(p, streams, fn, base, scale, collapsed, post, comb, workspace, workspace_bytes, norm, sync, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -1185,88 +1273,13 @@ int post_mix_splits(const HyperConnectionParams& p) {
 // out): DSV4_HC_POST_MIX=1 (or 3: the tensor-core kernel's 3-CTA build, 150 registers instead of 128, to
 // measure), read per call. Where the mixes would run on the tensor cores, post_mix_tf32_kernel; below,
 // post_mix_partial_kernel; otherwise (switch off, unaligned rows, a short workspace) hc_post then hc_pre.
-// Whether every CTA of a `ctas`-CTA grid of the hand-over kernel is resident at once on the current device (its
-// barriers need that); the answer per device is cached.
-template <int HC>
-bool handover_fits(int64_t ctas) {
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  static std::atomic<int> resident[64] = {};  // CTAs resident at once per device, 0 until asked
-  if (device < 0 || device >= 64) return false;
-  if (resident[device].load() == 0) {
-    int per_sm = 0, sms = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, post_pre_handover_kernel<HC>, kHandoverThreads, 0) !=
-            cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-      return false;
-    resident[device].store(std::max(1, per_sm * sms));
-  }
-  return ctas <= resident[device].load();
-}
-
-// The one-launch hand-over where it applies (a decode-sized batch, the fused norm, aligned rows, its sync words, a
-// workspace that fits, the grid resident at once); false to take the kernels below. Opt-in (DSV4_HC_HANDOVER=1,
-// read per call) until timed on a device.
-template <int HC>
-bool launch_handover(const HyperConnectionParams& p, const float* y, const float* streams, const float* post,
-                     const float* comb, float* out, const float* fn, const float* base, const float* scale,
-                     float* collapsed, float* next_post, float* next_comb, void* workspace, size_t workspace_bytes,
-                     const CollapseNorm* norm, unsigned* sync, cudaStream_t stream) {
-  const char* choice = std::getenv("DSV4_HC_HANDOVER");
-  if (choice == nullptr || std::strcmp(choice, "1") != 0) return false;
-  if (sync == nullptr || norm == nullptr || p.tokens > kHandoverMaxTokens || p.hidden % 4 != 0) return false;
-  if (!aligned16(y) || !aligned16(streams) || !aligned16(out) || !aligned16(fn) || !aligned16(collapsed) ||
-      (norm->weight != nullptr && !aligned16(norm->weight)))
-    return false;
-  constexpr int NOUT = (2 + HC) * HC;
-  const int64_t vec_d = p.hidden / 4;
-  // Splits as wide as a CTA allows (HC·chunk stream columns ≤ its threads, chunk ≤ warp 0's lanes): each barrier
-  // then has 32 arrivals at D = 4096 instead of post_mix_partial_kernel's 128 splits (the first version's; ≈ 4-5
-  // µs a barrier, and 2.5 µs worse per hand-over at 8 tokens than the kernels). fn, read before the PDL wait, no
-  // longer needs 128 SMs to arrive in time.
-  const int64_t chunk = std::min<int64_t>(kHandoverMaxSpan, kHandoverThreads / HC);
-  const int splits = static_cast<int>((vec_d + chunk - 1) / chunk);
-  const int64_t groups = (p.tokens + kTokensPerCta - 1) / kTokensPerCta;
-  const size_t floats = static_cast<size_t>(p.tokens) * splits * (NOUT + 2) + static_cast<size_t>(p.tokens) * (HC + 1);
-  if (workspace == nullptr || workspace_bytes < floats * sizeof(float)) return false;
-  if (!handover_fits<HC>(groups * splits)) return false;
-  HandoverArgs a{};
-  a.y = y;
-  a.streams = streams;
-  a.post = post;
-  a.comb = comb;
-  a.fn = fn;
-  a.base = base;
-  a.scale = scale;
-  a.out = out;
-  a.collapsed = collapsed;
-  a.next_post = next_post;
-  a.next_comb = next_comb;
-  a.norm = *norm;
-  a.partial = static_cast<float*>(workspace);
-  a.squares = a.partial + p.tokens * splits * (NOUT + 1);
-  a.pre = a.squares + p.tokens * splits;
-  a.rms = a.pre + p.tokens * HC;
-  a.sync = sync;
-  a.tokens = p.tokens;
-  a.D = p.hidden;
-  a.chunk = chunk;
-  a.splits = splits;
-  a.iters = static_cast<int>(p.sinkhorn_iters);
-  a.hc_eps = p.hc_eps;
-  a.norm_eps = p.norm_eps;
-  launch_dependent(post_pre_handover_kernel<HC>, dim3(static_cast<unsigned>(groups), static_cast<unsigned>(splits)),
-                   kHandoverThreads, 0, stream, a);
-  return true;
-}
-
 template <int HC>
 cudaError_t launch_post_pre(const HyperConnectionParams& p, const float* y, const float* streams, const float* post,
                             const float* comb, float* out, const float* fn, const float* base, const float* scale,
                             float* collapsed, float* next_post, float* next_comb, void* workspace,
                             size_t workspace_bytes, const CollapseNorm* norm, unsigned* sync, cudaStream_t stream) {
-  if (launch_handover<HC>(p, y, streams, post, comb, out, fn, base, scale, collapsed, next_post, next_comb, workspace,
-                          workspace_bytes, norm, sync, stream))
+  if (launch_handover<HC, true, false>(p, y, streams, post, comb, out, fn, base, scale, collapsed, next_post,
+                                       next_comb, workspace, workspace_bytes, norm, sync, stream))
     return cudaGetLastError();
   constexpr int NOUT = (2 + HC) * HC;
   const char* choice = std::getenv("DSV4_HC_POST_MIX");
@@ -1307,7 +1320,7 @@ cudaError_t launch_post_pre(const HyperConnectionParams& p, const float* y, cons
   const cudaError_t posted = launch_post<HC>(p, y, streams, post, comb, out, stream);
   if (posted != cudaSuccess) return posted;
   return dispatch_mix<false>(p, out, fn, base, scale, collapsed, next_post, next_comb, workspace, workspace_bytes, norm,
-                             stream);
+                             nullptr, stream);
 }
 
 }  // namespace
@@ -1327,16 +1340,16 @@ size_t hc_workspace_bytes(int64_t max_tokens, int64_t hc) {
 
 cudaError_t hc_pre(const HyperConnectionParams& p, const float* streams, const float* fn, const float* base,
                    const float* scale, float* collapsed, float* post, float* comb, void* workspace,
-                   size_t workspace_bytes, cudaStream_t stream, const CollapseNorm* norm) {
+                   size_t workspace_bytes, cudaStream_t stream, const CollapseNorm* norm, unsigned* handover_sync) {
   return dispatch_mix<false>(p, streams, fn, base, scale, collapsed, post, comb, workspace, workspace_bytes, norm,
-                             stream);
+                             handover_sync, stream);
 }
 
 cudaError_t hc_head(const HyperConnectionParams& p, const float* streams, const float* fn, const float* base,
                     const float* scale, float* out, void* workspace, size_t workspace_bytes, cudaStream_t stream,
-                    const CollapseNorm* norm) {
+                    const CollapseNorm* norm, unsigned* handover_sync) {
   return dispatch_mix<true>(p, streams, fn, base, scale, out, nullptr, nullptr, workspace, workspace_bytes, norm,
-                            stream);
+                            handover_sync, stream);
 }
 
 cudaError_t hc_post_pre(const HyperConnectionParams& p, const float* y, const float* streams, const float* post,

@@ -56,10 +56,12 @@ size_t hc_workspace_bytes(int64_t max_tokens, int64_t hc);
 // streams [tokens, hc, D] -> collapsed [tokens, D] = Σ_s pre[s]·h[s]; post [tokens, hc]; comb [tokens, hc, hc]
 // (row j, column k: the weight of input stream j in output stream k). fn fp32 [(2+hc)·hc, hc·D], base
 // [(2+hc)·hc], scale [3], all device pointers. collapsed may not alias streams.
-// `norm` (optional): the fused RMSNorm above, applied to `collapsed`.
+// `norm` (optional): the fused RMSNorm above, applied to `collapsed`. `handover_sync`: as hc_post_pre's below (the
+// one-launch form, on the streams as they are).
 cudaError_t hc_pre(const HyperConnectionParams& p, const float* streams, const float* fn, const float* base,
                    const float* scale, float* collapsed, float* post, float* comb, void* workspace,
-                   size_t workspace_bytes, cudaStream_t stream, const CollapseNorm* norm = nullptr);
+                   size_t workspace_bytes, cudaStream_t stream, const CollapseNorm* norm = nullptr,
+                   unsigned* handover_sync = nullptr);
 
 // out[t, k] = post[t, k]·y[t] + Σ_j comb[t, j, k]·streams[t, j]; y [tokens, D], out [tokens, hc, D]
 // (out may not alias streams). One launch, float4 when D % 4 == 0.
@@ -74,8 +76,8 @@ cudaError_t hc_post(const HyperConnectionParams& p, const float* y, const float*
 // before next_post / next_comb are written, which may alias them.
 //
 // `handover_sync` (optional, kHcHandoverSyncBytes of device memory, zeroed once when allocated; every call leaves
-// it zero; one per stream running hand-overs at the same time): with it, the fused norm, and up to 8 tokens, one
-// launch does it all, its token groups' split CTAs meeting at two grid barriers (DSV4_HC_HANDOVER=1, opt-in until
+// it zero; one per stream running hand-overs at the same time): with it, the fused norm, fp32 numerics and up to 8
+// tokens, one launch does it all, its token groups' split CTAs meeting at two grid barriers (DSV4_HC_HANDOVER=1, opt-in until
 // timed): the new streams are hc_post's bit for bit, pre / post / comb and the collapse equal the kernels' to
 // fp32 rounding (wider splits, summed in another fixed order).
 cudaError_t hc_post_pre(const HyperConnectionParams& p, const float* y, const float* streams, const float* post,
@@ -85,8 +87,9 @@ cudaError_t hc_post_pre(const HyperConnectionParams& p, const float* y, const fl
 
 // Final collapse: out[t] = Σ_s (σ(mix[s]·scale[0] + base[s]) + hc_eps)·h[t, s], mix = rms(h)·fnᵀ.
 // fn [hc, hc·D], base [hc], scale [1]; out [tokens, D].
+// `handover_sync`: as hc_pre's.
 cudaError_t hc_head(const HyperConnectionParams& p, const float* streams, const float* fn, const float* base,
                     const float* scale, float* out, void* workspace, size_t workspace_bytes, cudaStream_t stream,
-                    const CollapseNorm* norm = nullptr);
+                    const CollapseNorm* norm = nullptr, unsigned* handover_sync = nullptr);
 
 }  // namespace dsv4::ops::cuda

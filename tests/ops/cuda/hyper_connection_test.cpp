@@ -249,6 +249,24 @@ TEST_F(CudaHyperConnection, HeadMatchesCpuTwin) {
     check_head(s);
 }
 
+// The one-launch hand-over's barrier words after a call: every count (every word but the generations) back at
+// zero, and, where the call should have taken the hand-over (`expect_ran`), group 0's two generations advanced.
+void expect_handover_words(const DeviceArray<unsigned>& sync, bool expect_ran) {
+  const std::vector<unsigned> words = sync.download();
+  for (size_t i = 0; i < words.size(); ++i) {
+    bool generation = false;
+    for (int group = 0; group < 2; ++group)
+      for (int barrier = 0; barrier < 2; ++barrier) generation |= i == hc_handover_generation_word(group, barrier);
+    if (!generation) {
+      EXPECT_EQ(words[i], 0u) << "barrier word " << i << " left nonzero";
+    }
+  }
+  if (expect_ran) {
+    EXPECT_TRUE(words[hc_handover_generation_word(0, 0)] > 0 && words[hc_handover_generation_word(0, 1)] > 0)
+        << "the one-launch hand-over did not run";
+  }
+}
+
 // hc_pre (or hc_head) with the sublayer's RMSNorm fused: collapsed = rms_norm(collapse) and its bf16 copy is that
 // fp32 result rounded; post and comb are the unfused kernel's, bitwise.
 void check_fused_norm(const Shape& s, bool head, bool weighted) {
@@ -316,6 +334,30 @@ void check_fused_norm(const Shape& s, bool head, bool weighted) {
                 bitwise_equal(kept_comb.download(), d_comb.download()))
         << "the decode and plain finish forms differ in post / comb";
   }
+  // The one-launch form (DSV4_HC_HANDOVER=1 with barrier words, ≤ 8 tokens; the streams read as they are): the CPU
+  // twin's values to fp32 rounding, its bf16 copy the rounded fp32 result, the barrier words back at zero.
+  DeviceArray<unsigned> sync(std::vector<unsigned>(kHcHandoverSyncBytes / sizeof(unsigned), 0u));
+  DeviceArray<float> one_out(expected.size()), one_post(post.size()), one_comb(comb.size());
+  DeviceArray<uint16_t> one_bf16(expected.size());
+  const CollapseNorm one_norm{weighted ? d_weight.get() : nullptr, 1e-6f, one_bf16.get()};
+  ::setenv("DSV4_HC_HANDOVER", "1", 1);
+  const cudaError_t one_status =
+      head ? hc_head(p, d_streams.get(), d_fn.get(), d_base.get(), d_scale.get(), one_out.get(), workspace.get(), bytes,
+                     nullptr, &one_norm, sync.get())
+           : hc_pre(p, d_streams.get(), d_fn.get(), d_base.get(), d_scale.get(), one_out.get(), one_post.get(),
+                    one_comb.get(), workspace.get(), bytes, nullptr, &one_norm, sync.get());
+  ::unsetenv("DSV4_HC_HANDOVER");
+  ASSERT_EQ(one_status, cudaSuccess);
+  const std::vector<float> one = one_out.download();
+  const std::vector<uint16_t> one_copy = one_bf16.download();
+  EXPECT_LE(rel_l2(one, expected), 1e-5) << "the one-launch form";
+  for (size_t i = 0; i < one.size(); ++i)
+    ASSERT_EQ(one_copy[i], f32_to_bf16(one[i])) << "the one-launch form's bf16 copy " << i;
+  if (!head) {
+    EXPECT_LE(max_rel(one_post.download(), post), 1e-5) << "the one-launch form's post";
+    EXPECT_LE(rel_l2(one_comb.download(), comb), 1e-5) << "the one-launch form's comb";
+  }
+  expect_handover_words(sync, s.tokens <= 8 && s.hidden % 4 == 0);
 }
 
 TEST_F(CudaHyperConnection, FusedNormMatchesCpuTwin) {
@@ -387,21 +429,7 @@ void check_post_pre(const Shape& s) {
     for (size_t i = 0; i < actual_bf16.size(); ++i)
       ASSERT_EQ(actual_bf16[i], f32_to_bf16(actual_collapsed[i])) << "bf16 copy " << i;
     if (handover) {
-      // A call that took the hand-over advanced group 0's two generations; every other word (the counts among
-      // them) is back at zero.
-      const std::vector<unsigned> words = sync.download();
-      for (size_t i = 0; i < words.size(); ++i) {
-        bool generation = false;
-        for (int group = 0; group < 2; ++group)
-          for (int barrier = 0; barrier < 2; ++barrier) generation |= i == hc_handover_generation_word(group, barrier);
-        if (!generation) {
-          EXPECT_EQ(words[i], 0u) << "barrier word " << i << " left nonzero";
-        }
-      }
-      if (s.tokens <= 8 && s.hidden % 4 == 0) {
-        EXPECT_TRUE(words[hc_handover_generation_word(0, 0)] > 0 && words[hc_handover_generation_word(0, 1)] > 0)
-            << "the one-launch hand-over did not run";
-      }
+      expect_handover_words(sync, s.tokens <= 8 && s.hidden % 4 == 0);
       std::vector<float> outputs = actual_collapsed;
       outputs.insert(outputs.end(), actual_post.begin(), actual_post.end());
       outputs.insert(outputs.end(), actual_comb.begin(), actual_comb.end());
