@@ -41,6 +41,8 @@ __device__ __forceinline__ void store(float* p, int64_t i, typename VecOf<VEC>::
 }
 __device__ __forceinline__ float zero_vec(float) { return 0.0f; }
 __device__ __forceinline__ float4 zero_vec(float4) { return make_float4(0.0f, 0.0f, 0.0f, 0.0f); }
+__device__ __forceinline__ float one_vec(float) { return 1.0f; }
+__device__ __forceinline__ float4 one_vec(float4) { return make_float4(1.0f, 1.0f, 1.0f, 1.0f); }
 __device__ __forceinline__ float fma_dot(float a, float b, float acc) { return fmaf(a, b, acc); }
 __device__ __forceinline__ float fma_dot(float4 a, float4 b, float acc) {
   return fmaf(a.w, b.w, fmaf(a.z, b.z, fmaf(a.y, b.y, fmaf(a.x, b.x, acc))));
@@ -69,6 +71,23 @@ __device__ __forceinline__ float4 round_bf16(float4 v) {
 __device__ __forceinline__ float sigmoid(float x) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x))); }
 // m·scale + base, each operation rounded (the CPU's expression, never an FMA).
 __device__ __forceinline__ float affine(float m, float scale, float base) { return __fadd_rn(__fmul_rn(m, scale), base); }
+
+// The fp32 formulas of ops/cpu/hyper_connection.h, shared by finish_kernel and the one-launch hand-over. The mixes'
+// scale: 1 / sqrt(mean(h²) + eps) over the `count` flattened stream values, the mix being rms(h)·fnᵀ = scale·Σ h·fn.
+__device__ __forceinline__ float mix_rms_scale(float sum_squares, float count, float eps) {
+  return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sum_squares, count), eps)));
+}
+// pre[s] = σ(mix·scale[0] + base[s]) + hc_eps, post[s] = 2·σ(mix·scale[1] + base[HC + s]).
+__device__ __forceinline__ float pre_weight(float mix, float scale, float base, float hc_eps) {
+  return __fadd_rn(sigmoid(affine(mix, scale, base)), hc_eps);
+}
+__device__ __forceinline__ float post_weight(float mix, float scale, float base) {
+  return __fmul_rn(2.0f, sigmoid(affine(mix, scale, base)));
+}
+// The sublayer RMSNorm's 1 / rms of a row from its sum of squares (ops/cpu/norm.h: rsqrt(mean(x²) + eps)).
+__device__ __forceinline__ float row_rms_scale(float sum_squares, int64_t D, float eps) {
+  return rsqrtf(sum_squares / static_cast<float>(D) + eps);
+}
 
 // The Sinkhorn comb of one token in fp32, the CPU's sequential sums (gathered by shuffles): lane first_lane + l,
 // l = j·HC + k < HC², returns comb[j][k] (a lane given l = 0 computes a copy of entry 0). mix: the token's
@@ -511,19 +530,33 @@ __device__ __forceinline__ float collapsed_row_rms(float sum_squares, float (&no
   float total = 0.0f;
 #pragma unroll
   for (int i = first_collapse_warp(kHead); i < kWarps; ++i) total += norm_sums[i];
-  return rsqrtf(total / static_cast<float>(D) + eps);
+  return row_rms_scale(total, D, eps);
 }
 
-// Column c (VEC units) of token t's normalized row: weight ⊙ value · rms (weight: its VEC values, or nullptr for
-// none) into x, and its bf16 copy when the norm keeps one.
+// The norm weight's VEC values at column c (VEC units), read element by element (the weight need not be 16-byte
+// aligned); ones for an unweighted norm.
 template <int VEC>
-__device__ __forceinline__ void store_normalized(const typename VecOf<VEC>::T& value, const float* weight, float rms,
+__device__ __forceinline__ typename VecOf<VEC>::T norm_weight_at(const float* weight, int64_t c) {
+  typename VecOf<VEC>::T w = one_vec(typename VecOf<VEC>::T{});
+  if (weight == nullptr) return w;
+  float* values = reinterpret_cast<float*>(&w);
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) values[i] = weight[c * VEC + i];
+  return w;
+}
+
+// Column c (VEC units) of token t's normalized row: weight ⊙ (value · rms) (weight: its VEC values, ones for an
+// unweighted norm) into x, and its bf16 copy when the norm keeps one.
+template <int VEC>
+__device__ __forceinline__ void store_normalized(const typename VecOf<VEC>::T& value,
+                                                 const typename VecOf<VEC>::T& weight, float rms,
                                                  const CollapseNorm& norm, int64_t t, int64_t D, int64_t c, float* x) {
   const float* in = reinterpret_cast<const float*>(&value);
+  const float* w = reinterpret_cast<const float*>(&weight);
   float out[VEC];
 #pragma unroll
   for (int i = 0; i < VEC; ++i) {
-    out[i] = (weight ? weight[i] : 1.0f) * (in[i] * rms);
+    out[i] = w[i] * (in[i] * rms);
     if (norm.bf16) norm.bf16[t * D + c * VEC + i] = f32_to_bf16_bits(out[i]);
   }
   store<VEC>(x, c, *reinterpret_cast<const typename VecOf<VEC>::T*>(out));
@@ -554,7 +587,7 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
 #pragma unroll
     for (int u = 0; u < kKeptColumns; ++u) {
       const int64_t c = static_cast<int64_t>(threadIdx.x) - first_thread + int64_t{u} * collapse_threads;
-      kept_weight[u] = zero_vec(V{});
+      kept_weight[u] = one_vec(V{});
       if (norm.weight != nullptr && static_cast<int>(threadIdx.x) >= first_thread && c < n)
         kept_weight[u] = load<VEC>(norm.weight, c);
     }
@@ -600,7 +633,7 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
       for (int split = 0; split < splits; ++split) s += staged[split * NV + lane];  // the same order as before
     const float sumsq = __shfl_sync(kFull, s, NOUT);
     // The CPU's rms_norm scale: 1 / sqrt(mean(h²) + eps); the mix is rms(h)·fnᵀ = scale · Σ h·fn.
-    const float rms = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sumsq, static_cast<float>(HC * D)), norm_eps)));
+    const float rms = mix_rms_scale(sumsq, static_cast<float>(HC * D), norm_eps);
     if (lane < NOUT) mix[lane] = __fmul_rn(s, rms);
     __syncwarp();
     if (deepseek) {
@@ -616,10 +649,10 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
         }
       }
     } else {
-      if (lane < HC) pre[lane] = __fadd_rn(sigmoid(affine(mix[lane], scale[0], base[lane])), hc_eps);
+      if (lane < HC) pre[lane] = pre_weight(mix[lane], scale[0], base[lane], hc_eps);
       if constexpr (!kHead) {
         if (lane < HC)
-          post[t * HC + lane] = __fmul_rn(2.0f, sigmoid(affine(mix[HC + lane], scale[1], base[HC + lane])));
+          post[t * HC + lane] = post_weight(mix[HC + lane], scale[1], base[HC + lane]);
       }
     }
     probe.mark();  // 3: mixes, pre and post
@@ -702,8 +735,7 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
     for (int u = 0; u < kKeptColumns; ++u) {
       const int64_t c = static_cast<int64_t>(threadIdx.x) - first_thread + int64_t{u} * collapse_threads;
       if (c >= n) continue;
-      store_normalized<VEC>(kept[u], norm.weight ? reinterpret_cast<const float*>(&kept_weight[u]) : nullptr, rms,
-                            norm, t, D, c, x);
+      store_normalized<VEC>(kept[u], kept_weight[u], rms, norm, t, D, c, x);
     }
   } else {
     // Unrolled so a thread's loads of all its columns (4 × 4 float4 at D = 4096) are in flight together: one
@@ -722,7 +754,7 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
       const float rms = collapsed_row_rms<kHead>(sum_squares, norm_sums, D, norm.eps);
       collapse_probe.mark();  // 3: row rms
       for (int64_t c = threadIdx.x - first_thread; c < n; c += collapse_threads)
-        store_normalized<VEC>(load<VEC>(x, c), norm.weight ? norm.weight + c * VEC : nullptr, rms, norm, t, D, c, x);
+        store_normalized<VEC>(load<VEC>(x, c), norm_weight_at<VEC>(norm.weight, c), rms, norm, t, D, c, x);
     }
   }
   collapse_probe.mark();  // 4: normalized (stores issued)
@@ -858,7 +890,7 @@ __global__ void __launch_bounds__(kHandoverThreads) post_pre_handover_kernel(con
 #pragma unroll
   for (int o = 0; o < NOUT; ++o)
     f[o] = stream_thread ? load<4>(a.fn + o * width, k * vec_d + v) : zero_vec(float4{});
-  float4 weight = make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+  float4 weight = one_vec(float4{});
   if (c < span && a.norm.weight != nullptr) weight = load<4>(a.norm.weight, begin + c);
   PhaseProbe probe(kProbeHcHandover, c == 0 && group == 0 && split == 0);
   wait_for_prior_grid();
@@ -933,15 +965,12 @@ __global__ void __launch_bounds__(kHandoverThreads) post_pre_handover_kernel(con
       if (c < NOUT) {
         const float sum = ((quarter[0][c] + quarter[1][c]) + quarter[2][c]) + quarter[3][c];
         const float sumsq = ((quarter[0][NOUT] + quarter[1][NOUT]) + quarter[2][NOUT]) + quarter[3][NOUT];
-        // finish_kernel's scale: 1 / sqrt(mean(h²) + eps), the mix rms(h)·fnᵀ.
-        const float rms =
-            __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sumsq, static_cast<float>(HC * a.D)), a.norm_eps)));
-        const float mix = __fmul_rn(sum, rms);
+        const float mix = __fmul_rn(sum, mix_rms_scale(sumsq, static_cast<float>(HC * a.D), a.norm_eps));
         mixes[t][c] = mix;
         if (c < HC) {
-          a.pre[(t0 + t) * HC + c] = __fadd_rn(sigmoid(affine(mix, a.scale[0], a.base[c])), a.hc_eps);
+          a.pre[(t0 + t) * HC + c] = pre_weight(mix, a.scale[0], a.base[c], a.hc_eps);
         } else if (!kHead && c < 2 * HC) {
-          a.next_post[(t0 + t) * HC + c - HC] = __fmul_rn(2.0f, sigmoid(affine(mix, a.scale[1], a.base[c])));
+          a.next_post[(t0 + t) * HC + c - HC] = post_weight(mix, a.scale[1], a.base[c]);
         }
       }
       __syncthreads();
@@ -984,7 +1013,7 @@ __global__ void __launch_bounds__(kHandoverThreads) post_pre_handover_kernel(con
       float total = 0.0f;
       for (int sp = c; sp < a.splits; sp += 32) total += __ldcg(a.squares + (t0 + t) * a.splits + sp);
       for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(kFull, total, offset);
-      if (c == 0) a.rms[t0 + t] = rsqrtf(total / static_cast<float>(a.D) + a.norm.eps);
+      if (c == 0) a.rms[t0 + t] = row_rms_scale(total, a.D, a.norm.eps);
     }
     release_group<true>(count2, generation2);
   } else {
@@ -997,19 +1026,8 @@ __global__ void __launch_bounds__(kHandoverThreads) post_pre_handover_kernel(con
     for (int t = 0; t < TT; ++t) {
       if (t0 + t >= a.tokens) break;
       const int64_t row = t0 + t;
-      // store_normalized's arithmetic, the weight in registers: weight ⊙ (value · rms).
-      const float rms = __ldcg(a.rms + row);
-      const float4 value = collapsed[t];
-      const float4 normalized = make_float4(weight.x * (value.x * rms), weight.y * (value.y * rms),
-                                            weight.z * (value.z * rms), weight.w * (value.w * rms));
-      store<4>(a.collapsed + row * a.D, begin + c, normalized);
-      if (a.norm.bf16) {
-        uint16_t* bf16 = a.norm.bf16 + row * a.D + (begin + c) * 4;
-        bf16[0] = f32_to_bf16_bits(normalized.x);
-        bf16[1] = f32_to_bf16_bits(normalized.y);
-        bf16[2] = f32_to_bf16_bits(normalized.z);
-        bf16[3] = f32_to_bf16_bits(normalized.w);
-      }
+      store_normalized<4>(collapsed[t], weight, __ldcg(a.rms + row), a.norm, row, a.D, begin + c,
+                          a.collapsed + row * a.D);
     }
   }
   probe.mark();  // 5: stored
@@ -1157,10 +1175,15 @@ bool launch_handover(const HyperConnectionParams& p, const float* y, const float
   const int64_t chunk = std::min<int64_t>(kHandoverMaxSpan, kHandoverThreads / HC);
   const int splits = static_cast<int>((vec_d + chunk - 1) / chunk);
   const int64_t groups = (p.tokens + kTokensPerCta - 1) / kTokensPerCta;
-  const size_t floats = static_cast<size_t>(p.tokens) * splits * (NOUT + 2) + static_cast<size_t>(p.tokens) * (HC + 1);
+  // The workspace: the mix partial sums, then the squares per split, pre and the RMS scale per token.
+  HandoverArgs a{};
+  a.partial = static_cast<float*>(workspace);
+  a.squares = a.partial + p.tokens * splits * (NOUT + 1);
+  a.pre = a.squares + p.tokens * splits;
+  a.rms = a.pre + p.tokens * HC;
+  const size_t floats = static_cast<size_t>(a.rms + p.tokens - a.partial);
   if (workspace == nullptr || workspace_bytes < floats * sizeof(float)) return false;
   if (!handover_fits<HC, kPost, kHead>(groups * splits)) return false;
-  HandoverArgs a{};
   a.y = y;
   a.streams = streams;
   a.post = post;
@@ -1173,10 +1196,6 @@ bool launch_handover(const HyperConnectionParams& p, const float* y, const float
   a.next_post = next_post;
   a.next_comb = next_comb;
   a.norm = *norm;
-  a.partial = static_cast<float*>(workspace);
-  a.squares = a.partial + p.tokens * splits * (NOUT + 1);
-  a.pre = a.squares + p.tokens * splits;
-  a.rms = a.pre + p.tokens * HC;
   a.sync = sync;
   a.tokens = p.tokens;
   a.D = p.hidden;
