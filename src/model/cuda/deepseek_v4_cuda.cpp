@@ -27,6 +27,7 @@
 #include "ops/cuda/head_norm_rope.h"
 #include "ops/cuda/hyper_connection.h"
 #include "ops/cuda/indexer_scores.h"
+#include "ops/cuda/l2_prefetch.h"
 #include "ops/cuda/moe_combine.h"
 #include "ops/cuda/moe_experts.h"
 #include "ops/cuda/moe_routing.h"
@@ -167,6 +168,11 @@ struct DeepseekV4CudaModel::Impl {
   cudaStream_t stream = nullptr, index_stream = nullptr, kv_stream = nullptr, shared_expert_stream = nullptr;
   cudaEvent_t index_fork = nullptr, index_join = nullptr, kv_fork = nullptr, kv_join = nullptr;
   cudaEvent_t shared_expert_fork = nullptr, shared_expert_join = nullptr;
+  // L2 prefetch (CudaModelOptions::l2_prefetch_bytes): its side stream, forked from `stream` where a weight stream
+  // ends, joined once at the end of the step (nothing waits for a prefetch).
+  cudaStream_t prefetch_stream = nullptr;
+  cudaEvent_t prefetch_fork = nullptr, prefetch_join = nullptr;
+  bool prefetch_pending = false;
   std::unique_ptr<cu::Gemm> gemm, index_gemm, kv_gemm, shared_gemm;
   DeviceAllocations weights_memory;
   int multiprocessors = 0;
@@ -237,6 +243,9 @@ struct DeepseekV4CudaModel::Impl {
     if (shared_expert_fork) cudaEventDestroy(shared_expert_fork);
     if (shared_expert_join) cudaEventDestroy(shared_expert_join);
     if (shared_expert_stream) cudaStreamDestroy(shared_expert_stream);
+    if (prefetch_fork) cudaEventDestroy(prefetch_fork);
+    if (prefetch_join) cudaEventDestroy(prefetch_join);
+    if (prefetch_stream) cudaStreamDestroy(prefetch_stream);
     if (stream) cudaStreamDestroy(stream);
   }
 
@@ -448,6 +457,68 @@ struct DeepseekV4CudaModel::Impl {
     DSV4_CU(cu::rms_norm_with_bf16(params, x, weight, x, converted, on));
     return converted;
   }
+  // ---- L2 prefetch of the next weights (ops/cuda/l2_prefetch.h) ----
+  // Device bytes of a projection's weight (FP8 codes one byte; the scales are small and left out).
+  static size_t weight_bytes_of(const cu::GemmWeight& w) {
+    const size_t element = w.dtype == cu::GemmDtype::kF32 ? 4 : w.dtype == cu::GemmDtype::kF8E4M3 ? 1 : 2;
+    return static_cast<size_t>(w.out * (w.row_stride > 0 ? w.row_stride : w.in)) * element;
+  }
+  bool prefetching(const Step& step) const {
+    return options.l2_prefetch_bytes > 0 && step.tokens <= kPrefetchMaxTokens;
+  }
+  static constexpr int64_t kPrefetchMaxTokens = 64;  // decode-sized steps: the GEMMs stream weights
+  // From here on `stream`: the prefetch stream waits for the work enqueued so far and issues `ranges`.
+  void prefetch_after_here(const cu::L2PrefetchParams& ranges) {
+    if (ranges.count == 0) return;
+    DSV4_CU(cudaEventRecord(prefetch_fork, stream));
+    DSV4_CU(cudaStreamWaitEvent(prefetch_stream, prefetch_fork));
+    DSV4_CU(cu::prefetch_to_l2(ranges, prefetch_stream));
+    prefetch_pending = true;
+  }
+  // The step's end: a captured graph needs every forked stream joined back (the prefetches ended long before).
+  void join_prefetches() {
+    if (!prefetch_pending) return;
+    DSV4_CU(cudaEventRecord(prefetch_join, prefetch_stream));
+    DSV4_CU(cudaStreamWaitEvent(stream, prefetch_join));
+    prefetch_pending = false;
+  }
+  // What a layer's attention reads first, in that order: wq_a and wkv whole (with the compressor's projections
+  // in compressed layers), then the head of wq_b.
+  cu::L2PrefetchParams attention_input_prefetch(int64_t layer) const {
+    const LayerDevice& l = layers[static_cast<size_t>(layer)];
+    size_t budget = static_cast<size_t>(options.l2_prefetch_bytes);
+    cu::L2PrefetchParams p;
+    p.add(l.wq_a.data, weight_bytes_of(l.wq_a), budget);
+    p.add(l.wkv.data, weight_bytes_of(l.wkv), budget);
+    if (config.layer_types[static_cast<size_t>(layer)] != AttentionType::kSlidingWindow)
+      p.add(l.compressor.wkv_gate.data, 2 * weight_bytes_of(l.compressor.wkv_gate), budget);
+    p.add(l.wq_b.data, weight_bytes_of(l.wq_b), budget);
+    return p;
+  }
+  // While the attention core runs (q norm + RoPE, attention, combine): the output projections. wo_a runs as G
+  // groups side by side (each group's CTAs walk its own rows), so each group gets the same share.
+  cu::L2PrefetchParams attention_output_prefetch(int64_t layer) const {
+    const LayerDevice& l = layers[static_cast<size_t>(layer)];
+    size_t budget = static_cast<size_t>(options.l2_prefetch_bytes);
+    cu::L2PrefetchParams p;
+    const auto groups = static_cast<size_t>(std::min<int64_t>(config.o_groups, cu::kL2PrefetchMaxRanges - 1));
+    const size_t wo_a_bytes = weight_bytes_of(l.wo_a), group_bytes = wo_a_bytes / groups;
+    const size_t share = std::min(budget / 2, wo_a_bytes) / groups;  // half for wo_a, the rest for wo_b's head
+    for (size_t g = 0; g < groups; ++g) p.add(static_cast<const std::byte*>(l.wo_a.data) + g * group_bytes, share, budget);
+    p.add(l.wo_b.data, weight_bytes_of(l.wo_b), budget);
+    return p;
+  }
+  // While the hand-over into the MoE runs: the router's weight (fp32), then the shared expert's gate / up rows.
+  cu::L2PrefetchParams moe_input_prefetch(int64_t layer) const {
+    const LayerDevice& l = layers[static_cast<size_t>(layer)];
+    size_t budget = static_cast<size_t>(options.l2_prefetch_bytes);
+    cu::L2PrefetchParams p;
+    p.add(l.gate.data, weight_bytes_of(l.gate), budget);
+    const size_t shared_w13_bytes = static_cast<size_t>(2 * config.moe_intermediate_size * config.hidden_size) *
+                                    weight_element_bytes();
+    p.add(l.shared_w13, shared_w13_bytes, budget);
+    return p;
+  }
   // x (fp32) as a GEMM operand of the weight dtype: x itself (kF32) or its bf16 copy in `name`.
   const void* operand(const float* x, size_t count, const char* name, cudaStream_t on) {
     if (!bf16) return x;
@@ -570,6 +641,9 @@ void DeepseekV4CudaModel::open_device(ModelConfig config, const CudaModelOptions
   DSV4_CU(cudaStreamCreateWithFlags(&m.shared_expert_stream, cudaStreamNonBlocking));
   DSV4_CU(cudaEventCreateWithFlags(&m.shared_expert_fork, cudaEventDisableTiming));
   DSV4_CU(cudaEventCreateWithFlags(&m.shared_expert_join, cudaEventDisableTiming));
+  DSV4_CU(cudaStreamCreateWithFlags(&m.prefetch_stream, cudaStreamNonBlocking));
+  DSV4_CU(cudaEventCreateWithFlags(&m.prefetch_fork, cudaEventDisableTiming));
+  DSV4_CU(cudaEventCreateWithFlags(&m.prefetch_join, cudaEventDisableTiming));
   DSV4_CU(cudaEventCreate(&m.forward_start));
   DSV4_CU(cudaEventCreate(&m.forward_end));
   DSV4_CU(cudaEventCreate(&m.sampling_end));
@@ -1186,6 +1260,8 @@ float* DeepseekV4CudaModel::Impl::run(const Step& step, LogitsMode mode) {
   float* streams = buffer<float>("streams", N * hc * D);
   float* next_streams = buffer<float>("next_streams", N * hc * D);
   const cu::EmbeddingParams ep{N, c.vocab_size, D, hc};
+  const bool prefetch = prefetching(step);
+  if (prefetch) prefetch_after_here(attention_input_prefetch(0));  // beside the embedding and the first hc_pre
   if (bf16) DSV4_CU(cu::embedding_bf16(ep, static_cast<const uint16_t*>(embed), step.token_ids, streams, stream));
   else DSV4_CU(cu::embedding(ep, static_cast<const float*>(embed), step.token_ids, streams, stream));
 
@@ -1243,10 +1319,21 @@ float* DeepseekV4CudaModel::Impl::run(const Step& step, LogitsMode mode) {
   for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer) {
     const LayerDevice& l = layers[static_cast<size_t>(layer)];
     attention(layer, step, attn_operand, sublayer_out);
+    if (prefetch) prefetch_after_here(moe_input_prefetch(layer));  // beside the hand-over into the MoE
     const void* ffn_operand =
         collapse_and_norm(true, l.hc_ffn_fn, l.hc_ffn_base, l.hc_ffn_scale, l.ffn_norm, "moe_in");
     moe(layer, step, collapsed, ffn_operand, sublayer_out);
     if (deepseek) DSV4_CU(cu::round_to_bf16(sublayer_out, N * D, stream));  // MoE.forward returns bf16
+    if (prefetch) {  // beside the hand-over into the next attention, or hc_head before the LM head
+      if (layer + 1 < c.num_hidden_layers) {
+        prefetch_after_here(attention_input_prefetch(layer + 1));
+      } else {
+        size_t budget = static_cast<size_t>(options.l2_prefetch_bytes);
+        cu::L2PrefetchParams head_rows;
+        head_rows.add(head.data, weight_bytes_of(head), budget);
+        prefetch_after_here(head_rows);
+      }
+    }
     if (layer + 1 < c.num_hidden_layers) {
       const LayerDevice& next = layers[static_cast<size_t>(layer + 1)];
       attn_operand = collapse_and_norm(true, next.hc_attn_fn, next.hc_attn_base, next.hc_attn_scale, next.attn_norm,
@@ -1281,6 +1368,7 @@ float* DeepseekV4CudaModel::Impl::run(const Step& step, LogitsMode mode) {
   const void* head_operand = bf16 ? static_cast<const void*>(final_norm.bf16) : final_hidden;
   float* logits_device = buffer<float>("logits", R * c.vocab_size);
   gemm->linear(head, head_operand, R, logits_device, stream);
+  join_prefetches();
   return logits_device;
 }
 
@@ -1424,6 +1512,7 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
   const void* q_residual_operand = norm_operand(q_residual, N, c.q_lora_rank, l.q_norm, "q_residual_in", stream);
   float* q = buffer<float>("q", N * H * d);
   project(*gemm, l.wq_b, q_residual_operand, N, q, stream);
+  if (prefetching(step)) prefetch_after_here(attention_output_prefetch(layer));  // beside the attention core
   // The tuned attention kernel reads bf16 q and this step's K=V rows; the norm + RoPE passes write them.
   uint16_t* q_bf16 = tuned ? buffer<uint16_t>("q_bf16", N * H * d) : nullptr;
   // The tuned attention reads only q_bf16: the fp32 q is not written back.
