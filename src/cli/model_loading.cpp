@@ -262,6 +262,7 @@ LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& o
   cuda_options.routed_expert_gemv = switched("DSV4_ROUTED_EXPERT_GEMV", "1");
   cuda_options.early_window_write = switched("DSV4_EARLY_WINDOW_WRITE", "1");
   cuda_options.device_sampling = !switched_off("DSV4_DEVICE_SAMPLING");
+  cuda_options.fused_q_norm = !switched_off("DSV4_FUSED_Q_NORM");
   if (const char* megabytes = std::getenv("DSV4_L2_PREFETCH_MB"))
     cuda_options.l2_prefetch_bytes = parse_l2_prefetch_megabytes(megabytes) << 20;
   cuda_options.low_bit_experts = !switched_off("DSV4_LOW_BIT_EXPERTS");

@@ -1509,9 +1509,22 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
   // Query: low-rank, weighted norm, up-projection, per-head unweighted norm, RoPE.
   float* q_residual = buffer<float>("q_residual", N * c.q_lora_rank);
   project(*gemm, l.wq_a, x_operand, N, q_residual, stream);
-  const void* q_residual_operand = norm_operand(q_residual, N, c.q_lora_rank, l.q_norm, "q_residual_in", stream);
   float* q = buffer<float>("q", N * H * d);
-  project(*gemm, l.wq_b, q_residual_operand, N, q, stream);
+  // q_norm in wq_b's prologue where the skinny kernel takes wq_b (bf16 decode rows): bitwise the two kernels, one
+  // dependent launch fewer on the query's chain. A CSA layer's indexer reads the same operand: wq_b's CTA 0 stores
+  // it. kDeepSeek keeps the separate norm (its FP8 linear quantizes the operand first).
+  const void* q_residual_operand = nullptr;
+  const bool indexer_reads_operand = type == AttentionType::kCompressedSparse;
+  uint16_t* fused_operand =
+      indexer_reads_operand && bf16 ? buffer<uint16_t>("q_residual_in", N * c.q_lora_rank) : nullptr;
+  const bool q_norm_fused = options.fused_q_norm && bf16 && !deepseek &&
+                            gemm->linear_rms_normalized(l.wq_b, q_residual, l.q_norm, eps, N, q, fused_operand, stream);
+  if (q_norm_fused) {
+    q_residual_operand = fused_operand;
+  } else {
+    q_residual_operand = norm_operand(q_residual, N, c.q_lora_rank, l.q_norm, "q_residual_in", stream);
+    project(*gemm, l.wq_b, q_residual_operand, N, q, stream);
+  }
   if (prefetching(step)) prefetch_after_here(attention_output_prefetch(layer));  // beside the attention core
   // The tuned attention kernel reads bf16 q and this step's K=V rows; the norm + RoPE passes write them.
   uint16_t* q_bf16 = tuned ? buffer<uint16_t>("q_bf16", N * H * d) : nullptr;

@@ -648,6 +648,21 @@ TEST(CudaModel, L2PrefetchLeavesTheLogitsBitwiseAsTheyWere) {
   expect_bf16_tolerance(on);
 }
 
+// q_norm in wq_b's prologue (CudaModelOptions::fused_q_norm, the default) against the separate RMSNorm kernel:
+// decode steps (and the CSA layer's indexer, which reads the operand wq_b stores) bit for bit.
+TEST(CudaModel, FusedQNormLeavesTheLogitsBitwiseAsTheyWere) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig config = v4_shaped_config();
+  const ModelWeights weights = random_weights(config, 3);
+  const std::vector<Script> scripts = {{random_ids(300, config.vocab_size, 8), 128, 8},
+                                       {random_ids(40, config.vocab_size, 9), 40, 12}};
+  CudaModelOptions separate;
+  separate.fused_q_norm = false;
+  const Comparison fused = compare(config, weights, CudaPrecision::kBf16, scripts);
+  const Comparison unfused = compare(config, weights, CudaPrecision::kBf16, scripts, true, true, true, separate);
+  expect_bitwise_equal_logits(fused, unfused);
+}
+
 // The engine on the CUDA backend: greedy generations equal the CPU engine's (fp32), including a second run of
 // the same prompts that restores prefix-cache hits through the device block copies.
 TEST(CudaModel, EngineGreedyMatchesCpuEngineWithPrefixHits) {
