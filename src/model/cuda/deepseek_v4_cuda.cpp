@@ -482,41 +482,49 @@ struct DeepseekV4CudaModel::Impl {
     DSV4_CU(cudaStreamWaitEvent(stream, prefetch_join));
     prefetch_pending = false;
   }
-  // What a layer's attention reads first, in that order: wq_a and wkv whole (with the compressor's projections
-  // in compressed layers), then the head of wq_b.
-  cu::L2PrefetchParams attention_input_prefetch(int64_t layer) const {
-    const LayerDevice& l = layers[static_cast<size_t>(layer)];
+  // Where a prefetch is issued, and what it asks for, in the order the next kernels read it:
+  // - kAttentionInputs (beside the hand-over into a layer's attention): wq_a and wkv whole (with the compressor's
+  //   projections in compressed layers), then the head of wq_b;
+  // - kAttentionOutputs (beside the attention core: q norm + RoPE, attention, combine): wo_a, whose G groups run
+  //   side by side (each group's CTAs walk its own rows) so each gets the same share of half the budget, then the
+  //   head of wo_b;
+  // - kMoeInputs (beside the hand-over into the MoE): the router's fp32 weight, then the shared expert's gate / up
+  //   rows;
+  // - kLmHead (beside the last hand-over, hc_head): the head of the LM head.
+  enum class PrefetchSite { kAttentionInputs, kAttentionOutputs, kMoeInputs, kLmHead };
+  cu::L2PrefetchParams next_weights(PrefetchSite site, int64_t layer) const {
     size_t budget = static_cast<size_t>(options.l2_prefetch_bytes);
     cu::L2PrefetchParams p;
-    p.add(l.wq_a.data, weight_bytes_of(l.wq_a), budget);
-    p.add(l.wkv.data, weight_bytes_of(l.wkv), budget);
-    if (config.layer_types[static_cast<size_t>(layer)] != AttentionType::kSlidingWindow)
-      p.add(l.compressor.wkv_gate.data, 2 * weight_bytes_of(l.compressor.wkv_gate), budget);
-    p.add(l.wq_b.data, weight_bytes_of(l.wq_b), budget);
-    return p;
-  }
-  // While the attention core runs (q norm + RoPE, attention, combine): the output projections. wo_a runs as G
-  // groups side by side (each group's CTAs walk its own rows), so each group gets the same share.
-  cu::L2PrefetchParams attention_output_prefetch(int64_t layer) const {
+    if (site == PrefetchSite::kLmHead) {
+      p.add(head.data, weight_bytes_of(head), budget);
+      return p;
+    }
     const LayerDevice& l = layers[static_cast<size_t>(layer)];
-    size_t budget = static_cast<size_t>(options.l2_prefetch_bytes);
-    cu::L2PrefetchParams p;
-    const auto groups = static_cast<size_t>(std::min<int64_t>(config.o_groups, cu::kL2PrefetchMaxRanges - 1));
-    const size_t wo_a_bytes = weight_bytes_of(l.wo_a), group_bytes = wo_a_bytes / groups;
-    const size_t share = std::min(budget / 2, wo_a_bytes) / groups;  // half for wo_a, the rest for wo_b's head
-    for (size_t g = 0; g < groups; ++g) p.add(static_cast<const std::byte*>(l.wo_a.data) + g * group_bytes, share, budget);
-    p.add(l.wo_b.data, weight_bytes_of(l.wo_b), budget);
-    return p;
-  }
-  // While the hand-over into the MoE runs: the router's weight (fp32), then the shared expert's gate / up rows.
-  cu::L2PrefetchParams moe_input_prefetch(int64_t layer) const {
-    const LayerDevice& l = layers[static_cast<size_t>(layer)];
-    size_t budget = static_cast<size_t>(options.l2_prefetch_bytes);
-    cu::L2PrefetchParams p;
-    p.add(l.gate.data, weight_bytes_of(l.gate), budget);
-    const size_t shared_w13_bytes = static_cast<size_t>(2 * config.moe_intermediate_size * config.hidden_size) *
-                                    weight_element_bytes();
-    p.add(l.shared_w13, shared_w13_bytes, budget);
+    switch (site) {
+      case PrefetchSite::kAttentionInputs:
+        p.add(l.wq_a.data, weight_bytes_of(l.wq_a), budget);
+        p.add(l.wkv.data, weight_bytes_of(l.wkv), budget);
+        if (config.layer_types[static_cast<size_t>(layer)] != AttentionType::kSlidingWindow)
+          p.add(l.compressor.wkv_gate.data, 2 * weight_bytes_of(l.compressor.wkv_gate), budget);
+        p.add(l.wq_b.data, weight_bytes_of(l.wq_b), budget);
+        break;
+      case PrefetchSite::kAttentionOutputs: {
+        const auto groups = static_cast<size_t>(std::min<int64_t>(config.o_groups, cu::kL2PrefetchMaxRanges - 1));
+        const size_t wo_a_bytes = weight_bytes_of(l.wo_a), group_bytes = wo_a_bytes / groups;
+        const size_t share = std::min(budget / 2, wo_a_bytes) / groups;
+        for (size_t g = 0; g < groups; ++g)
+          p.add(static_cast<const std::byte*>(l.wo_a.data) + g * group_bytes, share, budget);
+        p.add(l.wo_b.data, weight_bytes_of(l.wo_b), budget);
+        break;
+      }
+      case PrefetchSite::kMoeInputs:
+        p.add(l.gate.data, weight_bytes_of(l.gate), budget);
+        p.add(l.shared_w13, static_cast<size_t>(2 * config.moe_intermediate_size * config.hidden_size) *
+                                weight_element_bytes(), budget);
+        break;
+      case PrefetchSite::kLmHead:
+        break;
+    }
     return p;
   }
   // x (fp32) as a GEMM operand of the weight dtype: x itself (kF32) or its bf16 copy in `name`.
@@ -1261,7 +1269,8 @@ float* DeepseekV4CudaModel::Impl::run(const Step& step, LogitsMode mode) {
   float* next_streams = buffer<float>("next_streams", N * hc * D);
   const cu::EmbeddingParams ep{N, c.vocab_size, D, hc};
   const bool prefetch = prefetching(step);
-  if (prefetch) prefetch_after_here(attention_input_prefetch(0));  // beside the embedding and the first hc_pre
+  // Beside the embedding and the first hc_pre.
+  if (prefetch) prefetch_after_here(next_weights(PrefetchSite::kAttentionInputs, 0));
   if (bf16) DSV4_CU(cu::embedding_bf16(ep, static_cast<const uint16_t*>(embed), step.token_ids, streams, stream));
   else DSV4_CU(cu::embedding(ep, static_cast<const float*>(embed), step.token_ids, streams, stream));
 
@@ -1319,20 +1328,15 @@ float* DeepseekV4CudaModel::Impl::run(const Step& step, LogitsMode mode) {
   for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer) {
     const LayerDevice& l = layers[static_cast<size_t>(layer)];
     attention(layer, step, attn_operand, sublayer_out);
-    if (prefetch) prefetch_after_here(moe_input_prefetch(layer));  // beside the hand-over into the MoE
+    if (prefetch) prefetch_after_here(next_weights(PrefetchSite::kMoeInputs, layer));  // beside the hand-over
     const void* ffn_operand =
         collapse_and_norm(true, l.hc_ffn_fn, l.hc_ffn_base, l.hc_ffn_scale, l.ffn_norm, "moe_in");
     moe(layer, step, collapsed, ffn_operand, sublayer_out);
     if (deepseek) DSV4_CU(cu::round_to_bf16(sublayer_out, N * D, stream));  // MoE.forward returns bf16
     if (prefetch) {  // beside the hand-over into the next attention, or hc_head before the LM head
-      if (layer + 1 < c.num_hidden_layers) {
-        prefetch_after_here(attention_input_prefetch(layer + 1));
-      } else {
-        size_t budget = static_cast<size_t>(options.l2_prefetch_bytes);
-        cu::L2PrefetchParams head_rows;
-        head_rows.add(head.data, weight_bytes_of(head), budget);
-        prefetch_after_here(head_rows);
-      }
+      const bool last = layer + 1 == c.num_hidden_layers;
+      prefetch_after_here(last ? next_weights(PrefetchSite::kLmHead, layer)
+                               : next_weights(PrefetchSite::kAttentionInputs, layer + 1));
     }
     if (layer + 1 < c.num_hidden_layers) {
       const LayerDevice& next = layers[static_cast<size_t>(layer + 1)];
@@ -1525,7 +1529,7 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
     q_residual_operand = norm_operand(q_residual, N, c.q_lora_rank, l.q_norm, "q_residual_in", stream);
     project(*gemm, l.wq_b, q_residual_operand, N, q, stream);
   }
-  if (prefetching(step)) prefetch_after_here(attention_output_prefetch(layer));  // beside the attention core
+  if (prefetching(step)) prefetch_after_here(next_weights(PrefetchSite::kAttentionOutputs, layer));  // beside the core
   // The tuned attention kernel reads bf16 q and this step's K=V rows; the norm + RoPE passes write them.
   uint16_t* q_bf16 = tuned ? buffer<uint16_t>("q_bf16", N * H * d) : nullptr;
   // The tuned attention reads only q_bf16: the fp32 q is not written back.
