@@ -73,6 +73,10 @@ __device__ __forceinline__ uint4 load_weight_vector(const uint16_t* at) {
   }
 }
 
+// The norm prologue's rows in shared memory are 16 bytes longer than `in`: a lane's 16-byte x loads of rows g = 0..7
+// then fall on 8 different bank groups (rows `in` · 2 bytes apart would all start on the same banks).
+__host__ __device__ constexpr int64_t normalized_row_stride(int64_t in) { return in + 8; }
+
 // The norm prologue (SkinnyGemmParams::norm_input): each row's RMSNorm into `operand` (shared, bf16 [rows, in]).
 // ops/cuda/rms_norm.cu's kernel runs 256 threads a row; here thread t plays its threads t, t + blockDim.x, … —
 // the same lanes, so the same element order a thread, the same shuffle trees and the same tree over the 8 warp
@@ -107,7 +111,7 @@ __device__ void normalize_rows_into_shared(const SkinnyGemmParams& p, uint16_t* 
     const float scale = scales[r];
     for (int i = t; i < in; i += threads) {
       const uint16_t bits = f32_to_bf16_bits(p.norm_weight[i] * (x[i] * scale));
-      operand[r * in + i] = bits;
+      operand[r * normalized_row_stride(in) + i] = bits;
       if (store) p.normalized_out[r * p.in + i] = bits;
     }
   }
@@ -133,7 +137,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2)
   // x: the bf16 operand, or with the norm prologue its rows in shared memory (written after the wait, below).
   extern __shared__ __align__(16) uint16_t normalized_operand[];
   const bool normalize = p.norm_input != nullptr;
-  const int64_t x_stride = normalize ? p.in : p.x_stride;
+  const int64_t x_stride = normalize ? normalized_row_stride(p.in) : p.x_stride;
   const uint16_t* xb = (normalize ? normalized_operand : x + b * p.x_batch_stride) + 8 * q;
   const uint16_t* xlow = xb + (has_low ? g : 0) * x_stride;
   const uint16_t* xhigh = xb + (has_high ? g + 8 : 0) * x_stride;
@@ -243,7 +247,7 @@ int skinny_gemm_warps(const SkinnyGemmParams& p) {
 }
 
 size_t normalized_operand_bytes(const SkinnyGemmParams& p) {
-  return p.norm_input != nullptr ? static_cast<size_t>(p.rows * p.in) * 2 : 0;
+  return p.norm_input != nullptr ? static_cast<size_t>(p.rows * normalized_row_stride(p.in)) * 2 : 0;
 }
 
 // CTAs resident at once on the device for this block size and dynamic shared memory (the persistent grid's size).
@@ -331,7 +335,7 @@ bool skinny_gemm_supported(const SkinnyGemmParams& p, const void* w, const void*
   auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   const bool norm_ok = p.norm_input == nullptr ||
                        (p.norm_weight != nullptr && p.batch == 1 && p.w_batch_index == nullptr && !p.accumulate &&
-                        p.rows * p.in <= kSkinnyNormMaxElements);
+                        p.rows * normalized_row_stride(p.in) <= kSkinnyNormMaxElements);
   if (p.norm_input != nullptr) x = w;  // x is not read; the operand comes from norm_input
   return norm_ok && p.rows >= 1 && p.rows <= kSkinnyMaxRows && p.out >= 1 && p.in >= 8 && p.in % 8 == 0 && p.in < (int64_t{1} << 30) &&
          p.w_stride % 8 == 0 && p.x_stride % 8 == 0 && p.w_batch_stride % 8 == 0 && p.x_batch_stride % 8 == 0 &&
