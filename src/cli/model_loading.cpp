@@ -2,7 +2,6 @@
 // tokenizer for text in and out.
 #include "cli/model_loading.h"
 
-#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -65,15 +64,6 @@ DeepseekV4Model load_model(const std::string& model_dir, const std::string& nume
   ModelConfig config = model_config(model_dir, parse_numerics(numerics), /*config_file_allowed=*/false);
   const auto source = weight_source(config, model_dir, "auto", kDefaultModelSeed);
   return DeepseekV4Model(std::move(config), ModelWeights::from_source(*source));
-}
-
-int64_t parse_l2_prefetch_megabytes(const std::string& text) {
-  const bool digits = !text.empty() && text.size() <= 4 &&
-                      std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; });
-  const int64_t megabytes = digits ? std::stoll(text) : -1;
-  DSV4_CHECK(megabytes >= 0 && megabytes <= 1024,
-             "DSV4_L2_PREFETCH_MB '" + text + "': expected a whole number of MiB from 0 to 1024");
-  return megabytes;
 }
 
 bool parse_fp8_kv_cache(const std::string& kv_cache_dtype) {
@@ -262,9 +252,6 @@ LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& o
   cuda_options.routed_expert_gemv = switched("DSV4_ROUTED_EXPERT_GEMV", "1");
   cuda_options.early_window_write = switched("DSV4_EARLY_WINDOW_WRITE", "1");
   cuda_options.device_sampling = !switched_off("DSV4_DEVICE_SAMPLING");
-  cuda_options.fused_q_norm = !switched_off("DSV4_FUSED_Q_NORM");
-  if (const char* megabytes = std::getenv("DSV4_L2_PREFETCH_MB"))
-    cuda_options.l2_prefetch_bytes = parse_l2_prefetch_megabytes(megabytes) << 20;
   cuda_options.low_bit_experts = !switched_off("DSV4_LOW_BIT_EXPERTS");
   // Opt-in: it halves the dense projections' memory, but measured prefill is slower than bf16 (docs/gpu.md
   // "FP8 weights on the device"); the exact fp32 mode keeps exact products either way.

@@ -65,10 +65,6 @@ int cuda_device_index(const BackendOptions& options);
 // FP8 main entries and index keys); anything else throws dsv4::Error naming the flag and the value.
 bool parse_fp8_kv_cache(const std::string& kv_cache_dtype);
 
-// DSV4_L2_PREFETCH_MB (CudaModelOptions::l2_prefetch_bytes, in MiB): a whole number 0..1024; anything else throws
-// dsv4::Error naming the variable and the value.
-int64_t parse_l2_prefetch_megabytes(const std::string& text);
-
 // A model ready for the engine. `cpu_model` is set (and `backend` wraps it) on the CPU.
 struct LoadedBackend {
   std::unique_ptr<DeepseekV4Model> cpu_model;

@@ -27,7 +27,6 @@
 #include "ops/cuda/head_norm_rope.h"
 #include "ops/cuda/hyper_connection.h"
 #include "ops/cuda/indexer_scores.h"
-#include "ops/cuda/l2_prefetch.h"
 #include "ops/cuda/moe_combine.h"
 #include "ops/cuda/moe_experts.h"
 #include "ops/cuda/moe_routing.h"
@@ -168,11 +167,6 @@ struct DeepseekV4CudaModel::Impl {
   cudaStream_t stream = nullptr, index_stream = nullptr, kv_stream = nullptr, shared_expert_stream = nullptr;
   cudaEvent_t index_fork = nullptr, index_join = nullptr, kv_fork = nullptr, kv_join = nullptr;
   cudaEvent_t shared_expert_fork = nullptr, shared_expert_join = nullptr;
-  // L2 prefetch (CudaModelOptions::l2_prefetch_bytes): its side stream, forked from `stream` where a weight stream
-  // ends, joined once at the end of the step (nothing waits for a prefetch).
-  cudaStream_t prefetch_stream = nullptr;
-  cudaEvent_t prefetch_fork = nullptr, prefetch_join = nullptr;
-  bool prefetch_pending = false;
   std::unique_ptr<cu::Gemm> gemm, index_gemm, kv_gemm, shared_gemm;
   DeviceAllocations weights_memory;
   int multiprocessors = 0;
@@ -243,9 +237,6 @@ struct DeepseekV4CudaModel::Impl {
     if (shared_expert_fork) cudaEventDestroy(shared_expert_fork);
     if (shared_expert_join) cudaEventDestroy(shared_expert_join);
     if (shared_expert_stream) cudaStreamDestroy(shared_expert_stream);
-    if (prefetch_fork) cudaEventDestroy(prefetch_fork);
-    if (prefetch_join) cudaEventDestroy(prefetch_join);
-    if (prefetch_stream) cudaStreamDestroy(prefetch_stream);
     if (stream) cudaStreamDestroy(stream);
   }
 
@@ -457,76 +448,6 @@ struct DeepseekV4CudaModel::Impl {
     DSV4_CU(cu::rms_norm_with_bf16(params, x, weight, x, converted, on));
     return converted;
   }
-  // ---- L2 prefetch of the next weights (ops/cuda/l2_prefetch.h) ----
-  // Device bytes of a projection's weight (FP8 codes one byte; the scales are small and left out).
-  static size_t weight_bytes_of(const cu::GemmWeight& w) {
-    const size_t element = w.dtype == cu::GemmDtype::kF32 ? 4 : w.dtype == cu::GemmDtype::kF8E4M3 ? 1 : 2;
-    return static_cast<size_t>(w.out * (w.row_stride > 0 ? w.row_stride : w.in)) * element;
-  }
-  bool prefetching(const Step& step) const {
-    return options.l2_prefetch_bytes > 0 && step.tokens <= kPrefetchMaxTokens;
-  }
-  static constexpr int64_t kPrefetchMaxTokens = 64;  // decode-sized steps: the GEMMs stream weights
-  // From here on `stream`: the prefetch stream waits for the work enqueued so far and issues `ranges`.
-  void prefetch_after_here(const cu::L2PrefetchParams& ranges) {
-    if (ranges.count == 0) return;
-    DSV4_CU(cudaEventRecord(prefetch_fork, stream));
-    DSV4_CU(cudaStreamWaitEvent(prefetch_stream, prefetch_fork));
-    DSV4_CU(cu::prefetch_to_l2(ranges, prefetch_stream));
-    prefetch_pending = true;
-  }
-  // The step's end: a captured graph needs every forked stream joined back (the prefetches ended long before).
-  void join_prefetches() {
-    if (!prefetch_pending) return;
-    DSV4_CU(cudaEventRecord(prefetch_join, prefetch_stream));
-    DSV4_CU(cudaStreamWaitEvent(stream, prefetch_join));
-    prefetch_pending = false;
-  }
-  // Where a prefetch is issued, and what it asks for, in the order the next kernels read it:
-  // - kAttentionInputs (beside the hand-over into a layer's attention): wq_a and wkv whole (with the compressor's
-  //   projections in compressed layers), then the head of wq_b;
-  // - kAttentionOutputs (beside the attention core: q norm + RoPE, attention, combine): wo_a, whose G groups run
-  //   side by side (each group's CTAs walk its own rows) so each gets the same share of half the budget, then the
-  //   head of wo_b;
-  // - kMoeInputs (beside the hand-over into the MoE): the router's fp32 weight, then the shared expert's gate / up
-  //   rows;
-  // - kLmHead (beside the last hand-over, hc_head): the head of the LM head.
-  enum class PrefetchSite { kAttentionInputs, kAttentionOutputs, kMoeInputs, kLmHead };
-  cu::L2PrefetchParams next_weights(PrefetchSite site, int64_t layer) const {
-    size_t budget = static_cast<size_t>(options.l2_prefetch_bytes);
-    cu::L2PrefetchParams p;
-    if (site == PrefetchSite::kLmHead) {
-      p.add(head.data, weight_bytes_of(head), budget);
-      return p;
-    }
-    const LayerDevice& l = layers[static_cast<size_t>(layer)];
-    switch (site) {
-      case PrefetchSite::kAttentionInputs:
-        p.add(l.wq_a.data, weight_bytes_of(l.wq_a), budget);
-        p.add(l.wkv.data, weight_bytes_of(l.wkv), budget);
-        if (config.layer_types[static_cast<size_t>(layer)] != AttentionType::kSlidingWindow)
-          p.add(l.compressor.wkv_gate.data, 2 * weight_bytes_of(l.compressor.wkv_gate), budget);
-        p.add(l.wq_b.data, weight_bytes_of(l.wq_b), budget);
-        break;
-      case PrefetchSite::kAttentionOutputs: {
-        const auto groups = static_cast<size_t>(std::min<int64_t>(config.o_groups, cu::kL2PrefetchMaxRanges - 1));
-        const size_t wo_a_bytes = weight_bytes_of(l.wo_a), group_bytes = wo_a_bytes / groups;
-        const size_t share = std::min(budget / 2, wo_a_bytes) / groups;
-        for (size_t g = 0; g < groups; ++g)
-          p.add(static_cast<const std::byte*>(l.wo_a.data) + g * group_bytes, share, budget);
-        p.add(l.wo_b.data, weight_bytes_of(l.wo_b), budget);
-        break;
-      }
-      case PrefetchSite::kMoeInputs:
-        p.add(l.gate.data, weight_bytes_of(l.gate), budget);
-        p.add(l.shared_w13, static_cast<size_t>(2 * config.moe_intermediate_size * config.hidden_size) *
-                                weight_element_bytes(), budget);
-        break;
-      case PrefetchSite::kLmHead:
-        break;
-    }
-    return p;
-  }
   // x (fp32) as a GEMM operand of the weight dtype: x itself (kF32) or its bf16 copy in `name`.
   const void* operand(const float* x, size_t count, const char* name, cudaStream_t on) {
     if (!bf16) return x;
@@ -649,9 +570,6 @@ void DeepseekV4CudaModel::open_device(ModelConfig config, const CudaModelOptions
   DSV4_CU(cudaStreamCreateWithFlags(&m.shared_expert_stream, cudaStreamNonBlocking));
   DSV4_CU(cudaEventCreateWithFlags(&m.shared_expert_fork, cudaEventDisableTiming));
   DSV4_CU(cudaEventCreateWithFlags(&m.shared_expert_join, cudaEventDisableTiming));
-  DSV4_CU(cudaStreamCreateWithFlags(&m.prefetch_stream, cudaStreamNonBlocking));
-  DSV4_CU(cudaEventCreateWithFlags(&m.prefetch_fork, cudaEventDisableTiming));
-  DSV4_CU(cudaEventCreateWithFlags(&m.prefetch_join, cudaEventDisableTiming));
   DSV4_CU(cudaEventCreate(&m.forward_start));
   DSV4_CU(cudaEventCreate(&m.forward_end));
   DSV4_CU(cudaEventCreate(&m.sampling_end));
@@ -1268,9 +1186,6 @@ float* DeepseekV4CudaModel::Impl::run(const Step& step, LogitsMode mode) {
   float* streams = buffer<float>("streams", N * hc * D);
   float* next_streams = buffer<float>("next_streams", N * hc * D);
   const cu::EmbeddingParams ep{N, c.vocab_size, D, hc};
-  const bool prefetch = prefetching(step);
-  // Beside the embedding and the first hc_pre.
-  if (prefetch) prefetch_after_here(next_weights(PrefetchSite::kAttentionInputs, 0));
   if (bf16) DSV4_CU(cu::embedding_bf16(ep, static_cast<const uint16_t*>(embed), step.token_ids, streams, stream));
   else DSV4_CU(cu::embedding(ep, static_cast<const float*>(embed), step.token_ids, streams, stream));
 
@@ -1328,16 +1243,10 @@ float* DeepseekV4CudaModel::Impl::run(const Step& step, LogitsMode mode) {
   for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer) {
     const LayerDevice& l = layers[static_cast<size_t>(layer)];
     attention(layer, step, attn_operand, sublayer_out);
-    if (prefetch) prefetch_after_here(next_weights(PrefetchSite::kMoeInputs, layer));  // beside the hand-over
     const void* ffn_operand =
         collapse_and_norm(true, l.hc_ffn_fn, l.hc_ffn_base, l.hc_ffn_scale, l.ffn_norm, "moe_in");
     moe(layer, step, collapsed, ffn_operand, sublayer_out);
     if (deepseek) DSV4_CU(cu::round_to_bf16(sublayer_out, N * D, stream));  // MoE.forward returns bf16
-    if (prefetch) {  // beside the hand-over into the next attention, or hc_head before the LM head
-      const bool last = layer + 1 == c.num_hidden_layers;
-      prefetch_after_here(last ? next_weights(PrefetchSite::kLmHead, layer)
-                               : next_weights(PrefetchSite::kAttentionInputs, layer + 1));
-    }
     if (layer + 1 < c.num_hidden_layers) {
       const LayerDevice& next = layers[static_cast<size_t>(layer + 1)];
       attn_operand = collapse_and_norm(true, next.hc_attn_fn, next.hc_attn_base, next.hc_attn_scale, next.attn_norm,
@@ -1372,7 +1281,6 @@ float* DeepseekV4CudaModel::Impl::run(const Step& step, LogitsMode mode) {
   const void* head_operand = bf16 ? static_cast<const void*>(final_norm.bf16) : final_hidden;
   float* logits_device = buffer<float>("logits", R * c.vocab_size);
   gemm->linear(head, head_operand, R, logits_device, stream);
-  join_prefetches();
   return logits_device;
 }
 
@@ -1513,23 +1421,9 @@ void DeepseekV4CudaModel::Impl::attention(int64_t layer, const Step& step, const
   // Query: low-rank, weighted norm, up-projection, per-head unweighted norm, RoPE.
   float* q_residual = buffer<float>("q_residual", N * c.q_lora_rank);
   project(*gemm, l.wq_a, x_operand, N, q_residual, stream);
+  const void* q_residual_operand = norm_operand(q_residual, N, c.q_lora_rank, l.q_norm, "q_residual_in", stream);
   float* q = buffer<float>("q", N * H * d);
-  // q_norm in wq_b's prologue where the skinny kernel takes wq_b (bf16 decode rows): bitwise the two kernels, one
-  // dependent launch fewer on the query's chain. A CSA layer's indexer reads the same operand: wq_b's CTA 0 stores
-  // it. kDeepSeek keeps the separate norm (its FP8 linear quantizes the operand first).
-  const void* q_residual_operand = nullptr;
-  const bool indexer_reads_operand = type == AttentionType::kCompressedSparse;
-  uint16_t* fused_operand =
-      indexer_reads_operand && bf16 ? buffer<uint16_t>("q_residual_in", N * c.q_lora_rank) : nullptr;
-  const bool q_norm_fused = options.fused_q_norm && bf16 && !deepseek &&
-                            gemm->linear_rms_normalized(l.wq_b, q_residual, l.q_norm, eps, N, q, fused_operand, stream);
-  if (q_norm_fused) {
-    q_residual_operand = fused_operand;
-  } else {
-    q_residual_operand = norm_operand(q_residual, N, c.q_lora_rank, l.q_norm, "q_residual_in", stream);
-    project(*gemm, l.wq_b, q_residual_operand, N, q, stream);
-  }
-  if (prefetching(step)) prefetch_after_here(next_weights(PrefetchSite::kAttentionOutputs, layer));  // beside the core
+  project(*gemm, l.wq_b, q_residual_operand, N, q, stream);
   // The tuned attention kernel reads bf16 q and this step's K=V rows; the norm + RoPE passes write them.
   uint16_t* q_bf16 = tuned ? buffer<uint16_t>("q_bf16", N * H * d) : nullptr;
   // The tuned attention reads only q_bf16: the fp32 q is not written back.

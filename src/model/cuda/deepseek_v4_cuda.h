@@ -44,15 +44,6 @@ struct CudaModelOptions {
   //   (DSV4_EARLY_WINDOW_WRITE).
   bool early_window_write = false;
   bool device_sampling = true;  // sample next to the logits (ops/cuda/sampling.h); false: logits to the host
-  // Decode-sized steps (≤ 64 tokens): while a chain of small kernels runs with HBM idle (the mHC hand-over, the
-  // attention core), a side stream asks for up to this many bytes of the next weights into L2
-  // (ops/cuda/l2_prefetch.h), so the next GEMMs stream fewer bytes from DRAM. 0: off. The CLI reads
-  // DSV4_L2_PREFETCH_MB.
-  int64_t l2_prefetch_bytes = 0;
-  // q_norm fused into wq_b's prologue in bf16 decode steps (ops/cuda/skinny_gemm.h norm_input): bitwise the
-  // separate RMSNorm kernel, one dependent launch fewer on the query's chain. The CLI's DSV4_FUSED_Q_NORM=0 turns
-  // it off (to measure it).
-  bool fused_q_norm = true;
   // The dense projections a checkpoint stores FP8 (wq_a, wq_b, wkv, wo_b, indexer wq_b) stay FP8 on the
   // device and run DeepSeek's FP8 linear (per-128 activation quantization, block-scaled GEMM, ops/cuda/gemm.h
   // linear_fp8), as vLLM serves block-FP8 checkpoints; false: they are decoded to the weight dtype at upload.

@@ -322,27 +322,6 @@ void Gemm::linear(const GemmWeight& w, const void* x, int64_t rows, float* y, cu
   run_lt(p, rows, w.data, x, y, beta, stream, "matmul");
 }
 
-bool Gemm::linear_rms_normalized(const GemmWeight& w, const float* x, const float* norm_weight, float eps,
-                                 int64_t rows, float* y, uint16_t* normalized_out, cudaStream_t stream) {
-  if (!bf16_skinny_ || w.dtype != GemmDtype::kBf16 || rows < 1 || w.out == 0) return false;
-  SkinnyGemmParams sp;
-  sp.rows = rows;
-  sp.out = w.out;
-  sp.in = w.in;
-  sp.w_stride = w.row_stride ? w.row_stride : w.in;
-  sp.x_stride = w.in;
-  sp.y_stride = w.out;
-  sp.norm_input = x;
-  sp.norm_weight = norm_weight;
-  sp.norm_eps = eps;
-  sp.normalized_out = normalized_out;
-  if (!skinny_preferred(sp) || !skinny_gemm_supported(sp, w.data, nullptr)) return false;
-  const cudaError_t status = skinny_gemm(sp, w.data, nullptr, y, stream);
-  if (status != cudaSuccess)
-    throw Error(std::string("skinny_gemm with the RMSNorm prologue: ") + cudaGetErrorString(status));
-  return true;
-}
-
 void Gemm::run_lt(Plan& p, int64_t rows, const void* w, const void* x, void* y, float beta, cudaStream_t stream,
                   const char* what) {
   Plan::CallLayouts scratch;

@@ -61,13 +61,6 @@ class Gemm {
   void linear(const GemmWeight& w, const void* x, int64_t rows, float* y, cudaStream_t stream, float beta = 0.0f,
               int64_t x_stride = 0, int64_t y_stride = 0);
 
-  // y [rows, out] = (RMSNorm(x) · norm_weight, rounded to bf16) · Wᵀ for a bf16 decode product, the norm fused into
-  // the skinny kernel's prologue (SkinnyGemmParams::norm_input): bitwise rms_norm_with_bf16 then linear, one
-  // dependent kernel fewer. x fp32 [rows, in]; `normalized_out` (optional) receives the bf16 operand. Returns false,
-  // running nothing, where the skinny kernel would not take the product (the caller norms and calls linear).
-  bool linear_rms_normalized(const GemmWeight& w, const float* x, const float* norm_weight, float eps, int64_t rows,
-                             float* y, uint16_t* normalized_out, cudaStream_t stream);
-
   // `batch` independent products in one launch (strided batched): product b uses W + b·w_batch_stride,
   // x + b·x_batch_stride and y + b·y_batch_stride (elements); the grouped output projection's G groups, and two
   // weights over one input (x_batch_stride 0). `y_dtype` kBf16 stores y rounded to bf16 (round to nearest even

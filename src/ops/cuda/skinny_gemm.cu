@@ -2,8 +2,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <map>
-#include <tuple>
 #include <string_view>
 #include <type_traits>
 
@@ -73,51 +71,6 @@ __device__ __forceinline__ uint4 load_weight_vector(const uint16_t* at) {
   }
 }
 
-// The norm prologue's rows in shared memory are 16 bytes longer than `in`: a lane's 16-byte x loads of rows g = 0..7
-// then fall on 8 different bank groups (rows `in` · 2 bytes apart would all start on the same banks).
-__host__ __device__ constexpr int64_t normalized_row_stride(int64_t in) { return in + 8; }
-
-// The norm prologue (SkinnyGemmParams::norm_input): each row's RMSNorm into `operand` (shared, bf16 [rows, in]).
-// ops/cuda/rms_norm.cu's kernel runs 256 threads a row; here thread t plays its threads t, t + blockDim.x, … —
-// the same lanes, so the same element order a thread, the same shuffle trees and the same tree over the 8 warp
-// sums — hence bitwise its bf16 output.
-__device__ void normalize_rows_into_shared(const SkinnyGemmParams& p, uint16_t* operand) {
-  constexpr int kNormThreads = 256;  // rms_norm.cu's block
-  __shared__ float warp_sums[kSkinnyMaxRows][kNormThreads / 32];
-  __shared__ float scales[kSkinnyMaxRows];
-  const int threads = static_cast<int>(blockDim.x), t = static_cast<int>(threadIdx.x), lane = t % 32;
-  const int in = static_cast<int>(p.in), rows = static_cast<int>(p.rows);
-  for (int r = 0; r < rows; ++r) {
-    const float* x = p.norm_input + r * p.x_stride;
-    for (int v = t; v < kNormThreads; v += threads) {  // whole warps: threads is a multiple of 32
-      float sum = 0.0f;
-      for (int i = v; i < in; i += kNormThreads) sum += x[i] * x[i];
-      for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-      if (lane == 0) warp_sums[r][v / 32] = sum;
-    }
-  }
-  __syncthreads();
-  if (t < 32) {
-    for (int r = 0; r < rows; ++r) {
-      float total = t < kNormThreads / 32 ? warp_sums[r][t] : 0.0f;
-      for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
-      if (t == 0) scales[r] = rsqrtf(total / static_cast<float>(p.in) + p.norm_eps);
-    }
-  }
-  __syncthreads();
-  const bool store = p.normalized_out != nullptr && blockIdx.x == 0;
-  for (int r = 0; r < rows; ++r) {
-    const float* x = p.norm_input + r * p.x_stride;
-    const float scale = scales[r];
-    for (int i = t; i < in; i += threads) {
-      const uint16_t bits = f32_to_bf16_bits(p.norm_weight[i] * (x[i] * scale));
-      operand[r * normalized_row_stride(in) + i] = bits;
-      if (store) p.normalized_out[r * p.in + i] = bits;
-    }
-  }
-  __syncthreads();
-}
-
 template <bool kSixteenTokens, WeightLoad kLoad>
 __global__ void __launch_bounds__(kMaxWarps * 32, 2)
     skinny_gemm_kernel(const SkinnyGemmParams p, const uint16_t* __restrict__ w, const uint16_t* x, void* y) {
@@ -133,14 +86,10 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2)
   const int64_t my_tiles = blockIdx.x < tiles ? (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
   const int64_t items = my_tiles * batches_per_tile;
   const int rows = static_cast<int>(p.rows);
+  const uint16_t* xb = x + b * p.x_batch_stride + 8 * q;
   const bool has_low = g < rows, has_high = kSixteenTokens && g + 8 < rows;
-  // x: the bf16 operand, or with the norm prologue its rows in shared memory (written after the wait, below).
-  extern __shared__ __align__(16) uint16_t normalized_operand[];
-  const bool normalize = p.norm_input != nullptr;
-  const int64_t x_stride = normalize ? normalized_row_stride(p.in) : p.x_stride;
-  const uint16_t* xb = (normalize ? normalized_operand : x + b * p.x_batch_stride) + 8 * q;
-  const uint16_t* xlow = xb + (has_low ? g : 0) * x_stride;
-  const uint16_t* xhigh = xb + (has_high ? g + 8 : 0) * x_stride;
+  const uint16_t* xlow = xb + (has_low ? g : 0) * p.x_stride;
+  const uint16_t* xhigh = xb + (has_high ? g + 8 : 0) * p.x_stride;
   const uint4 zero = make_uint4(0, 0, 0, 0);
   // Element offset (within a row) of this lane's vector u of item i; 32-bit: in < 2^31 (skinny_gemm_supported).
   const int in = static_cast<int>(p.in);
@@ -170,7 +119,6 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2)
     if (items > 0) load_weights(0, wv);
     wait_for_prior_grid();  // x (and y when accumulating) come from earlier kernels
     allow_dependents();
-    if (normalize) normalize_rows_into_shared(p, normalized_operand);
   } else {
     wait_for_prior_grid();  // the index too
     allow_dependents();
@@ -246,14 +194,10 @@ int skinny_gemm_warps(const SkinnyGemmParams& p) {
   return static_cast<int>(std::clamp<int64_t>((lines + per_batch - 1) / per_batch, 1, kMaxWarps));
 }
 
-size_t normalized_operand_bytes(const SkinnyGemmParams& p) {
-  return p.norm_input != nullptr ? static_cast<size_t>(p.rows * normalized_row_stride(p.in)) * 2 : 0;
-}
-
-// CTAs resident at once on the device for this block size and dynamic shared memory (the persistent grid's size).
-int skinny_gemm_resident_ctas(bool sixteen_tokens, int warps, size_t shared_bytes) {
-  static std::map<std::tuple<bool, int, size_t>, int> cached;
-  int& ctas = cached[{sixteen_tokens, warps, shared_bytes}];
+// CTAs resident at once on the device for this block size (the persistent grid's size).
+int skinny_gemm_resident_ctas(bool sixteen_tokens, int warps) {
+  static int cached[2][kMaxWarps + 1] = {};
+  int& ctas = cached[sixteen_tokens ? 1 : 0][warps];
   if (ctas == 0) {
     int device = 0, sms = 0, per_sm = 0;
     cudaGetDevice(&device);
@@ -261,10 +205,10 @@ int skinny_gemm_resident_ctas(bool sixteen_tokens, int warps, size_t shared_byte
     // Every load form has the same registers (one asm load for another); the streaming one stands for all.
     if (sixteen_tokens) {
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, skinny_gemm_kernel<true, WeightLoad::kStreaming>,
-                                                    warps * 32, shared_bytes);
+                                                    warps * 32, 0);
     } else {
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, skinny_gemm_kernel<false, WeightLoad::kStreaming>,
-                                                    warps * 32, shared_bytes);
+                                                    warps * 32, 0);
     }
     ctas = std::max(1, sms * std::max(1, per_sm));
   }
@@ -333,11 +277,7 @@ cudaError_t skinny_gemm_f32(const SkinnyGemmParams& p, const float* w, const flo
 
 bool skinny_gemm_supported(const SkinnyGemmParams& p, const void* w, const void* x) {
   auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-  const bool norm_ok = p.norm_input == nullptr ||
-                       (p.norm_weight != nullptr && p.batch == 1 && p.w_batch_index == nullptr && !p.accumulate &&
-                        p.rows * normalized_row_stride(p.in) <= kSkinnyNormMaxElements);
-  if (p.norm_input != nullptr) x = w;  // x is not read; the operand comes from norm_input
-  return norm_ok && p.rows >= 1 && p.rows <= kSkinnyMaxRows && p.out >= 1 && p.in >= 8 && p.in % 8 == 0 && p.in < (int64_t{1} << 30) &&
+  return p.rows >= 1 && p.rows <= kSkinnyMaxRows && p.out >= 1 && p.in >= 8 && p.in % 8 == 0 && p.in < (int64_t{1} << 30) &&
          p.w_stride % 8 == 0 && p.x_stride % 8 == 0 && p.w_batch_stride % 8 == 0 && p.x_batch_stride % 8 == 0 &&
          p.batch >= 1 && p.batch <= 65535 && (p.out + kTileRows - 1) / kTileRows <= 0x7fffffff &&
          !(p.accumulate && p.bf16_output) && !(p.w_batch_index != nullptr && (p.accumulate || p.w_batch_count < 1)) &&
@@ -350,18 +290,15 @@ cudaError_t skinny_gemm(const SkinnyGemmParams& p, const void* w, const void* x,
   const bool sixteen_tokens = p.rows > 8;
   const int warps = skinny_gemm_warps(p);
   const int64_t tiles = (p.out + kTileRows - 1) / kTileRows;
-  const size_t shared_bytes = normalized_operand_bytes(p);
-  const int64_t ctas_per_batch =
-      std::max<int64_t>(1, skinny_gemm_resident_ctas(sixteen_tokens, warps, shared_bytes) / p.batch);
+  const int64_t ctas_per_batch = std::max<int64_t>(1, skinny_gemm_resident_ctas(sixteen_tokens, warps) / p.batch);
   const dim3 grid(static_cast<unsigned>(std::min(tiles, ctas_per_batch)), static_cast<unsigned>(p.batch));
   const dim3 block(static_cast<unsigned>(32 * warps));
   const auto* wb = static_cast<const uint16_t*>(w);
   const auto* xb = static_cast<const uint16_t*>(x);
   auto launch = [&](auto load) {
     constexpr WeightLoad kLoad = decltype(load)::value;
-    if (!sixteen_tokens)
-      return launch_dependent(skinny_gemm_kernel<false, kLoad>, grid, block, shared_bytes, stream, p, wb, xb, y);
-    return launch_dependent(skinny_gemm_kernel<true, kLoad>, grid, block, shared_bytes, stream, p, wb, xb, y);
+    if (!sixteen_tokens) return launch_dependent(skinny_gemm_kernel<false, kLoad>, grid, block, 0, stream, p, wb, xb, y);
+    return launch_dependent(skinny_gemm_kernel<true, kLoad>, grid, block, 0, stream, p, wb, xb, y);
   };
   switch (weight_load()) {
     case WeightLoad::kStreaming:

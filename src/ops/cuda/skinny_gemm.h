@@ -36,26 +36,12 @@ struct SkinnyGemmParams {
   // index outside [0, w_batch_count) writes zeros for its batch. Not with `accumulate`.
   const int32_t* w_batch_index = nullptr;
   int64_t w_batch_count = 0;
-  // RMSNorm prologue (the query's q_norm before wq_b): x is then fp32 `norm_input` [rows, in] (row stride
-  // x_stride) and every CTA first writes bf16(norm_weight · (x · rsqrt(mean(x²) + norm_eps))) of each row into
-  // shared memory — ops/cuda/rms_norm's operations in its order (its 256-thread reduction tree), so the operand is
-  // bitwise what rms_norm_with_bf16 writes — and reads its x from there: one dependent kernel fewer on the query's
-  // chain. `normalized_out` (optional, bf16 [rows, in]): CTA 0 also stores that operand (the CSA indexer's wq_b
-  // reads the same one). The bf16 `x` argument is unused. Batch 1, no gathered batches, rows · in ≤
-  // kSkinnyNormMaxElements (rows of in + 8 elements).
-  const float* norm_input = nullptr;
-  const float* norm_weight = nullptr;
-  float norm_eps = 1e-6f;
-  uint16_t* normalized_out = nullptr;
 };
-// 40 KB of bf16 operand: with the kernel's static shared memory within the 48 KB a launch gets without an opt-in.
-inline constexpr int64_t kSkinnyNormMaxElements = 20 * 1024;
 
 // Whether the kernel takes these shapes and pointers (16-byte aligned W and x).
 bool skinny_gemm_supported(const SkinnyGemmParams& p, const void* w, const void* x);
 
-// W, x: bf16 device arrays (x unused, may be null, with a norm prologue); y fp32 or bf16. cudaErrorInvalidValue
-// when !skinny_gemm_supported.
+// W, x: bf16 device arrays; y fp32 or bf16. cudaErrorInvalidValue when !skinny_gemm_supported.
 cudaError_t skinny_gemm(const SkinnyGemmParams& p, const void* w, const void* x, void* y,
                         cudaStream_t stream);
 

@@ -631,38 +631,6 @@ TEST(CudaModel, RepeatsBitwise) {
         << "step " << i;
 }
 
-// The L2 prefetch (CudaModelOptions::l2_prefetch_bytes) is a hint: with it at every site (the attention's
-// inputs, its output projections, the MoE's inputs, the LM head), eager steps and graph-replayed decode give the
-// logits bit for bit as without it.
-TEST(CudaModel, L2PrefetchLeavesTheLogitsBitwiseAsTheyWere) {
-  SKIP_WITHOUT_GPU();
-  const ModelConfig config = v4_shaped_config();
-  const ModelWeights weights = random_weights(config, 3);
-  const std::vector<Script> scripts = {{random_ids(300, config.vocab_size, 8), 128, 8},
-                                       {random_ids(40, config.vocab_size, 9), 40, 12}};
-  CudaModelOptions prefetching;
-  prefetching.l2_prefetch_bytes = int64_t{8} << 20;
-  const Comparison off = compare(config, weights, CudaPrecision::kBf16, scripts);
-  const Comparison on = compare(config, weights, CudaPrecision::kBf16, scripts, true, true, true, prefetching);
-  expect_bitwise_equal_logits(off, on);
-  expect_bf16_tolerance(on);
-}
-
-// q_norm in wq_b's prologue (CudaModelOptions::fused_q_norm, the default) against the separate RMSNorm kernel:
-// decode steps (and the CSA layer's indexer, which reads the operand wq_b stores) bit for bit.
-TEST(CudaModel, FusedQNormLeavesTheLogitsBitwiseAsTheyWere) {
-  SKIP_WITHOUT_GPU();
-  const ModelConfig config = v4_shaped_config();
-  const ModelWeights weights = random_weights(config, 3);
-  const std::vector<Script> scripts = {{random_ids(300, config.vocab_size, 8), 128, 8},
-                                       {random_ids(40, config.vocab_size, 9), 40, 12}};
-  CudaModelOptions separate;
-  separate.fused_q_norm = false;
-  const Comparison fused = compare(config, weights, CudaPrecision::kBf16, scripts);
-  const Comparison unfused = compare(config, weights, CudaPrecision::kBf16, scripts, true, true, true, separate);
-  expect_bitwise_equal_logits(fused, unfused);
-}
-
 // The engine on the CUDA backend: greedy generations equal the CPU engine's (fp32), including a second run of
 // the same prompts that restores prefix-cache hits through the device block copies.
 TEST(CudaModel, EngineGreedyMatchesCpuEngineWithPrefixHits) {
