@@ -1150,18 +1150,27 @@ bool handover_fits(int64_t ctas) {
   return ctas <= resident[device].load();
 }
 
+// Up to how many tokens the one-launch hand-over runs (read per call, so a run can compare the forms): by default
+// one, a batch-1 decode step, where it measured faster than the kernels (H100, session 33: decode 1.486 / 1.490
+// against 1.521 / 1.538 ms; kbench hc_post + hc_pre 12.4 against 17.9 µs), while at 8 tokens it is slower (2.35
+// against 2.28-2.31 ms; 20.8 against 17.3 µs: 8 tokens' CTAs on the barriers). DSV4_HC_HANDOVER=0: never; =1: up
+// to kHandoverMaxTokens.
+int64_t handover_max_tokens() {
+  const char* choice = std::getenv("DSV4_HC_HANDOVER");
+  if (choice != nullptr && std::strcmp(choice, "0") == 0) return 0;
+  if (choice != nullptr && std::strcmp(choice, "1") == 0) return kHandoverMaxTokens;
+  return 1;
+}
+
 // The one-launch hand-over where it applies (a decode-sized batch, the fused norm, fp32 numerics, aligned rows, its
-// sync words, a workspace that fits, the grid resident at once); false to take the kernels below. Opt-in
-// (DSV4_HC_HANDOVER=1, read per call) until timed on a device. kPost / kHead as the kernel's (y, post, comb and
-// out unused without kPost; next_post and next_comb with kHead).
+// sync words, a workspace that fits, the grid resident at once); false to take the kernels below. kPost / kHead as
+// the kernel's (y, post, comb and out unused without kPost; next_post and next_comb with kHead).
 template <int HC, bool kPost, bool kHead>
 bool launch_handover(const HyperConnectionParams& p, const float* y, const float* streams, const float* post,
                      const float* comb, float* out, const float* fn, const float* base, const float* scale,
                      float* collapsed, float* next_post, float* next_comb, void* workspace, size_t workspace_bytes,
                      const CollapseNorm* norm, unsigned* sync, cudaStream_t stream) {
-  const char* choice = std::getenv("DSV4_HC_HANDOVER");
-  if (choice == nullptr || std::strcmp(choice, "1") != 0) return false;
-  if (sync == nullptr || norm == nullptr || p.deepseek || p.tokens > kHandoverMaxTokens || p.hidden % 4 != 0)
+  if (sync == nullptr || norm == nullptr || p.deepseek || p.tokens > handover_max_tokens() || p.hidden % 4 != 0)
     return false;
   if ((kPost && (!aligned16(y) || !aligned16(out))) || !aligned16(streams) || !aligned16(fn) ||
       !aligned16(collapsed) || (norm->weight != nullptr && !aligned16(norm->weight)))

@@ -404,17 +404,23 @@ void check_post_pre(const Shape& s) {
   // The one-launch hand-over's barrier words: zero before the first call, and left zero by every call.
   DeviceArray<unsigned> sync(std::vector<unsigned>(kHcHandoverSyncBytes / sizeof(unsigned), 0u));
   std::vector<float> first_handover;
-  for (const char* mode : {"1", "3", "", "handover", "handover again"}) {
+  // "default": barrier words passed, no switch — the one-launch form runs for one token only; "off":
+  // DSV4_HC_HANDOVER=0 with the words — never. Each with fresh words, to tell whether it ran.
+  for (const char* mode : {"1", "3", "", "handover", "handover again", "default", "off"}) {
     SCOPED_TRACE(::testing::Message() << "mode " << mode);
     const bool handover = std::strncmp(mode, "handover", 8) == 0;
+    const bool by_default = std::strcmp(mode, "default") == 0, off = std::strcmp(mode, "off") == 0;
+    DeviceArray<unsigned> fresh_sync(std::vector<unsigned>(kHcHandoverSyncBytes / sizeof(unsigned), 0u));
     if (handover) ::setenv("DSV4_HC_HANDOVER", "1", 1);
-    else if (*mode) ::setenv("DSV4_HC_POST_MIX", mode, 1);
+    else if (off) ::setenv("DSV4_HC_HANDOVER", "0", 1);
+    else if (*mode && !by_default) ::setenv("DSV4_HC_POST_MIX", mode, 1);
+    unsigned* words = handover ? sync.get() : by_default || off ? fresh_sync.get() : nullptr;
     DeviceArray<float> d_post(post), d_comb(comb), d_out(next_streams.size()), d_collapsed(collapsed.size());
     DeviceArray<uint16_t> d_bf16(collapsed.size());
     const CollapseNorm norm{d_weight.get(), 1e-6f, d_bf16.get()};
     ASSERT_EQ(hc_post_pre(p, d_y.get(), d_streams.get(), d_post.get(), d_comb.get(), d_out.get(), d_fn.get(),
                           d_base.get(), d_scale.get(), d_collapsed.get(), d_post.get(), d_comb.get(), workspace.get(),
-                          bytes, nullptr, &norm, handover ? sync.get() : nullptr),
+                          bytes, nullptr, &norm, words),
               cudaSuccess);
     ::unsetenv("DSV4_HC_POST_MIX");
     ::unsetenv("DSV4_HC_HANDOVER");
@@ -428,6 +434,12 @@ void check_post_pre(const Shape& s) {
     const std::vector<uint16_t> actual_bf16 = d_bf16.download();
     for (size_t i = 0; i < actual_bf16.size(); ++i)
       ASSERT_EQ(actual_bf16[i], f32_to_bf16(actual_collapsed[i])) << "bf16 copy " << i;
+    if (by_default || off) {
+      const std::vector<unsigned> after = fresh_sync.download();
+      const bool ran = after[hc_handover_generation_word(0, 0)] > 0;
+      EXPECT_EQ(ran, by_default && s.tokens == 1 && s.hidden % 4 == 0) << "which form ran";
+      expect_handover_words(fresh_sync, false);
+    }
     if (handover) {
       expect_handover_words(sync, s.tokens <= 8 && s.hidden % 4 == 0);
       std::vector<float> outputs = actual_collapsed;
