@@ -124,7 +124,7 @@ CaseResult hc_post_case(int64_t tokens, int iterations) {
 
 // hc_post then the next hc_pre (norm fused), as the model calls them between sublayers: one kernel for the new
 // streams and their mixes (`fused`: DSV4_HC_POST_MIX=1), or the two calls; `handover`: the one-launch decode
-// hand-over (DSV4_HC_HANDOVER=1, ≤ 8 tokens).
+// hand-over (DSV4_HC_HANDOVER=1, ≤ 8 tokens; by default only at one token).
 CaseResult hc_post_pre_case(int64_t tokens, bool fused, int iterations, bool handover = false) {
   const int64_t width = PreOperands::kWidth, mixes = PreOperands::kMixes;
   float* y = random_floats(tokens * kHidden, 31);
@@ -215,6 +215,15 @@ std::vector<CaseResult> hc_suite(const Ceilings&, const Options& options) {
       results.push_back(hc_post_pre_case(tokens, false, iterations, true));
     if (options.wants(shape("q norm + rope (64 x 512)", tokens)))
       results.push_back(q_norm_rope_case(tokens, iterations));
+  }
+  // Where the one-launch hand-over stops paying (the default takes it at one token; at 8 it is slower): the two
+  // forms at the batch sizes between.
+  for (const int64_t tokens : {int64_t{2}, int64_t{4}}) {
+    if (options.quick) break;
+    if (options.wants(shape("hc_post + hc_pre (two calls)", tokens)))
+      results.push_back(hc_post_pre_case(tokens, false, iterations));
+    if (options.wants(shape("hc_post + hc_pre (one-launch hand-over)", tokens)))
+      results.push_back(hc_post_pre_case(tokens, false, iterations, true));
   }
   return results;
 }
