@@ -779,7 +779,14 @@ __global__ void __launch_bounds__(kThreads) finish_kernel(const float* __restric
 constexpr int kHandoverThreads = 128;
 constexpr int64_t kHandoverMaxTokens = 8;
 constexpr int kHandoverMaxSpan = 32;  // hidden float4 columns of a split: warp 0 collapses them
-static_assert(hc_handover_generation_word((kHandoverMaxTokens + kTokensPerCta - 1) / kTokensPerCta - 1, 1) <
+// One token a group: a CTA then does one token's work whatever the batch, and the groups (each its own 32 splits
+// and barrier words) run side by side. The first two versions took 4 tokens a group (kTokensPerCta, the mix
+// kernel's), and at 8 tokens the one launch (two groups, 4 tokens a CTA) took 20.8 µs against 12.4 at one token
+// (kbench, H100, session 33): the work a CTA does between the barriers grew with its tokens. 8 groups of 32 CTAs
+// stay resident at once on an H100 or H200 (3 CTAs an SM; handover_fits checks).
+constexpr int kHandoverTokensPerGroup = 1;
+static_assert(hc_handover_generation_word(
+                  (kHandoverMaxTokens + kHandoverTokensPerGroup - 1) / kHandoverTokensPerGroup - 1, 1) <
                   kHcHandoverSyncBytes / sizeof(unsigned),
               "the caller's sync words cover every token group");
 
@@ -865,15 +872,16 @@ __device__ __forceinline__ void wait_group(const unsigned* generation, unsigned 
   else __syncthreads();
 }
 
-// grid (ceil(tokens / kTokensPerCta), splits), kHandoverThreads; D % 4 == 0, rows 16-byte aligned, HC·chunk ≤
+// grid (ceil(tokens / kHandoverTokensPerGroup), splits), kHandoverThreads; D % 4 == 0, rows 16-byte aligned, HC·chunk ≤
 // kHandoverThreads and chunk ≤ kHandoverMaxSpan (hidden float4 columns per split). kPost: the streams are made
 // from y, post and comb first (hc_post_pre); otherwise they are read as they are (a first hc_pre, or hc_head).
 // kHead: hc_head's mixes (HC of them: pre only; no post, no Sinkhorn).
 template <int HC, bool kPost, bool kHead>
 __global__ void __launch_bounds__(kHandoverThreads) post_pre_handover_kernel(const HandoverArgs a) {
   static_assert(!(kPost && kHead), "hc_head follows an hc_post of its own");
-  constexpr int NOUT = kHead ? HC : (2 + HC) * HC, TT = kTokensPerCta, NV = NOUT + 1;
+  constexpr int NOUT = kHead ? HC : (2 + HC) * HC, TT = kHandoverTokensPerGroup, NV = NOUT + 1;
   static_assert(HC * HC <= 16, "two tokens' Sinkhorn a warp");
+  static_assert(TT <= 4, "warps 1 and 2 run the group's Sinkhorns, two tokens each");
   const int group = static_cast<int>(blockIdx.x), split = static_cast<int>(blockIdx.y);
   const int64_t t0 = int64_t{group} * TT;
   const int64_t vec_d = a.D / 4, width = HC * a.D;
@@ -979,9 +987,10 @@ __global__ void __launch_bounds__(kHandoverThreads) post_pre_handover_kernel(con
     // Warps 1 and 2: the comb of tokens 2·(warp − 1) + half, 16 lanes each (off the path of the collapse).
     if (!kHead && (warp == 1 || warp == 2)) {
       const int t = 2 * (warp - 1) + lane / 16, l16 = lane % 16;
-      const float comb = sinkhorn_comb<HC>(mixes[t], a.scale, a.base, a.iters, a.hc_eps, lane & 16,
+      // Every lane takes part in the shuffles; lanes past the group's tokens run token 0's and store nothing.
+      const float comb = sinkhorn_comb<HC>(mixes[t < TT ? t : 0], a.scale, a.base, a.iters, a.hc_eps, lane & 16,
                                            l16 < HC * HC ? l16 : 0);
-      if (t0 + t < a.tokens && l16 < HC * HC) a.next_comb[(t0 + t) * HC * HC + l16] = comb;
+      if (t < TT && t0 + t < a.tokens && l16 < HC * HC) a.next_comb[(t0 + t) * HC * HC + l16] = comb;
     }
   } else {
     wait_group<false>(generation1, seen);
@@ -1183,7 +1192,7 @@ bool launch_handover(const HyperConnectionParams& p, const float* y, const float
   // longer needs 128 SMs to arrive in time.
   const int64_t chunk = std::min<int64_t>(kHandoverMaxSpan, kHandoverThreads / HC);
   const int splits = static_cast<int>((vec_d + chunk - 1) / chunk);
-  const int64_t groups = (p.tokens + kTokensPerCta - 1) / kTokensPerCta;
+  const int64_t groups = (p.tokens + kHandoverTokensPerGroup - 1) / kHandoverTokensPerGroup;
   // The workspace: the mix partial sums, then the squares per split, pre and the RMS scale per token.
   HandoverArgs a{};
   a.partial = static_cast<float*>(workspace);

@@ -41,9 +41,9 @@ struct CollapseNorm {
   uint16_t* bf16 = nullptr;
 };
 
-// Device memory hc_post_pre's one-launch hand-over uses as its grid barriers' words: per token group of 4 and
-// barrier (2), a count and a generation, each on its own 128-byte line.
-constexpr size_t kHcHandoverSyncBytes = 1024;
+// Device memory hc_post_pre's one-launch hand-over uses as its grid barriers' words: per token group (one token
+// each, up to 8) and barrier (2), a count and a generation, each on its own 128-byte line.
+constexpr size_t kHcHandoverSyncBytes = 4096;
 // The word index of barrier `barrier`'s generation for token group `group` (its count is 32 words before); tests
 // read it to see that a call took the hand-over.
 __host__ __device__ constexpr size_t hc_handover_generation_word(int group, int barrier) {

@@ -255,7 +255,7 @@ void expect_handover_words(const DeviceArray<unsigned>& sync, bool expect_ran) {
   const std::vector<unsigned> words = sync.download();
   for (size_t i = 0; i < words.size(); ++i) {
     bool generation = false;
-    for (int group = 0; group < 2; ++group)
+    for (int group = 0; group < 8; ++group)  // the hand-over's token groups (one token each, up to 8)
       for (int barrier = 0; barrier < 2; ++barrier) generation |= i == hc_handover_generation_word(group, barrier);
     if (!generation) {
       EXPECT_EQ(words[i], 0u) << "barrier word " << i << " left nonzero";
