@@ -783,7 +783,7 @@ constexpr int kHandoverMaxSpan = 32;  // hidden float4 columns of a split: warp 
 // and barrier words) run side by side. The first two versions took 4 tokens a group (kTokensPerCta, the mix
 // kernel's), and at 8 tokens the one launch (two groups, 4 tokens a CTA) took 20.8 µs against 12.4 at one token
 // (kbench, H100, session 33): the work a CTA does between the barriers grew with its tokens. 8 groups of 32 CTAs
-// stay resident at once on an H100 or H200 (3 CTAs an SM; handover_fits checks).
+// stay resident at once on an H100 or H200 (128 registers: 4 CTAs an SM; handover_fits checks).
 constexpr int kHandoverTokensPerGroup = 1;
 static_assert(hc_handover_generation_word(
                   (kHandoverMaxTokens + kHandoverTokensPerGroup - 1) / kHandoverTokensPerGroup - 1, 1) <
@@ -872,10 +872,10 @@ __device__ __forceinline__ void wait_group(const unsigned* generation, unsigned 
   else __syncthreads();
 }
 
-// grid (ceil(tokens / kHandoverTokensPerGroup), splits), kHandoverThreads; D % 4 == 0, rows 16-byte aligned, HC·chunk ≤
-// kHandoverThreads and chunk ≤ kHandoverMaxSpan (hidden float4 columns per split). kPost: the streams are made
-// from y, post and comb first (hc_post_pre); otherwise they are read as they are (a first hc_pre, or hc_head).
-// kHead: hc_head's mixes (HC of them: pre only; no post, no Sinkhorn).
+// grid (ceil(tokens / kHandoverTokensPerGroup), splits), kHandoverThreads; D % 4 == 0, rows 16-byte aligned,
+// HC·chunk ≤ kHandoverThreads and chunk ≤ kHandoverMaxSpan (hidden float4 columns per split). kPost: the streams
+// are made from y, post and comb first (hc_post_pre); otherwise they are read as they are (a first hc_pre, or
+// hc_head). kHead: hc_head's mixes (HC of them: pre only; no post, no Sinkhorn).
 template <int HC, bool kPost, bool kHead>
 __global__ void __launch_bounds__(kHandoverThreads) post_pre_handover_kernel(const HandoverArgs a) {
   static_assert(!(kPost && kHead), "hc_head follows an hc_post of its own");
