@@ -203,28 +203,27 @@ std::vector<CaseResult> hc_suite(const Ceilings&, const Options& options) {
   const int iterations = options.quick ? 5 : 20;
   const std::vector<int64_t> token_counts =
       options.quick ? std::vector<int64_t>{1, 1024} : std::vector<int64_t>{1, 8, 32, 128, 1024, 2048, 4096};
+  // The two decode hand-over forms: hc_post and hc_pre as two calls, and as one launch (≤ 8 tokens).
+  auto hand_over_forms = [&](int64_t tokens) {
+    if (options.wants(shape("hc_post + hc_pre (two calls)", tokens)))
+      results.push_back(hc_post_pre_case(tokens, false, iterations));
+    if (tokens <= 8 && options.wants(shape("hc_post + hc_pre (one-launch hand-over)", tokens)))
+      results.push_back(hc_post_pre_case(tokens, false, iterations, true));
+  };
   for (const int64_t tokens : token_counts) {
     if (options.wants(shape("hc_pre", tokens))) results.push_back(hc_pre_case(tokens, nullptr, iterations));
     if (tokens >= 512 && options.wants(shape("hc_pre (split-K mixes)", tokens)))
       results.push_back(hc_pre_case(tokens, "simt", iterations));
     if (options.wants(shape("hc_post", tokens))) results.push_back(hc_post_case(tokens, iterations));
     if (options.wants(shape("hc_post + hc_pre", tokens))) results.push_back(hc_post_pre_case(tokens, true, iterations));
-    if (options.wants(shape("hc_post + hc_pre (two calls)", tokens)))
-      results.push_back(hc_post_pre_case(tokens, false, iterations));
-    if (tokens <= 8 && options.wants(shape("hc_post + hc_pre (one-launch hand-over)", tokens)))
-      results.push_back(hc_post_pre_case(tokens, false, iterations, true));
+    hand_over_forms(tokens);
     if (options.wants(shape("q norm + rope (64 x 512)", tokens)))
       results.push_back(q_norm_rope_case(tokens, iterations));
   }
   // Where the one-launch hand-over stops paying (the default takes it at one token; at 8 it is slower): the two
   // forms at the batch sizes between.
-  for (const int64_t tokens : {int64_t{2}, int64_t{4}}) {
-    if (options.quick) break;
-    if (options.wants(shape("hc_post + hc_pre (two calls)", tokens)))
-      results.push_back(hc_post_pre_case(tokens, false, iterations));
-    if (options.wants(shape("hc_post + hc_pre (one-launch hand-over)", tokens)))
-      results.push_back(hc_post_pre_case(tokens, false, iterations, true));
-  }
+  if (!options.quick)
+    for (const int64_t tokens : {int64_t{2}, int64_t{4}}) hand_over_forms(tokens);
   return results;
 }
 

@@ -1161,9 +1161,9 @@ bool handover_fits(int64_t ctas) {
 
 // Up to how many tokens the one-launch hand-over runs (read per call, so a run can compare the forms): by default
 // one, a batch-1 decode step, where it measured faster than the kernels (H100, session 33: decode 1.486 / 1.490
-// against 1.521 / 1.538 ms; kbench hc_post + hc_pre 12.4 against 17.9 µs), while at 8 tokens it is slower (2.35
-// against 2.28-2.31 ms; 20.8 against 17.3 µs: 8 tokens' CTAs on the barriers). DSV4_HC_HANDOVER=0: never; =1: up
-// to kHandoverMaxTokens.
+// against 1.521 / 1.538 ms; kbench hc_post + hc_pre 12.4 against 17.9 µs), while at 8 tokens, with 4 tokens a
+// group, it was slower (2.35 against 2.28-2.31 ms; 20.8 against 17.3 µs); one token a group
+// (kHandoverTokensPerGroup) is not yet timed there. DSV4_HC_HANDOVER=0: never; =1: up to kHandoverMaxTokens.
 int64_t handover_max_tokens() {
   const char* choice = std::getenv("DSV4_HC_HANDOVER");
   if (choice != nullptr && std::strcmp(choice, "0") == 0) return 0;
