@@ -124,7 +124,7 @@ CaseResult hc_post_case(int64_t tokens, int iterations) {
 
 // hc_post then the next hc_pre (norm fused), as the model calls them between sublayers: one kernel for the new
 // streams and their mixes (`fused`: DSV4_HC_POST_MIX=1), or the two calls; `handover`: the one-launch decode
-// hand-over (DSV4_HC_HANDOVER=1, ≤ 8 tokens; by default only at one token).
+// hand-over (≤ 8 tokens, the default where barrier words are passed; the two calls get none).
 CaseResult hc_post_pre_case(int64_t tokens, bool fused, int iterations, bool handover = false) {
   const int64_t width = PreOperands::kWidth, mixes = PreOperands::kMixes;
   float* y = random_floats(tokens * kHidden, 31);
@@ -141,7 +141,6 @@ CaseResult hc_post_pre_case(int64_t tokens, bool fused, int iterations, bool han
   else if (saved != "3") setenv("DSV4_HC_POST_MIX", "1", 1);
   unsigned* sync = nullptr;
   if (handover) {
-    setenv("DSV4_HC_HANDOVER", "1", 1);
     DSV4_CUDA_OK(cudaMalloc(&sync, ops::cuda::kHcHandoverSyncBytes));
     DSV4_CUDA_OK(cudaMemset(sync, 0, ops::cuda::kHcHandoverSyncBytes));
   }
@@ -154,7 +153,6 @@ CaseResult hc_post_pre_case(int64_t tokens, bool fused, int iterations, bool han
       iterations);
   if (before) setenv("DSV4_HC_POST_MIX", saved.c_str(), 1);
   else unsetenv("DSV4_HC_POST_MIX");
-  if (handover) unsetenv("DSV4_HC_HANDOVER");
   cudaFree(sync);
   CaseResult r;
   r.name = shape(handover ? "hc_post + hc_pre (one-launch hand-over)"

@@ -1160,15 +1160,14 @@ bool handover_fits(int64_t ctas) {
 }
 
 // Up to how many tokens the one-launch hand-over runs (read per call, so a run can compare the forms): by default
-// one, a batch-1 decode step, where it measured faster than the kernels (H100, session 33: decode 1.486 / 1.490
-// against 1.521 / 1.538 ms; kbench hc_post + hc_pre 12.4 against 17.9 µs), while at 8 tokens, with 4 tokens a
-// group, it was slower (2.35 against 2.28-2.31 ms; 20.8 against 17.3 µs); one token a group
-// (kHandoverTokensPerGroup) is not yet timed there. DSV4_HC_HANDOVER=0: never; =1: up to kHandoverMaxTokens.
+// every decode-sized batch (kHandoverMaxTokens). With one token a group it beat the kernels at every batch (H100,
+// session 34: kbench hc_post + hc_pre 13.5 / 13.8 / 13.5 / 14.4 µs at 1 / 2 / 4 / 8 tokens against 18.1 / 16.8 /
+// 17.0 / 17.5 for the two calls; decode at batch 8 2.265 / 2.261 ms against 2.288 / 2.340 with it at one token only
+// and 2.334 / 2.313 with it off). DSV4_HC_HANDOVER=0: never.
 int64_t handover_max_tokens() {
   const char* choice = std::getenv("DSV4_HC_HANDOVER");
   if (choice != nullptr && std::strcmp(choice, "0") == 0) return 0;
-  if (choice != nullptr && std::strcmp(choice, "1") == 0) return kHandoverMaxTokens;
-  return 1;
+  return kHandoverMaxTokens;
 }
 
 // The one-launch hand-over where it applies (a decode-sized batch, the fused norm, fp32 numerics, aligned rows, its

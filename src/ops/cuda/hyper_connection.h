@@ -76,8 +76,8 @@ cudaError_t hc_post(const HyperConnectionParams& p, const float* y, const float*
 // before next_post / next_comb are written, which may alias them.
 //
 // `handover_sync` (optional, kHcHandoverSyncBytes of device memory, zeroed once when allocated; every call leaves
-// it zero; one per stream running hand-overs at the same time): with it, the fused norm, fp32 numerics and one token
-// (DSV4_HC_HANDOVER=1: up to 8, =0: never), one launch does it all, its token groups' split CTAs meeting at two grid
+// it zero; one per stream running hand-overs at the same time): with it, the fused norm, fp32 numerics and up to 8
+// tokens (DSV4_HC_HANDOVER=0: never), one launch does it all, its token groups' split CTAs meeting at two grid
 // barriers: the new streams are hc_post's bit for bit, pre / post / comb and the collapse equal the kernels' to fp32
 // rounding (wider splits, summed in another fixed order).
 cudaError_t hc_post_pre(const HyperConnectionParams& p, const float* y, const float* streams, const float* post,
