@@ -2,7 +2,8 @@
 //   flash-csa  64 heads, window 128 + top-512 compressed entries (FP8 cache)
 //   flash-hca  64 heads, window 128 + every compressed entry (context / 128)
 //   pro-csa    128 heads, window 128 + top-1024
-// at 8K / 128K / 1M context × batch 1 / 32 / 128 (one decode token per request). FLOPs: 2 · heads · (512 + 512)
+// at 8K / 128K / 1M context × batch 1 / 32 / 128 (one decode token per request), and an 8K-token prefill of one
+// request (positions 0 … 8191, the window from the chunk, per-query picks; plus a SWA layer's). FLOPs: 2 · heads · (512 + 512)
 // per key (Q·Kᵀ and P·V); bytes: every distinct entry read once (584 B FP8, 1024 B BF16) plus q, the output and
 // the index lists. The L2 is flushed before every timed call (kbench.h), so the entries come from HBM.
 #include <cstdio>
@@ -21,10 +22,12 @@ struct AttentionCase {
   const char* layer;
   int64_t heads, ratio, top_k, context, batch;
   KvEntryFormat format;
+  bool prefill = false;  // one request's `context` tokens from position 0 instead of `batch` decode tokens
 };
 
 // FlashMLA's own figures (perf_anchors.md §2.1): H800 SXM5, not an H200; shapes differ (V3.2: topk 2048, s_q 2).
 const char* flashmla_note(const AttentionCase& c) {
+  if (c.prefill) return "FlashMLA token-sparse prefill 640 TFLOP/s (H800)";
   if (c.batch == 1) return "FlashMLA dense decode 3000 GB/s (H800, mem-bound)";
   return "FlashMLA FP8 sparse decode 410 TFLOP/s (H800, b128 h128 topk2048)";
 }
@@ -41,7 +44,8 @@ CaseResult run_case(const AttentionCase& c, int iterations) {
   spec.keep_reference = false;
   spec.seed = static_cast<uint32_t>(c.context + c.batch);
   spec.positions.assign(static_cast<size_t>(c.batch), static_cast<int32_t>(c.context - 1));
-  testing::AttentionProblem pr = testing::make_attention_problem(spec);
+  testing::AttentionProblem pr =
+      c.prefill ? testing::make_prefill_problem(spec, 0, c.context) : testing::make_attention_problem(spec);
   testing::DeviceProblem dev(pr);
   ops::SparseAttentionParams p = dev.params(pr);
   const int sms = ops::cuda::list_devices().front().multiprocessors;
@@ -76,9 +80,14 @@ CaseResult run_case(const AttentionCase& c, int iterations) {
   }
   CaseResult r;
   char name[128];
-  std::snprintf(name, sizeof name, "%s %s ctx=%lldK b=%lld splits=%lld", c.layer,
-                c.format == KvEntryFormat::kFp8 ? "fp8" : "bf16", static_cast<long long>(c.context / 1024),
-                static_cast<long long>(c.batch), static_cast<long long>(ops::cuda::sparse_attention_splits(p, sms)));
+  if (c.prefill)
+    std::snprintf(name, sizeof name, "%s %s prefill %lldK", c.layer, c.format == KvEntryFormat::kFp8 ? "fp8" : "bf16",
+                  static_cast<long long>(c.context / 1024));
+  else
+    std::snprintf(name, sizeof name, "%s %s ctx=%lldK b=%lld splits=%lld", c.layer,
+                  c.format == KvEntryFormat::kFp8 ? "fp8" : "bf16", static_cast<long long>(c.context / 1024),
+                  static_cast<long long>(c.batch),
+                  static_cast<long long>(ops::cuda::sparse_attention_splits(p, sms)));
   r.name = name;
   r.microseconds = us;
   r.flops = 2.0 * static_cast<double>(c.heads) * (512 + 512) * static_cast<double>(keys);
@@ -103,6 +112,12 @@ std::vector<CaseResult> attention_suite(const Ceilings&, const Options& options)
   cases.push_back({"pro-csa", 128, 4, 1024, 131072, 32, KvEntryFormat::kFp8});
   cases.push_back({"flash-csa", 64, 4, 512, 131072, 128, KvEntryFormat::kBf16});
   cases.push_back({"flash-csa", 64, 4, 512, 131072, 1, KvEntryFormat::kBf16});
+  // Prefill of one 8K request: the three layer kinds, the FP8 cache and (CSA) the BF16 one the runner defaults to.
+  cases.push_back({"flash-swa", 64, 0, 0, 8192, 1, KvEntryFormat::kFp8, true});
+  cases.push_back({"flash-csa", 64, 4, 512, 8192, 1, KvEntryFormat::kFp8, true});
+  cases.push_back({"flash-hca", 64, 128, 0, 8192, 1, KvEntryFormat::kFp8, true});
+  cases.push_back({"flash-swa", 64, 0, 0, 8192, 1, KvEntryFormat::kBf16, true});
+  cases.push_back({"flash-csa", 64, 4, 512, 8192, 1, KvEntryFormat::kBf16, true});
   for (const AttentionCase& c : cases) results.push_back(run_case(c, iterations));
   return results;
 }

@@ -44,6 +44,7 @@ struct AttentionProblem {
   int64_t window_stride = 0, compressed_table_stride = 0;
   std::vector<int32_t> window_table, compressed_table, chunk_table, chunk_starts;
   std::vector<int32_t> indices, lengths, positions;
+  std::vector<int32_t> rows;  // block-table row of each token (make_prefill_problem: all 0); empty = token index
   int64_t compressed_stride = 1;
   std::vector<uint16_t> q;
   std::vector<float> sinks, inv_freq;
@@ -58,7 +59,7 @@ struct AttentionProblem {
                                     const int32_t* compressed_table_ptr, const int32_t* indices_ptr,
                                     const int32_t* lengths_ptr, const int32_t* positions_ptr, const float* sinks_ptr,
                                     const float* inv_freq_ptr, const int32_t* chunk_table_ptr,
-                                    const int32_t* chunk_starts_ptr) const {
+                                    const int32_t* chunk_starts_ptr, const int32_t* rows_ptr = nullptr) const {
     ops::SparseAttentionParams p;
     p.tokens = tokens();
     p.heads = spec.heads;
@@ -74,6 +75,7 @@ struct AttentionProblem {
     p.compressed_lengths = spec.ratio > 0 ? lengths_ptr : nullptr;
     p.compressed_stride = compressed_stride;
     p.positions = positions_ptr;
+    p.rows = rows.empty() ? nullptr : rows_ptr;
     p.sinks = sinks_ptr;
     p.rope_inv_freq = inv_freq_ptr;
     if (spec.prefill_chunk > 0) {
@@ -85,7 +87,7 @@ struct AttentionProblem {
   }
   ops::SparseAttentionParams host_params() {
     return params(arena.data(), window_table.data(), compressed_table.data(), indices.data(), lengths.data(),
-                  positions.data(), sinks.data(), inv_freq.data(), chunk_table.data(), chunk_starts.data());
+                  positions.data(), sinks.data(), inv_freq.data(), chunk_table.data(), chunk_starts.data(), rows.data());
   }
 };
 
@@ -229,6 +231,125 @@ inline AttentionProblem make_attention_problem(const AttentionProblemSpec& spec)
     std::copy(picks[t].begin(), picks[t].end(), pr.indices.begin() + t * pr.compressed_stride);
   }
   pr.q.resize(static_cast<size_t>(T * spec.heads * kKvHeadDim));
+  for (auto& v : pr.q) v = f32_to_bf16(normal(rng));
+  pr.sinks.resize(static_cast<size_t>(spec.heads));
+  for (auto& s : pr.sinks) s = std::uniform_real_distribution<float>(-2.0f, spec.sink_max)(rng);
+  for (int i = 0; i < kKvRopeDim / 2; ++i) pr.inv_freq.push_back(std::pow(10000.0f, -2.0f * i / kKvRopeDim));
+  return pr;
+}
+
+// One request's prefill chunk as the model runner lays it out: `tokens` query tokens at the consecutive positions
+// first_position … first_position + tokens − 1, all in block-table row 0; the chunk's own K=V vectors in the chunk
+// pool (chunk_starts = first_position for every token), the window positions before the chunk in the paged window;
+// CSA picks spec.top_k distinct random entries of the (pos + 1) / 4 visible ones per query (all when fewer), HCA
+// every visible entry, SWA none. Every entry is written once and shared by the queries that read it, as in the
+// cache. spec.positions, prefill_chunk, invalid_fraction and pick_span are not used.
+inline AttentionProblem make_prefill_problem(const AttentionProblemSpec& spec, int64_t first_position, int64_t tokens) {
+  AttentionProblem pr;
+  pr.spec = spec;
+  pr.spec.prefill_chunk = 1;  // params() sets the chunk pool
+  std::mt19937 rng(spec.seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const KvEntryFormat f = spec.format;
+  const int64_t last = first_position + tokens - 1;
+  for (int64_t t = 0; t < tokens; ++t) pr.positions.push_back(static_cast<int32_t>(first_position + t));
+  pr.rows.assign(static_cast<size_t>(tokens), 0);
+  pr.chunk_starts.assign(static_cast<size_t>(tokens), static_cast<int32_t>(first_position));
+
+  std::vector<std::vector<int32_t>> picks(static_cast<size_t>(tokens));
+  int64_t max_picks = 1;
+  std::vector<int32_t> all;
+  for (int64_t t = 0; t < tokens && spec.ratio > 0; ++t) {
+    const int64_t visible = (first_position + t + 1) / spec.ratio;
+    auto& chosen = picks[static_cast<size_t>(t)];
+    if (spec.ratio == 128 || visible <= spec.top_k) {
+      for (int64_t e = 0; e < visible; ++e) chosen.push_back(static_cast<int32_t>(e));
+    } else {  // k distinct of [0, visible): a partial Fisher-Yates
+      all.resize(static_cast<size_t>(visible));
+      std::iota(all.begin(), all.end(), 0);
+      for (int64_t i = 0; i < spec.top_k; ++i) {
+        const int64_t j = i + static_cast<int64_t>(rng() % static_cast<uint32_t>(visible - i));
+        std::swap(all[static_cast<size_t>(i)], all[static_cast<size_t>(j)]);
+        chosen.push_back(all[static_cast<size_t>(i)]);
+      }
+    }
+    max_picks = std::max<int64_t>(max_picks, static_cast<int64_t>(chosen.size()));
+  }
+  pr.compressed_stride = max_picks;
+
+  const int64_t wepb = spec.window_entries_per_block, cepb = spec.compressed_entries_per_block;
+  pr.window_region = kv_region_bytes(f, wepb);
+  pr.compressed_region = kv_region_bytes(f, cepb);
+  pr.window_block_bytes = pr.window_region * spec.layers_in_group;
+  pr.compressed_block_bytes = pr.compressed_region * spec.layers_in_group;
+  pr.page_bytes = (pr.blocks_per_page * std::max(pr.window_block_bytes, pr.compressed_block_bytes) + 4095) / 4096 *
+                      4096 + 4096;
+  // One row each: the window blocks before the chunk, the chunk's blocks (offsets 0 … tokens − 1), the compressed
+  // blocks of every entry visible at the last position. Ids shuffled over the pages, as the pool hands them out.
+  const int64_t window_first = std::max<int64_t>(0, first_position - spec.window + 1);
+  const int64_t entries = spec.ratio > 0 ? (last + 1) / spec.ratio : 0;
+  pr.window_stride = std::max<int64_t>(last / wepb + 1, (tokens - 1) / wepb + 1);
+  pr.compressed_table_stride = std::max<int64_t>(1, (entries + cepb - 1) / cepb);
+  pr.window_table.assign(static_cast<size_t>(pr.window_stride), -1);
+  pr.chunk_table.assign(static_cast<size_t>(pr.window_stride), -1);
+  pr.compressed_table.assign(static_cast<size_t>(pr.compressed_table_stride), -1);
+  std::vector<std::pair<std::vector<int32_t>*, int64_t>> needed;  // (table, block)
+  if (first_position > 0)
+    for (int64_t b = window_first / wepb; b <= (first_position - 1) / wepb; ++b) needed.emplace_back(&pr.window_table, b);
+  for (int64_t b = 0; b <= (tokens - 1) / wepb; ++b) needed.emplace_back(&pr.chunk_table, b);
+  for (int64_t b = 0; b < (entries + cepb - 1) / cepb; ++b) needed.emplace_back(&pr.compressed_table, b);
+  std::vector<int32_t> ids(needed.size());
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  for (size_t i = 0; i < needed.size(); ++i) (*needed[i].first)[static_cast<size_t>(needed[i].second)] = ids[i];
+  const int64_t pages = (static_cast<int64_t>(needed.size()) + pr.blocks_per_page - 1) / pr.blocks_per_page + 1;
+  pr.arena.assign(static_cast<size_t>(pages * pr.page_bytes), 0xff);
+
+  ops::SparseAttentionParams p = pr.host_params();
+  std::vector<uint16_t> kv(kKvHeadDim);
+  auto write = [&](const PagedKvPool& pool, int32_t entry) {
+    const float magnitude = 0.5f + 1.5f * std::uniform_real_distribution<float>(0, 1)(rng);
+    for (auto& v : kv) v = f32_to_bf16(magnitude * normal(rng));
+    const int32_t row = 0;
+    KvWriteParams w{1, f, true, pool, &entry, &row};
+    write_kv_entries(w, kv.data());
+    std::vector<float> image(kKvHeadDim);
+    if (spec.keep_reference) {
+      uint8_t scratch[kKvBf16EntryBytes + kKvFp8ScaleBytes];
+      const KvEntryAddress local{scratch, scratch + kKvBf16EntryBytes};
+      kv_quantize_entry(f, kv.data(), local, true);
+      kv_dequantize_entry(f, local, image.data());
+    }
+    ++pr.unique_keys;
+    return image;
+  };
+  std::vector<std::vector<float>> window_images, compressed_images;  // by position − window_first, by entry
+  for (int64_t position = window_first; position <= last; ++position)
+    window_images.push_back(position < first_position ? write(p.window, static_cast<int32_t>(position))
+                                                      : write(p.chunk, static_cast<int32_t>(position - first_position)));
+  for (int64_t e = 0; e < entries; ++e) compressed_images.push_back(write(p.compressed, static_cast<int32_t>(e)));
+  if (spec.keep_reference) {
+    pr.reference_keys.resize(static_cast<size_t>(tokens));
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int64_t pos = first_position + t;
+      auto& ref = pr.reference_keys[static_cast<size_t>(t)];
+      for (int64_t position = std::max<int64_t>(0, pos - spec.window + 1); position <= pos; ++position) {
+        const auto& image = window_images[static_cast<size_t>(position - window_first)];
+        ref.insert(ref.end(), image.begin(), image.end());
+      }
+      for (const int32_t e : picks[static_cast<size_t>(t)])
+        ref.insert(ref.end(), compressed_images[static_cast<size_t>(e)].begin(),
+                   compressed_images[static_cast<size_t>(e)].end());
+    }
+  }
+  pr.indices.assign(static_cast<size_t>(tokens * pr.compressed_stride), -7);  // past each length: never read
+  pr.lengths.assign(static_cast<size_t>(tokens), 0);
+  for (int64_t t = 0; t < tokens; ++t) {
+    pr.lengths[static_cast<size_t>(t)] = static_cast<int32_t>(picks[static_cast<size_t>(t)].size());
+    std::copy(picks[static_cast<size_t>(t)].begin(), picks[static_cast<size_t>(t)].end(),
+              pr.indices.begin() + t * pr.compressed_stride);
+  }
+  pr.q.resize(static_cast<size_t>(tokens * spec.heads * kKvHeadDim));
   for (auto& v : pr.q) v = f32_to_bf16(normal(rng));
   pr.sinks.resize(static_cast<size_t>(spec.heads));
   for (auto& s : pr.sinks) s = std::uniform_real_distribution<float>(-2.0f, spec.sink_max)(rng);

@@ -3,20 +3,25 @@
 // compressed index rules and the sink / inverse-RoPE epilogue at production shapes and corners.
 #include <gtest/gtest.h>
 
+#include <string>
+#include <utility>
+
 #include "ops/cpu/sparse_attention.h"
 #include "sparse_attention_problem.h"
 
 namespace dsv4::testing {
 namespace {
 
-void expect_twin_matches_formula(const AttentionProblemSpec& spec, const char* what) {
-  AttentionProblem pr = make_attention_problem(spec);
+void expect_twin_matches_formula(AttentionProblem pr, const char* what) {
   std::vector<uint16_t> out(pr.q.size(), 0xffff);  // poison: bf16 NaN
   ops::cpu::sparse_attention(pr.host_params(), pr.q.data(), out.data());
   const std::vector<double> expected = reference_attention(pr);
   // The twin is fp32 with a bf16 output: about 2^-9 relative per element.
   EXPECT_LE(relative_l2(out, expected), 4e-3) << what;
   for (size_t i = 0; i < out.size(); ++i) ASSERT_FALSE(std::isnan(bf16_to_f32(out[i]))) << what << " at " << i;
+}
+void expect_twin_matches_formula(const AttentionProblemSpec& spec, const char* what) {
+  expect_twin_matches_formula(make_attention_problem(spec), what);
 }
 
 TEST(SparseAttentionTwin, FlashCsaProductionShape) {
@@ -83,6 +88,22 @@ TEST(SparseAttentionTwin, SinkAndSelectionMatter) {
   pr.lengths[0] -= 1;  // drop one pick
   ops::cpu::sparse_attention(pr.host_params(), pr.q.data(), changed.data());
   EXPECT_NE(base, changed);
+}
+
+TEST(SparseAttentionTwin, PrefillOfOneRequest) {
+  // The runner's layout: one block-table row, consecutive positions, every query sharing the chunk's and the
+  // compressed pool's entries. From position 0 (the window grows from one key) and from 1000 (the window straddles
+  // the paged window and the chunk); top-k 16 so that CSA queries draw random picks.
+  for (const int64_t ratio : {int64_t{4}, int64_t{128}, int64_t{0}})
+    for (const auto& [first, tokens] : {std::pair<int64_t, int64_t>{0, 64}, {1000, 48}}) {
+      AttentionProblemSpec spec;
+      spec.ratio = ratio;
+      spec.top_k = 16;
+      spec.compressed_entries_per_block = ratio == 128 ? 2 : 64;
+      spec.seed = static_cast<uint32_t>(ratio + first);
+      const std::string what = "prefill ratio " + std::to_string(ratio) + " from " + std::to_string(first);
+      expect_twin_matches_formula(make_prefill_problem(spec, first, tokens), what.c_str());
+    }
 }
 
 }  // namespace

@@ -22,7 +22,7 @@ T* to_device(const std::vector<T>& host) {
 struct DeviceProblem {
   uint8_t* arena = nullptr;
   int32_t *window_table = nullptr, *compressed_table = nullptr, *indices = nullptr, *lengths = nullptr,
-          *positions = nullptr, *chunk_table = nullptr, *chunk_starts = nullptr;
+          *positions = nullptr, *chunk_table = nullptr, *chunk_starts = nullptr, *rows = nullptr;
   float *sinks = nullptr, *inv_freq = nullptr;
   uint16_t *q = nullptr, *out = nullptr;
   void* workspace = nullptr;
@@ -38,6 +38,7 @@ struct DeviceProblem {
     positions = to_device(pr.positions);
     chunk_table = to_device(pr.chunk_table);
     chunk_starts = to_device(pr.chunk_starts);
+    rows = to_device(pr.rows);
     sinks = to_device(pr.sinks);
     inv_freq = to_device(pr.inv_freq);
     q = to_device(pr.q);
@@ -51,12 +52,12 @@ struct DeviceProblem {
                     static_cast<void*>(indices), static_cast<void*>(lengths), static_cast<void*>(positions),
                     static_cast<void*>(sinks), static_cast<void*>(inv_freq), static_cast<void*>(q),
                     static_cast<void*>(out), static_cast<void*>(chunk_table), static_cast<void*>(chunk_starts),
-                    workspace})
+                    static_cast<void*>(rows), workspace})
       if (p) cudaFree(p);
   }
   ops::SparseAttentionParams params(const AttentionProblem& pr) const {
     return pr.params(arena, window_table, compressed_table, indices, lengths, positions, sinks, inv_freq, chunk_table,
-                     chunk_starts);
+                     chunk_starts, rows);
   }
   void reserve_workspace(size_t bytes) {
     if (bytes <= workspace_bytes) return;

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "device_problem.h"
@@ -57,10 +58,7 @@ void expect_close(const std::vector<uint16_t>& gpu, const std::vector<uint16_t>&
   }
 }
 
-void check(const AttentionProblemSpec& spec, const std::string& what, std::vector<int64_t> forced_splits = {}) {
-  AttentionProblemSpec s = spec;
-  s.keep_reference = false;
-  AttentionProblem pr = make_attention_problem(s);
+void check(AttentionProblem pr, const std::string& what, std::vector<int64_t> forced_splits = {}) {
   DeviceProblem dev(pr);
   ops::SparseAttentionParams p = dev.params(pr);
   std::vector<uint16_t> twin(pr.q.size(), 0xffff);
@@ -81,6 +79,11 @@ void check(const AttentionProblemSpec& spec, const std::string& what, std::vecto
     }
   }
   ::unsetenv("DSV4_ATTENTION_KERNEL");
+}
+void check(const AttentionProblemSpec& spec, const std::string& what, std::vector<int64_t> forced_splits = {}) {
+  AttentionProblemSpec s = spec;
+  s.keep_reference = false;
+  check(make_attention_problem(s), what, std::move(forced_splits));
 }
 
 TEST_F(CudaSparseAttention, FlashCsaTopK512) {
@@ -132,6 +135,25 @@ TEST_F(CudaSparseAttention, PrefillChunkKeys) {
       spec.positions.push_back(3);
       check(spec, "prefill ratio " + std::to_string(ratio), {1, 4});
     }
+}
+
+TEST_F(CudaSparseAttention, PrefillOfOneRequest) {
+  // The runner's prefill layout (one block-table row, consecutive positions, shared chunk and compressed entries):
+  // a chunk from position 0 and one from 2,100 whose CSA queries see 525-675 entries (random top-512 picks) and
+  // whose window straddles the paged window and the chunk.
+  for (const KvEntryFormat format : {KvEntryFormat::kFp8, KvEntryFormat::kBf16})
+    for (const int64_t ratio : {int64_t{4}, int64_t{128}, int64_t{0}})
+      for (const auto& [first, tokens] : {std::pair<int64_t, int64_t>{0, 200}, {2100, 600}}) {
+        AttentionProblemSpec spec;
+        spec.format = format;
+        spec.ratio = ratio;
+        spec.compressed_entries_per_block = ratio == 128 ? 2 : 64;
+        spec.keep_reference = false;
+        spec.seed = static_cast<uint32_t>(ratio * 7 + first);
+        check(make_prefill_problem(spec, first, tokens),
+              "prefill ratio " + std::to_string(ratio) + " from " + std::to_string(first) +
+                  (format == KvEntryFormat::kFp8 ? " fp8" : " bf16"));
+      }
 }
 
 TEST_F(CudaSparseAttention, CornerCases) {
