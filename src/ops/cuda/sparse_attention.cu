@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 #include "ops/cuda/device.h"
 #include "ops/cuda/launch.cuh"
@@ -97,13 +99,20 @@ __device__ __forceinline__ uint32_t dequant_pair(uint16_t pair, float scale) {
 }
 
 // Inverse interleaved RoPE of one pair (ops/cpu/rope.cpp with inverse = true).
-__device__ __forceinline__ void inverse_rope_pair(float& a, float& b, const SparseAttentionParams& p, int pair,
-                                                  int position) {
+// The rotation's cosine and (negated) sine for `pair` at `position`.
+__device__ __forceinline__ float2 inverse_rope_factors(const SparseAttentionParams& p, int pair, int position) {
   const float angle = p.rope_inv_freq[pair] * static_cast<float>(position);
-  const float c = cosf(angle) * p.rope_attention_scaling, s = -sinf(angle) * p.rope_attention_scaling;
+  return make_float2(cosf(angle) * p.rope_attention_scaling, -sinf(angle) * p.rope_attention_scaling);
+}
+__device__ __forceinline__ void rotate_pair(float& a, float& b, float2 factors) {
+  const float c = factors.x, s = factors.y;
   const float ra = a * c - b * s, rb = b * c + a * s;
   a = ra;
   b = rb;
+}
+__device__ __forceinline__ void inverse_rope_pair(float& a, float& b, const SparseAttentionParams& p, int pair,
+                                                  int position) {
+  rotate_pair(a, b, inverse_rope_factors(p, pair, position));
 }
 
 // What query token `token` reads (MODEL.md "Attention sublayer"): window positions max(0, t − W + 1) … t, then
@@ -493,6 +502,103 @@ static_assert(Smem<KvEntryFormat::kBf16>::kAllocation <= 227 * 1024, "BF16 tiles
 static_assert(kHeadsPerCta * (kKvHeadDim + 8) * 4 <= Smem<KvEntryFormat::kBf16>::kKeyData, "staging does not fit");
 static_assert(kHeadsPerCta * (kKvHeadDim + 8) * 4 <= Smem<KvEntryFormat::kFp8>::kKeyData, "staging does not fit");
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// S = Q·Kᵀ of one tile: 64 heads × 64 keys over 512 channels, 16 channels per wgmma (32 bytes into a 128-byte
+// row); each warpgroup computes the whole of it.
+__device__ __forceinline__ void tile_scores(float (&s)[32], uint32_t q_stage, uint32_t kv_stage) {
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < kKvHeadDim / 16; ++ks) {
+    const uint32_t offset = (ks >> 2) * kColumnBlockBytes + (ks & 3) * 32;
+    wgmma_m64n64k16_ss(s, smem_descriptor(q_stage + offset, 16, 1024), smem_descriptor(kv_stage + offset, 16, 1024),
+                       ks > 0);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+}
+
+// The online softmax (base 2) of one tile's scores over complete rows, then O += P·V over this warpgroup's 256
+// channels. s[4j + e] is key 8j + 2·(lane % 4) + e % 2 of row lane/4 + 8·(e / 2); the 4 lanes of a quad hold a row
+// between them. A key whose address in `tile_keys` is null is masked.
+__device__ __forceinline__ void softmax_and_accumulate(float (&o)[128], float (&s)[32], float (&m_run)[2],
+                                                       float (&l_run)[2], const uint8_t* const* tile_keys,
+                                                       float scale_log2, uint32_t kv_stage, int group, int lane) {
+  float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int key = 8 * j + 2 * (lane & 3) + e;
+      const bool valid = tile_keys[key] != nullptr;
+      s[4 * j + e] = valid ? s[4 * j + e] * scale_log2 : -INFINITY;
+      s[4 * j + 2 + e] = valid ? s[4 * j + 2 + e] * scale_log2 : -INFINITY;
+      tile_max[0] = fmaxf(tile_max[0], s[4 * j + e]);
+      tile_max[1] = fmaxf(tile_max[1], s[4 * j + 2 + e]);
+    }
+  float shift[2], alpha[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+    tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+    const float m_new = fmaxf(m_run[r], tile_max[r]);
+    shift[r] = m_new == -INFINITY ? 0.0f : m_new;  // a row with no valid key yet keeps p = 0, not NaN
+    alpha[r] = exp2f(m_run[r] - shift[r]);
+    m_run[r] = m_new;
+    l_run[r] *= alpha[r];
+  }
+  uint32_t pa[4][4];  // P as the A operand, 16 keys per wgmma (the m16n8k16 A fragment of this warp's rows)
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float p0 = exp2f(s[4 * j] - shift[0]), p1 = exp2f(s[4 * j + 1] - shift[0]);
+    const float p2 = exp2f(s[4 * j + 2] - shift[1]), p3 = exp2f(s[4 * j + 3] - shift[1]);
+    l_run[0] += p0 + p1;
+    l_run[1] += p2 + p3;
+    pa[j >> 1][2 * (j & 1)] = pack_bf16(p0, p1);
+    pa[j >> 1][2 * (j & 1) + 1] = pack_bf16(p2, p3);
+  }
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    o[4 * j] *= alpha[0];
+    o[4 * j + 1] *= alpha[0];
+    o[4 * j + 2] *= alpha[1];
+    o[4 * j + 3] *= alpha[1];
+  }
+  // O += P·V: keys 16·kk … (two 8-key groups, 1024 B apart) × this warpgroup's 256 channels (4 column blocks,
+  // 8192 B apart).
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kTileKeys / 16; ++kk)
+    wgmma_m64n256k16_rs_mn_major_b(
+        o, pa[kk], smem_descriptor(kv_stage + 4 * group * kColumnBlockBytes + kk * 2048, kColumnBlockBytes, 1024), 1);
+  wgmma_commit();
+  wgmma_wait<0>();
+}
+
+// The finished rows of this thread (sink in the denominator, 1/l, inverse RoPE: factors(pair) gives the rotation
+// of rope pair `pair`) as bf16 pairs into shared memory at staged + offset(row, dim) bytes; the row sums must
+// already be complete (quad-reduced).
+template <typename Offset, typename RopeFactors>
+__device__ __forceinline__ void stage_finished_rows(const float (&o)[128], const float (&m_run)[2],
+                                                    const float (&l_run)[2], const SparseAttentionParams& p,
+                                                    int64_t first_head, RopeFactors factors, uint8_t* staged,
+                                                    int group, int warp, int lane, Offset offset) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = 16 * (warp & 3) + (lane >> 2) + 8 * half;
+    const float m = m_run[half], l = l_run[half];
+    // The sink joins the denominator only: o = Σ p v / (Σ p + 2^(sink·log2e − m)); no key → zeros.
+    const float inverse = l > 0.0f ? 1.0f / (l + exp2f(p.sinks[first_head + row] * kLog2e - m)) : 0.0f;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int dim = 256 * group + 8 * j + 2 * (lane & 3);
+      float a = o[4 * j + 2 * half] * inverse, b = o[4 * j + 2 * half + 1] * inverse;
+      if (dim >= kKvNopeDim) rotate_pair(a, b, factors((dim - kKvNopeDim) / 2));
+      *reinterpret_cast<uint32_t*>(staged + offset(row, dim)) = pack_bf16(a, b);
+    }
+  }
+}
+#endif
+
 template <KvEntryFormat kFormat, bool kSplit>
 __global__ void __launch_bounds__(kThreads, 1)
     sparse_attention_wgmma_kernel(const SparseAttentionParams p, const uint16_t* q, uint16_t* __restrict__ out,
@@ -564,70 +670,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       fence_proxy_async_shared();  // the tile (cp.async or dequantized) and Q, before wgmma reads them
       __syncthreads();
 
-      // S = Q·Kᵀ: 64 heads × 64 keys over 512 channels, 16 channels per wgmma (32 bytes into a 128-byte row).
       float s[32];
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < kKvHeadDim / 16; ++ks) {
-        const uint32_t offset = (ks >> 2) * kColumnBlockBytes + (ks & 3) * 32;
-        wgmma_m64n64k16_ss(s, smem_descriptor(smem_base + L::kQ + offset, 16, 1024),
-                           smem_descriptor(kv_stage + offset, 16, 1024), ks > 0);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-
-      // Online softmax (base 2) over complete rows: s[4j + e] is key 8j + 2·(lane % 4) + e % 2 of row
-      // lane/4 + 8·(e / 2); the 4 lanes of a quad hold a row between them.
-      float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int key = 8 * j + 2 * (lane & 3) + e;
-          const bool valid = key_data[addresses * kTileKeys + key] != nullptr;
-          s[4 * j + e] = valid ? s[4 * j + e] * scale_log2 : -INFINITY;
-          s[4 * j + 2 + e] = valid ? s[4 * j + 2 + e] * scale_log2 : -INFINITY;
-          tile_max[0] = fmaxf(tile_max[0], s[4 * j + e]);
-          tile_max[1] = fmaxf(tile_max[1], s[4 * j + 2 + e]);
-        }
-      float shift[2], alpha[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
-        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-        const float m_new = fmaxf(m_run[r], tile_max[r]);
-        shift[r] = m_new == -INFINITY ? 0.0f : m_new;  // a row with no valid key yet keeps p = 0, not NaN
-        alpha[r] = exp2f(m_run[r] - shift[r]);
-        m_run[r] = m_new;
-        l_run[r] *= alpha[r];
-      }
-      uint32_t pa[4][4];  // P as the A operand, 16 keys per wgmma (the m16n8k16 A fragment of this warp's rows)
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float p0 = exp2f(s[4 * j] - shift[0]), p1 = exp2f(s[4 * j + 1] - shift[0]);
-        const float p2 = exp2f(s[4 * j + 2] - shift[1]), p3 = exp2f(s[4 * j + 3] - shift[1]);
-        l_run[0] += p0 + p1;
-        l_run[1] += p2 + p3;
-        pa[j >> 1][2 * (j & 1)] = pack_bf16(p0, p1);
-        pa[j >> 1][2 * (j & 1) + 1] = pack_bf16(p2, p3);
-      }
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        o[4 * j] *= alpha[0];
-        o[4 * j + 1] *= alpha[0];
-        o[4 * j + 2] *= alpha[1];
-        o[4 * j + 3] *= alpha[1];
-      }
-      // O += P·V: keys 16·kk … (two 8-key groups, 1024 B apart) × this warpgroup's 256 channels (4 column
-      // blocks, 8192 B apart).
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kTileKeys / 16; ++kk)
-        wgmma_m64n256k16_rs_mn_major_b(
-            o, pa[kk],
-            smem_descriptor(kv_stage + 4 * group * kColumnBlockBytes + kk * 2048, kColumnBlockBytes, 1024), 1);
-      wgmma_commit();
-      wgmma_wait<0>();
+      tile_scores(s, smem_base + L::kQ, kv_stage);
+      softmax_and_accumulate(o, s, m_run, l_run, key_data + addresses * kTileKeys, scale_log2, kv_stage, group, lane);
     }
   }
 
@@ -671,20 +716,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   } else {
     constexpr int kStride = kKvHeadDim + 8;  // bf16: rows 1,040 B apart, 4 banks on
     uint16_t* staged = reinterpret_cast<uint16_t*>(smem);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = 16 * (warp & 3) + (lane >> 2) + 8 * half;
-      const float m = m_run[half], l = l_run[half];
-      // The sink joins the denominator only: o = Σ p v / (Σ p + 2^(sink·log2e − m)); no key → zeros.
-      const float inverse = l > 0.0f ? 1.0f / (l + exp2f(p.sinks[first_head + row] * kLog2e - m)) : 0.0f;
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        const int dim = 256 * group + 8 * j + 2 * (lane & 3);
-        float a = o[4 * j + 2 * half] * inverse, b = o[4 * j + 2 * half + 1] * inverse;
-        if (dim >= kKvNopeDim) inverse_rope_pair(a, b, p, (dim - kKvNopeDim) / 2, position);
-        *reinterpret_cast<uint32_t*>(staged + row * kStride + dim) = pack_bf16(a, b);
-      }
-    }
+    stage_finished_rows(
+        o, m_run, l_run, p, first_head, [&](int pair) { return inverse_rope_factors(p, pair, position); }, smem,
+        group, warp, lane, [](int row, int dim) { return (row * kStride + dim) * 2; });
     __syncthreads();
     uint16_t* base = out + (token * p.heads + first_head) * kKvHeadDim;
 #pragma unroll 4
@@ -693,6 +727,147 @@ __global__ void __launch_bounds__(kThreads, 1)
       *reinterpret_cast<uint4*>(base + row * kKvHeadDim + column) =
           *reinterpret_cast<const uint4*>(staged + row * kStride + column);
     }
+  }
+#else
+  __trap();  // not sm_90a code: use_warpgroup_mma (ops/cuda/warpgroup_dispatch.h) never launches it there
+#endif
+}
+
+// ---- Prefill: persistent CTAs over (token, head group) items (BF16 keys, unsplit) ----
+//
+// A prefill query reads few tiles (SWA 2, HCA 2-3, CSA ≤ 10), and one CTA a token on an SM it fills alone (198 KB
+// of shared memory) leaves the SM idle while a CTA starts (metadata, block table, Q and the first tile from memory)
+// and while it ends (the output through shared memory). Here each CTA walks the items blockIdx.x, + gridDim.x, …
+// as one sequence of tiles, and the loads of the next item's first tile and Q go out while the current item
+// finishes: its first tile into the free stage at the top of the current item's last tile, its Q once both
+// warpgroups have computed that tile's S (P·V and the epilogue no longer read Q). The output is staged in the last
+// tile's stage (rows of 1024 B, chunks XOR-swizzled by row), not over Q and the other stage, which are loading.
+// Same tiles, softmax, rounding and epilogue as sparse_attention_wgmma_kernel, so the output is bitwise its own.
+constexpr int kPrefillRopeFactors = Smem<KvEntryFormat::kBf16>::kBytes;        // float2 [32]
+constexpr int kPrefillAllocation = Smem<KvEntryFormat::kBf16>::kAllocation + 256;
+static_assert(kPrefillAllocation <= 227 * 1024, "prefill shared memory does not fit");
+
+__global__ void __launch_bounds__(kThreads, 1)
+    sparse_attention_prefill_kernel(const SparseAttentionParams p, const uint16_t* q, uint16_t* __restrict__ out,
+                                    int items) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  wait_for_prior_grid();
+  allow_dependents();
+  using L = Smem<KvEntryFormat::kBf16>;
+  extern __shared__ __align__(1024) uint8_t smem_unaligned[];
+  const uint32_t unaligned_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem_unaligned));
+  const uint32_t pad = (1024u - (unaligned_base & 1023u)) & 1023u;
+  uint8_t* smem = smem_unaligned + pad;
+  const uint32_t smem_base = unaligned_base + pad;
+  const uint8_t** key_data = reinterpret_cast<const uint8_t**>(smem + L::kKeyData);
+  const uint8_t** key_scales = reinterpret_cast<const uint8_t**>(smem + L::kKeyScales);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int group = warp >> 2;
+  const int head_groups = static_cast<int>(p.heads / kHeadsPerCta);
+
+  int item = blockIdx.x;
+  if (item >= items) return;
+  // Few values stay live across the tiles (the wgmma kernel above runs at 255 registers): the item, its tile
+  // count and position; a resolving thread re-reads the rest of the item's metadata (L1 hits).
+  auto q_of = [&](int of_item) {
+    return q + (int64_t{of_item / head_groups} * p.heads + (of_item % head_groups) * kHeadsPerCta) * kKvHeadDim;
+  };
+  auto resolve = [&](int of_item, int tile, int slot) {
+    if (tid < kTileKeys)
+      resolve_tile_keys<KvEntryFormat::kBf16>(p, query_keys(p, of_item / head_groups), tile, tid,
+                                              key_data + slot * kTileKeys, key_scales + slot * kTileKeys);
+  };
+  // The item's inverse-RoPE factors, made once where the registers are free (sincos beside the 128 accumulators
+  // of the epilogue spilled): written at the item's start, read by its epilogue, rewritten only after the
+  // epilogue's barrier.
+  float2* rope_factors = reinterpret_cast<float2*>(smem + kPrefillRopeFactors);
+  int tiles;
+  auto start_item = [&] {
+    const QueryKeys keys = query_keys(p, item / head_groups);
+    tiles = (keys.num_keys + kTileKeys - 1) / kTileKeys;
+    if (tid < kKvRopeDim / 2) rope_factors[tid] = inverse_rope_factors(p, tid, keys.position);
+  };
+  start_item();
+  int tile = 0;
+  // seq counts this CTA's tiles: stage seq & 1, key-address slot seq % 3 (three, as in the kernel above).
+  int seq = 0;
+  resolve(item, 0, 0);
+  load_query_heads(smem_base + L::kQ, q_of(item), tid, tile_offset);
+  __syncthreads();
+  load_bf16_tile(smem_base + L::kKv, key_data, q, tid, tile_offset);
+  cp_async_commit();
+
+  float o[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.0f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+  const float scale_log2 = p.scale * kLog2e;
+  for (;;) {
+    const int slot = seq & 1, addresses = seq % L::kAddressSlots;
+    const int next_addresses = addresses + 1 == L::kAddressSlots ? 0 : addresses + 1;
+    const bool last_tile = tile + 1 >= tiles;
+    const int next_item = item + static_cast<int>(gridDim.x);
+    // The sequence's next tile: this item's next one, or the next item's first.
+    const bool has_next = !last_tile || next_item < items;
+    if (has_next) resolve(last_tile ? next_item : item, last_tile ? 0 : tile + 1, next_addresses);
+    __syncthreads();  // next tile's addresses visible; every MMA of the previous tile has completed
+    if (has_next)
+      load_bf16_tile(smem_base + L::kKv + (slot ^ 1) * kTileBytes, key_data + next_addresses * kTileKeys, q, tid,
+                     tile_offset);
+    cp_async_commit();
+    cp_async_wait_one();  // this tile (and, at an item's first tile, its Q)
+    const uint32_t kv_stage = smem_base + L::kKv + slot * kTileBytes;
+    fence_proxy_async_shared();
+    __syncthreads();
+
+    float s[32];
+    tile_scores(s, smem_base + L::kQ, kv_stage);
+    softmax_and_accumulate(o, s, m_run, l_run, key_data + addresses * kTileKeys, scale_log2, kv_stage, group, lane);
+    ++seq;
+    if (!last_tile) {
+      ++tile;
+      continue;
+    }
+
+    // The item's epilogue, staged in this tile's stage: rows of 1024 B, 16-byte chunks XORed with row mod 8.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+      l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+    }
+    __syncthreads();  // every warp's S and P·V are complete: Q and the stage are free
+    if (next_item < items) {
+      load_query_heads(smem_base + L::kQ, q_of(next_item), tid, tile_offset);
+      cp_async_commit();
+    }
+    uint8_t* staged = smem + L::kKv + slot * kTileBytes;
+    auto staged_offset = [](int row, int dim) {
+      return row * 1024 + ((((dim >> 3) & ~7) | (((dim >> 3) ^ row) & 7)) << 4) + (dim & 7) * 2;
+    };
+    const int64_t first_head = int64_t{item % head_groups} * kHeadsPerCta;
+    // The staging addresses depend only on the lane, so the compiler would compute them once, before the loop,
+    // and hold 64 of them across it (300 bytes of spills); an opaque copy of the lane keeps them here.
+    int staging_lane = lane;
+    asm volatile("" : "+r"(staging_lane));
+    stage_finished_rows(
+        o, m_run, l_run, p, first_head, [&](int pair) { return rope_factors[pair]; }, staged, group, warp,
+        staging_lane, staged_offset);
+    __syncthreads();
+    uint16_t* base = out + (int64_t{item / head_groups} * p.heads + first_head) * kKvHeadDim;
+#pragma unroll 4
+    for (int i = tid; i < kHeadsPerCta * kKvHeadDim / 8; i += kThreads) {
+      const int row = i / (kKvHeadDim / 8), column = 8 * (i % (kKvHeadDim / 8));
+      *reinterpret_cast<uint4*>(base + row * kKvHeadDim + column) =
+          *reinterpret_cast<const uint4*>(staged + staged_offset(row, column));
+    }
+    if (next_item >= items) break;
+    item = next_item;
+    start_item();
+    tile = 0;
+#pragma unroll
+    for (int i = 0; i < 128; ++i) o[i] = 0.0f;
+    m_run[0] = m_run[1] = -INFINITY;
+    l_run[0] = l_run[1] = 0.0f;
   }
 #else
   __trap();  // not sm_90a code: use_warpgroup_mma (ops/cuda/warpgroup_dispatch.h) never launches it there
@@ -787,6 +962,16 @@ cudaError_t launch(const SparseAttentionParams& p, const uint16_t* q, uint16_t* 
   return cudaGetLastError();
 }
 
+// The persistent prefill kernel where it pays: BF16 keys, one split, more (token, head group) items than two
+// waves of the GPU, sm_90a code on a Hopper; DSV4_ATTENTION_PREFILL=0 keeps one CTA an item.
+bool use_prefill_kernel(const SparseAttentionParams& p, int multiprocessors) {
+  if (p.format != KvEntryFormat::kBf16 || p.tokens * (p.heads / kHeadsPerCta) <= 2 * int64_t{multiprocessors})
+    return false;
+  const char* choice = std::getenv("DSV4_ATTENTION_PREFILL");
+  if (choice != nullptr && std::strcmp(choice, "0") == 0) return false;
+  return use_warpgroup_mma("DSV4_ATTENTION_KERNEL");
+}
+
 }  // namespace
 
 int64_t sparse_attention_splits(const SparseAttentionParams& p, int multiprocessors) {
@@ -810,6 +995,17 @@ cudaError_t sparse_attention(const SparseAttentionParams& p, const uint16_t* q, 
   const int multiprocessors = std::max(current_device_multiprocessors(), 1);
   const int splits = static_cast<int>(sparse_attention_splits(p, multiprocessors));
   const bool fp8 = p.format == KvEntryFormat::kFp8;
+  if (splits == 1 && use_prefill_kernel(p, multiprocessors)) {
+    const int64_t items = p.tokens * (p.heads / kHeadsPerCta);
+    constexpr int kShared = warpgroup_mma::kPrefillAllocation;
+    static const cudaError_t attribute = cudaFuncSetAttribute(
+        warpgroup_mma::sparse_attention_prefill_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kShared);
+    if (attribute != cudaSuccess) return attribute;
+    launch_dependent(warpgroup_mma::sparse_attention_prefill_kernel,
+                     dim3(static_cast<unsigned>(std::min<int64_t>(items, multiprocessors))), kThreads, kShared, stream,
+                     p, q, out, static_cast<int>(items));
+    return cudaGetLastError();
+  }
   if (splits == 1) {
     return fp8 ? launch<KvEntryFormat::kFp8, false>(p, q, out, nullptr, nullptr, 1, stream)
                : launch<KvEntryFormat::kBf16, false>(p, q, out, nullptr, nullptr, 1, stream);

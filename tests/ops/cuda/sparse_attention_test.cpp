@@ -79,6 +79,15 @@ void check(AttentionProblem pr, const std::string& what, std::vector<int64_t> fo
     }
   }
   ::unsetenv("DSV4_ATTENTION_KERNEL");
+  if (!pr.rows.empty()) {
+    // A prefill: where its (token, head group) items exceed two waves the default is the persistent prefill
+    // kernel (on a Hopper), which must be bitwise the one-CTA-an-item kernel (DSV4_ATTENTION_PREFILL=0).
+    p.num_splits = 0;
+    const std::vector<uint16_t> by_default = run_gpu(dev, p);
+    ::setenv("DSV4_ATTENTION_PREFILL", "0", 1);
+    EXPECT_EQ(by_default, run_gpu(dev, p)) << what << ": the prefill kernels differ";
+    ::unsetenv("DSV4_ATTENTION_PREFILL");
+  }
 }
 void check(const AttentionProblemSpec& spec, const std::string& what, std::vector<int64_t> forced_splits = {}) {
   AttentionProblemSpec s = spec;
