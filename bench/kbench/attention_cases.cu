@@ -32,6 +32,27 @@ const char* flashmla_note(const AttentionCase& c) {
   return "FlashMLA FP8 sparse decode 410 TFLOP/s (H800, b128 h128 topk2048)";
 }
 
+// The case's name without the split count the kernel picks (known only once the problem is built).
+std::string case_stem(const AttentionCase& c) {
+  char stem[128];
+  const char* format = c.format == KvEntryFormat::kFp8 ? "fp8" : "bf16";
+  if (c.prefill)
+    std::snprintf(stem, sizeof stem, "%s %s prefill %lldK", c.layer, format, static_cast<long long>(c.context / 1024));
+  else
+    std::snprintf(stem, sizeof stem, "%s %s ctx=%lldK b=%lld", c.layer, format,
+                  static_cast<long long>(c.context / 1024), static_cast<long long>(c.batch));
+  return stem;
+}
+
+// --case: a decode case is asked for by its full name, split count included, or by its stem.
+bool wanted(const AttentionCase& c, const Options& options) {
+  if (options.cases.empty()) return true;
+  const std::string stem = case_stem(c);
+  for (const std::string& name : options.cases)
+    if (name.rfind(stem, 0) == 0 && (name.size() == stem.size() || name[stem.size()] == ' ')) return true;
+  return false;
+}
+
 CaseResult run_case(const AttentionCase& c, int iterations) {
   testing::AttentionProblemSpec spec;
   spec.heads = c.heads;
@@ -79,16 +100,8 @@ CaseResult run_case(const AttentionCase& c, int iterations) {
     }
   }
   CaseResult r;
-  char name[128];
-  if (c.prefill)
-    std::snprintf(name, sizeof name, "%s %s prefill %lldK", c.layer, c.format == KvEntryFormat::kFp8 ? "fp8" : "bf16",
-                  static_cast<long long>(c.context / 1024));
-  else
-    std::snprintf(name, sizeof name, "%s %s ctx=%lldK b=%lld splits=%lld", c.layer,
-                  c.format == KvEntryFormat::kFp8 ? "fp8" : "bf16", static_cast<long long>(c.context / 1024),
-                  static_cast<long long>(c.batch),
-                  static_cast<long long>(ops::cuda::sparse_attention_splits(p, sms)));
-  r.name = name;
+  r.name = case_stem(c);
+  if (!c.prefill) r.name += " splits=" + std::to_string(ops::cuda::sparse_attention_splits(p, sms));
   r.microseconds = us;
   r.flops = 2.0 * static_cast<double>(c.heads) * (512 + 512) * static_cast<double>(keys);
   r.bytes = static_cast<double>(pr.unique_keys) * static_cast<double>(kv_entry_bytes(c.format)) +
@@ -118,7 +131,8 @@ std::vector<CaseResult> attention_suite(const Ceilings&, const Options& options)
   cases.push_back({"flash-hca", 64, 128, 0, 8192, 1, KvEntryFormat::kFp8, true});
   cases.push_back({"flash-swa", 64, 0, 0, 8192, 1, KvEntryFormat::kBf16, true});
   cases.push_back({"flash-csa", 64, 4, 512, 8192, 1, KvEntryFormat::kBf16, true});
-  for (const AttentionCase& c : cases) results.push_back(run_case(c, iterations));
+  for (const AttentionCase& c : cases)
+    if (wanted(c, options)) results.push_back(run_case(c, iterations));
   return results;
 }
 
