@@ -733,7 +733,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// ---- Prefill: persistent CTAs over (token, head group) items (BF16 keys, unsplit) ----
+// ---- Prefill: persistent CTAs over (token, head group) items (unsplit) ----
 //
 // A prefill query reads few tiles (SWA 2, HCA 2-3, CSA ≤ 10), and one CTA a token on an SM it fills alone (198 KB
 // of shared memory) leaves the SM idle while a CTA starts (metadata, block table, Q and the first tile from memory)
@@ -742,18 +742,26 @@ __global__ void __launch_bounds__(kThreads, 1)
 // finishes: its first tile into the free stage at the top of the current item's last tile, its Q once both
 // warpgroups have computed that tile's S (P·V and the epilogue no longer read Q). The output is staged in the last
 // tile's stage (rows of 1024 B, chunks XOR-swizzled by row), not over Q and the other stage, which are loading.
-// Same tiles, softmax, rounding and epilogue as sparse_attention_wgmma_kernel, so the output is bitwise its own.
-constexpr int kPrefillRopeFactors = Smem<KvEntryFormat::kBf16>::kBytes;        // float2 [32]
-constexpr int kPrefillAllocation = Smem<KvEntryFormat::kBf16>::kAllocation + 256;
-static_assert(kPrefillAllocation <= 227 * 1024, "prefill shared memory does not fit");
+// FP8 keys land raw in the free raw stage and are dequantized into the one bf16 tile at their turn, as in the kernel
+// above; the output is then staged in that bf16 tile. Same tiles, softmax, rounding and epilogue as
+// sparse_attention_wgmma_kernel, so the output is bitwise its own.
+template <KvEntryFormat kFormat>
+struct PrefillSmem {
+  static constexpr int kRopeFactors = Smem<kFormat>::kBytes;  // float2 [32]
+  static constexpr int kAllocation = Smem<kFormat>::kAllocation + 256;
+};
+static_assert(PrefillSmem<KvEntryFormat::kBf16>::kAllocation <= 227 * 1024, "prefill shared memory does not fit");
+static_assert(PrefillSmem<KvEntryFormat::kFp8>::kAllocation <= 227 * 1024, "prefill shared memory does not fit");
 
+template <KvEntryFormat kFormat>
 __global__ void __launch_bounds__(kThreads, 1)
     sparse_attention_prefill_kernel(const SparseAttentionParams p, const uint16_t* q, uint16_t* __restrict__ out,
                                     int items) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   wait_for_prior_grid();
   allow_dependents();
-  using L = Smem<KvEntryFormat::kBf16>;
+  using L = Smem<kFormat>;
+  constexpr bool kFp8 = kFormat == KvEntryFormat::kFp8;
   extern __shared__ __align__(1024) uint8_t smem_unaligned[];
   const uint32_t unaligned_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem_unaligned));
   const uint32_t pad = (1024u - (unaligned_base & 1023u)) & 1023u;
@@ -774,13 +782,29 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   auto resolve = [&](int of_item, int tile, int slot) {
     if (tid < kTileKeys)
-      resolve_tile_keys<KvEntryFormat::kBf16>(p, query_keys(p, of_item / head_groups), tile, tid,
-                                              key_data + slot * kTileKeys, key_scales + slot * kTileKeys);
+      resolve_tile_keys<kFormat>(p, query_keys(p, of_item / head_groups), tile, tid, key_data + slot * kTileKeys,
+                                 key_scales + slot * kTileKeys);
+  };
+  // Stage `slot` (bf16 tile or raw FP8 stage) from the addresses of slot `addresses`.
+  // Addresses that depend only on the thread would be computed once, before the loop, and held across it (ptxas:
+  // 120-340 bytes of spills); an opaque copy of the thread index keeps them where they are used.
+  auto opaque_tid = [&] {
+    int value = tid;
+    asm volatile("" : "+r"(value));
+    return value;
+  };
+  auto load_tile = [&](int slot, int addresses) {
+    if constexpr (kFp8)
+      load_fp8_raw_tile(smem_base + L::kRaw + slot * kRawTileBytes, key_data + addresses * kTileKeys,
+                        key_scales + addresses * kTileKeys, q, opaque_tid());
+    else
+      load_bf16_tile(smem_base + L::kKv + slot * kTileBytes, key_data + addresses * kTileKeys, q, opaque_tid(),
+                     tile_offset);
   };
   // The item's inverse-RoPE factors, made once where the registers are free (sincos beside the 128 accumulators
   // of the epilogue spilled): written at the item's start, read by its epilogue, rewritten only after the
   // epilogue's barrier.
-  float2* rope_factors = reinterpret_cast<float2*>(smem + kPrefillRopeFactors);
+  float2* rope_factors = reinterpret_cast<float2*>(smem + PrefillSmem<kFormat>::kRopeFactors);
   int tiles;
   auto start_item = [&] {
     const QueryKeys keys = query_keys(p, item / head_groups);
@@ -794,7 +818,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   resolve(item, 0, 0);
   load_query_heads(smem_base + L::kQ, q_of(item), tid, tile_offset);
   __syncthreads();
-  load_bf16_tile(smem_base + L::kKv, key_data, q, tid, tile_offset);
+  load_tile(0, 0);
   cp_async_commit();
 
   float o[128];
@@ -811,12 +835,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     const bool has_next = !last_tile || next_item < items;
     if (has_next) resolve(last_tile ? next_item : item, last_tile ? 0 : tile + 1, next_addresses);
     __syncthreads();  // next tile's addresses visible; every MMA of the previous tile has completed
-    if (has_next)
-      load_bf16_tile(smem_base + L::kKv + (slot ^ 1) * kTileBytes, key_data + next_addresses * kTileKeys, q, tid,
-                     tile_offset);
+    if (has_next) load_tile(slot ^ 1, next_addresses);
     cp_async_commit();
     cp_async_wait_one();  // this tile (and, at an item's first tile, its Q)
-    const uint32_t kv_stage = smem_base + L::kKv + slot * kTileBytes;
+    uint32_t kv_stage = smem_base + L::kKv + slot * kTileBytes;
+    if constexpr (kFp8) {
+      __syncthreads();  // this tile's raw bytes visible to every thread
+      dequantize_tile(smem + L::kRaw + slot * kRawTileBytes, smem + L::kKv, opaque_tid(), tile_offset);
+      kv_stage = smem_base + L::kKv;
+    }
     fence_proxy_async_shared();
     __syncthreads();
 
@@ -829,7 +856,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       continue;
     }
 
-    // The item's epilogue, staged in this tile's stage: rows of 1024 B, 16-byte chunks XORed with row mod 8.
+    // The item's epilogue, staged in this tile's bf16 stage: rows of 1024 B, 16-byte chunks XORed with row mod 8.
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
@@ -840,18 +867,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       load_query_heads(smem_base + L::kQ, q_of(next_item), tid, tile_offset);
       cp_async_commit();
     }
-    uint8_t* staged = smem + L::kKv + slot * kTileBytes;
+    uint8_t* staged = smem + L::kKv + (kFp8 ? 0 : slot * kTileBytes);
     auto staged_offset = [](int row, int dim) {
       return row * 1024 + ((((dim >> 3) & ~7) | (((dim >> 3) ^ row) & 7)) << 4) + (dim & 7) * 2;
     };
     const int64_t first_head = int64_t{item % head_groups} * kHeadsPerCta;
-    // The staging addresses depend only on the lane, so the compiler would compute them once, before the loop,
-    // and hold 64 of them across it (300 bytes of spills); an opaque copy of the lane keeps them here.
-    int staging_lane = lane;
-    asm volatile("" : "+r"(staging_lane));
     stage_finished_rows(
         o, m_run, l_run, p, first_head, [&](int pair) { return rope_factors[pair]; }, staged, group, warp,
-        staging_lane, staged_offset);
+        opaque_tid() & 31, staged_offset);
     __syncthreads();
     uint16_t* base = out + (int64_t{item / head_groups} * p.heads + first_head) * kKvHeadDim;
 #pragma unroll 4
@@ -962,11 +985,24 @@ cudaError_t launch(const SparseAttentionParams& p, const uint16_t* q, uint16_t* 
   return cudaGetLastError();
 }
 
-// The persistent prefill kernel where it pays: BF16 keys, one split, more (token, head group) items than two
-// waves of the GPU, sm_90a code on a Hopper; DSV4_ATTENTION_PREFILL=0 keeps one CTA an item.
+template <KvEntryFormat kFormat>
+cudaError_t launch_prefill(const SparseAttentionParams& p, const uint16_t* q, uint16_t* out, int multiprocessors,
+                           cudaStream_t stream) {
+  const int64_t items = p.tokens * (p.heads / kHeadsPerCta);
+  constexpr int kShared = warpgroup_mma::PrefillSmem<kFormat>::kAllocation;
+  static const cudaError_t attribute = cudaFuncSetAttribute(warpgroup_mma::sparse_attention_prefill_kernel<kFormat>,
+                                                            cudaFuncAttributeMaxDynamicSharedMemorySize, kShared);
+  if (attribute != cudaSuccess) return attribute;
+  launch_dependent(warpgroup_mma::sparse_attention_prefill_kernel<kFormat>,
+                   dim3(static_cast<unsigned>(std::min<int64_t>(items, multiprocessors))), kThreads, kShared, stream,
+                   p, q, out, static_cast<int>(items));
+  return cudaGetLastError();
+}
+
+// The persistent prefill kernel where it pays: one split, more (token, head group) items than two waves of the
+// GPU, sm_90a code on a Hopper; DSV4_ATTENTION_PREFILL=0 keeps one CTA an item.
 bool use_prefill_kernel(const SparseAttentionParams& p, int multiprocessors) {
-  if (p.format != KvEntryFormat::kBf16 || p.tokens * (p.heads / kHeadsPerCta) <= 2 * int64_t{multiprocessors})
-    return false;
+  if (p.tokens * (p.heads / kHeadsPerCta) <= 2 * int64_t{multiprocessors}) return false;
   const char* choice = std::getenv("DSV4_ATTENTION_PREFILL");
   if (choice != nullptr && std::strcmp(choice, "0") == 0) return false;
   return use_warpgroup_mma("DSV4_ATTENTION_KERNEL");
@@ -996,15 +1032,8 @@ cudaError_t sparse_attention(const SparseAttentionParams& p, const uint16_t* q, 
   const int splits = static_cast<int>(sparse_attention_splits(p, multiprocessors));
   const bool fp8 = p.format == KvEntryFormat::kFp8;
   if (splits == 1 && use_prefill_kernel(p, multiprocessors)) {
-    const int64_t items = p.tokens * (p.heads / kHeadsPerCta);
-    constexpr int kShared = warpgroup_mma::kPrefillAllocation;
-    static const cudaError_t attribute = cudaFuncSetAttribute(
-        warpgroup_mma::sparse_attention_prefill_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kShared);
-    if (attribute != cudaSuccess) return attribute;
-    launch_dependent(warpgroup_mma::sparse_attention_prefill_kernel,
-                     dim3(static_cast<unsigned>(std::min<int64_t>(items, multiprocessors))), kThreads, kShared, stream,
-                     p, q, out, static_cast<int>(items));
-    return cudaGetLastError();
+    return fp8 ? launch_prefill<KvEntryFormat::kFp8>(p, q, out, multiprocessors, stream)
+               : launch_prefill<KvEntryFormat::kBf16>(p, q, out, multiprocessors, stream);
   }
   if (splits == 1) {
     return fp8 ? launch<KvEntryFormat::kFp8, false>(p, q, out, nullptr, nullptr, 1, stream)
