@@ -54,6 +54,15 @@ struct AttentionProblem {
 
   int64_t tokens() const { return static_cast<int64_t>(positions.size()); }
 
+  // Regions, block and page bytes from spec (the layer under test is one of spec.layers_in_group).
+  void set_block_geometry() {
+    window_region = kv_region_bytes(spec.format, spec.window_entries_per_block);
+    compressed_region = kv_region_bytes(spec.format, spec.compressed_entries_per_block);
+    window_block_bytes = window_region * spec.layers_in_group;
+    compressed_block_bytes = compressed_region * spec.layers_in_group;
+    page_bytes = (blocks_per_page * std::max(window_block_bytes, compressed_block_bytes) + 4095) / 4096 * 4096 + 4096;
+  }
+
   // Parameters over `arena_base` and table pointers (host or device copies of the vectors above).
   ops::SparseAttentionParams params(uint8_t* arena_base, const int32_t* window_table_ptr,
                                     const int32_t* compressed_table_ptr, const int32_t* indices_ptr,
@@ -135,12 +144,7 @@ inline AttentionProblem make_attention_problem(const AttentionProblemSpec& spec)
 
   // Block tables: window blocks for positions t−W+1 … t, compressed blocks holding the picks.
   const int64_t wepb = spec.window_entries_per_block, cepb = spec.compressed_entries_per_block;
-  pr.window_region = kv_region_bytes(f, wepb);
-  pr.compressed_region = kv_region_bytes(f, cepb);
-  pr.window_block_bytes = pr.window_region * spec.layers_in_group;
-  pr.compressed_block_bytes = pr.compressed_region * spec.layers_in_group;
-  pr.page_bytes = (pr.blocks_per_page * std::max(pr.window_block_bytes, pr.compressed_block_bytes) + 4095) / 4096 *
-                      4096 + 4096;
+  pr.set_block_geometry();
   int64_t max_pos = 0;
   for (auto p : pr.positions) max_pos = std::max<int64_t>(max_pos, p);
   pr.window_stride = max_pos / wepb + 1;
@@ -278,12 +282,7 @@ inline AttentionProblem make_prefill_problem(const AttentionProblemSpec& spec, i
   pr.compressed_stride = max_picks;
 
   const int64_t wepb = spec.window_entries_per_block, cepb = spec.compressed_entries_per_block;
-  pr.window_region = kv_region_bytes(f, wepb);
-  pr.compressed_region = kv_region_bytes(f, cepb);
-  pr.window_block_bytes = pr.window_region * spec.layers_in_group;
-  pr.compressed_block_bytes = pr.compressed_region * spec.layers_in_group;
-  pr.page_bytes = (pr.blocks_per_page * std::max(pr.window_block_bytes, pr.compressed_block_bytes) + 4095) / 4096 *
-                      4096 + 4096;
+  pr.set_block_geometry();
   // One row each: the window blocks before the chunk, the chunk's blocks (offsets 0 … tokens − 1), the compressed
   // blocks of every entry visible at the last position. Ids shuffled over the pages, as the pool hands them out.
   const int64_t window_first = std::max<int64_t>(0, first_position - spec.window + 1);

@@ -503,6 +503,16 @@ static_assert(kHeadsPerCta * (kKvHeadDim + 8) * 4 <= Smem<KvEntryFormat::kBf16>:
 static_assert(kHeadsPerCta * (kKvHeadDim + 8) * 4 <= Smem<KvEntryFormat::kFp8>::kKeyData, "staging does not fit");
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// The dynamic shared memory from its first 1024-byte boundary (the 128-byte swizzle atoms' alignment; the
+// allocations reserve 1024 bytes for it); `shared_address` gets its shared-space address.
+__device__ __forceinline__ uint8_t* aligned_dynamic_smem(uint32_t& shared_address) {
+  extern __shared__ __align__(1024) uint8_t smem_unaligned[];
+  const uint32_t unaligned_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem_unaligned));
+  const uint32_t pad = (1024u - (unaligned_base & 1023u)) & 1023u;
+  shared_address = unaligned_base + pad;
+  return smem_unaligned + pad;
+}
+
 // S = Q·Kᵀ of one tile: 64 heads × 64 keys over 512 channels, 16 channels per wgmma (32 bytes into a 128-byte
 // row); each warpgroup computes the whole of it.
 __device__ __forceinline__ void tile_scores(float (&s)[32], uint32_t q_stage, uint32_t kv_stage) {
@@ -607,11 +617,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   wait_for_prior_grid();
   allow_dependents();
   using L = Smem<kFormat>;
-  extern __shared__ __align__(1024) uint8_t smem_unaligned[];
-  const uint32_t unaligned_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem_unaligned));
-  const uint32_t pad = (1024u - (unaligned_base & 1023u)) & 1023u;
-  uint8_t* smem = smem_unaligned + pad;
-  const uint32_t smem_base = unaligned_base + pad;
+  uint32_t smem_base;
+  uint8_t* smem = aligned_dynamic_smem(smem_base);
   const uint8_t** key_data = reinterpret_cast<const uint8_t**>(smem + L::kKeyData);
   const uint8_t** key_scales = reinterpret_cast<const uint8_t**>(smem + L::kKeyScales);
 
@@ -762,11 +769,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   allow_dependents();
   using L = Smem<kFormat>;
   constexpr bool kFp8 = kFormat == KvEntryFormat::kFp8;
-  extern __shared__ __align__(1024) uint8_t smem_unaligned[];
-  const uint32_t unaligned_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem_unaligned));
-  const uint32_t pad = (1024u - (unaligned_base & 1023u)) & 1023u;
-  uint8_t* smem = smem_unaligned + pad;
-  const uint32_t smem_base = unaligned_base + pad;
+  uint32_t smem_base;
+  uint8_t* smem = aligned_dynamic_smem(smem_base);
   const uint8_t** key_data = reinterpret_cast<const uint8_t**>(smem + L::kKeyData);
   const uint8_t** key_scales = reinterpret_cast<const uint8_t**>(smem + L::kKeyScales);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
