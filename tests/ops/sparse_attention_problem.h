@@ -100,6 +100,46 @@ struct AttentionProblem {
   }
 };
 
+// A random K=V vector (rope channels included) written through the quantizer into entry `entry` of `pool` at
+// block-table row `row`. Returns its dequantized image (the same vector through a private, unpaged entry) when
+// `keep_reference`, else kKvHeadDim zeros.
+inline std::vector<float> write_random_entry(const PagedKvPool& pool, KvEntryFormat format, int32_t row, int32_t entry,
+                                             bool keep_reference, std::mt19937& rng,
+                                             std::normal_distribution<float>& normal) {
+  std::vector<uint16_t> kv(kKvHeadDim);
+  const float magnitude = 0.5f + 1.5f * std::uniform_real_distribution<float>(0, 1)(rng);
+  for (auto& v : kv) v = f32_to_bf16(magnitude * normal(rng));
+  KvWriteParams w{1, format, true, pool, &entry, &row};
+  write_kv_entries(w, kv.data());
+  std::vector<float> image(kKvHeadDim);
+  if (keep_reference) {
+    uint8_t scratch[kKvBf16EntryBytes + kKvFp8ScaleBytes];
+    const KvEntryAddress local{scratch, scratch + kKvBf16EntryBytes};
+    kv_quantize_entry(format, kv.data(), local, true);
+    kv_dequantize_entry(format, local, image.data());
+  }
+  return image;
+}
+
+// The last draws of a problem: each token's picks as indices (−7 past its length: never read) and lengths, then
+// random q, the sinks and the RoPE frequencies.
+inline void finish_problem(AttentionProblem& pr, const std::vector<std::vector<int32_t>>& picks, std::mt19937& rng,
+                           std::normal_distribution<float>& normal) {
+  const int64_t T = pr.tokens();
+  pr.indices.assign(static_cast<size_t>(T * pr.compressed_stride), -7);
+  pr.lengths.assign(static_cast<size_t>(T), 0);
+  for (int64_t t = 0; t < T; ++t) {
+    pr.lengths[static_cast<size_t>(t)] = static_cast<int32_t>(picks[static_cast<size_t>(t)].size());
+    std::copy(picks[static_cast<size_t>(t)].begin(), picks[static_cast<size_t>(t)].end(),
+              pr.indices.begin() + t * pr.compressed_stride);
+  }
+  pr.q.resize(static_cast<size_t>(T * pr.spec.heads * kKvHeadDim));
+  for (auto& v : pr.q) v = f32_to_bf16(normal(rng));
+  pr.sinks.resize(static_cast<size_t>(pr.spec.heads));
+  for (auto& s : pr.sinks) s = std::uniform_real_distribution<float>(-2.0f, pr.spec.sink_max)(rng);
+  for (int i = 0; i < kKvRopeDim / 2; ++i) pr.inv_freq.push_back(std::pow(10000.0f, -2.0f * i / kKvRopeDim));
+}
+
 inline AttentionProblem make_attention_problem(const AttentionProblemSpec& spec) {
   AttentionProblem pr;
   pr.spec = spec;
@@ -188,23 +228,10 @@ inline AttentionProblem make_attention_problem(const AttentionProblemSpec& spec)
 
   // Entries: random K=V vectors (rope channels included), written through the quantizer.
   ops::SparseAttentionParams p = pr.host_params();
-  std::vector<uint16_t> kv(kKvHeadDim);
   std::vector<std::unordered_map<int32_t, std::vector<float>>> images(T);  // compressed entry -> its key
   pr.reference_keys.resize(T);
   auto write = [&](const PagedKvPool& pool, int64_t t, int32_t entry) {
-    const float magnitude = 0.5f + 1.5f * std::uniform_real_distribution<float>(0, 1)(rng);
-    for (auto& v : kv) v = f32_to_bf16(magnitude * normal(rng));
-    const int32_t row = static_cast<int32_t>(t);
-    KvWriteParams w{1, f, true, pool, &entry, &row};
-    write_kv_entries(w, kv.data());
-    std::vector<float> image(kKvHeadDim);
-    if (spec.keep_reference) {  // the same vector through a private, unpaged entry
-      uint8_t scratch[kKvBf16EntryBytes + kKvFp8ScaleBytes];
-      const KvEntryAddress local{scratch, scratch + kKvBf16EntryBytes};
-      kv_quantize_entry(f, kv.data(), local, true);
-      kv_dequantize_entry(f, local, image.data());
-    }
-    return image;
+    return write_random_entry(pool, f, static_cast<int32_t>(t), entry, spec.keep_reference, rng, normal);
   };
   for (int64_t t = 0; t < T; ++t) {
     const int64_t pos = pr.positions[t];
@@ -228,17 +255,7 @@ inline AttentionProblem make_attention_problem(const AttentionProblemSpec& spec)
     }
     images[t].clear();
   }
-  pr.indices.assign(T * pr.compressed_stride, -7);  // past each length: never read
-  pr.lengths.assign(T, 0);
-  for (int64_t t = 0; t < T; ++t) {
-    pr.lengths[t] = static_cast<int32_t>(picks[t].size());
-    std::copy(picks[t].begin(), picks[t].end(), pr.indices.begin() + t * pr.compressed_stride);
-  }
-  pr.q.resize(static_cast<size_t>(T * spec.heads * kKvHeadDim));
-  for (auto& v : pr.q) v = f32_to_bf16(normal(rng));
-  pr.sinks.resize(static_cast<size_t>(spec.heads));
-  for (auto& s : pr.sinks) s = std::uniform_real_distribution<float>(-2.0f, spec.sink_max)(rng);
-  for (int i = 0; i < kKvRopeDim / 2; ++i) pr.inv_freq.push_back(std::pow(10000.0f, -2.0f * i / kKvRopeDim));
+  finish_problem(pr, picks, rng, normal);
   return pr;
 }
 
@@ -305,22 +322,9 @@ inline AttentionProblem make_prefill_problem(const AttentionProblemSpec& spec, i
   pr.arena.assign(static_cast<size_t>(pages * pr.page_bytes), 0xff);
 
   ops::SparseAttentionParams p = pr.host_params();
-  std::vector<uint16_t> kv(kKvHeadDim);
   auto write = [&](const PagedKvPool& pool, int32_t entry) {
-    const float magnitude = 0.5f + 1.5f * std::uniform_real_distribution<float>(0, 1)(rng);
-    for (auto& v : kv) v = f32_to_bf16(magnitude * normal(rng));
-    const int32_t row = 0;
-    KvWriteParams w{1, f, true, pool, &entry, &row};
-    write_kv_entries(w, kv.data());
-    std::vector<float> image(kKvHeadDim);
-    if (spec.keep_reference) {
-      uint8_t scratch[kKvBf16EntryBytes + kKvFp8ScaleBytes];
-      const KvEntryAddress local{scratch, scratch + kKvBf16EntryBytes};
-      kv_quantize_entry(f, kv.data(), local, true);
-      kv_dequantize_entry(f, local, image.data());
-    }
     ++pr.unique_keys;
-    return image;
+    return write_random_entry(pool, f, 0, entry, spec.keep_reference, rng, normal);
   };
   std::vector<std::vector<float>> window_images, compressed_images;  // by position − window_first, by entry
   for (int64_t position = window_first; position <= last; ++position)
@@ -341,18 +345,7 @@ inline AttentionProblem make_prefill_problem(const AttentionProblemSpec& spec, i
                    compressed_images[static_cast<size_t>(e)].end());
     }
   }
-  pr.indices.assign(static_cast<size_t>(tokens * pr.compressed_stride), -7);  // past each length: never read
-  pr.lengths.assign(static_cast<size_t>(tokens), 0);
-  for (int64_t t = 0; t < tokens; ++t) {
-    pr.lengths[static_cast<size_t>(t)] = static_cast<int32_t>(picks[static_cast<size_t>(t)].size());
-    std::copy(picks[static_cast<size_t>(t)].begin(), picks[static_cast<size_t>(t)].end(),
-              pr.indices.begin() + t * pr.compressed_stride);
-  }
-  pr.q.resize(static_cast<size_t>(tokens * spec.heads * kKvHeadDim));
-  for (auto& v : pr.q) v = f32_to_bf16(normal(rng));
-  pr.sinks.resize(static_cast<size_t>(spec.heads));
-  for (auto& s : pr.sinks) s = std::uniform_real_distribution<float>(-2.0f, spec.sink_max)(rng);
-  for (int i = 0; i < kKvRopeDim / 2; ++i) pr.inv_freq.push_back(std::pow(10000.0f, -2.0f * i / kKvRopeDim));
+  finish_problem(pr, picks, rng, normal);
   return pr;
 }
 

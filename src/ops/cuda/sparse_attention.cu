@@ -779,8 +779,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   int item = blockIdx.x;
   if (item >= items) return;
-  // Few values stay live across the tiles (the wgmma kernel above runs at 255 registers): the item, its tile
-  // count and position; a resolving thread re-reads the rest of the item's metadata (L1 hits).
+  // Few values stay live across the tiles (the wgmma kernel above runs at 255 registers): the item and its tile
+  // count; a resolving thread re-reads the rest of the item's metadata (L1 hits), and the epilogue's RoPE factors
+  // wait in shared memory (below).
   auto q_of = [&](int of_item) {
     return q + (int64_t{of_item / head_groups} * p.heads + (of_item % head_groups) * kHeadsPerCta) * kKvHeadDim;
   };
@@ -789,7 +790,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       resolve_tile_keys<kFormat>(p, query_keys(p, of_item / head_groups), tile, tid, key_data + slot * kTileKeys,
                                  key_scales + slot * kTileKeys);
   };
-  // Stage `slot` (bf16 tile or raw FP8 stage) from the addresses of slot `addresses`.
   // Addresses that depend only on the thread would be computed once, before the loop, and held across it (ptxas:
   // 120-340 bytes of spills); an opaque copy of the thread index keeps them where they are used.
   auto opaque_tid = [&] {
@@ -797,6 +797,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("" : "+r"(value));
     return value;
   };
+  // Stage `slot` (bf16 tile or raw FP8 stage) from the addresses of slot `addresses`.
   auto load_tile = [&](int slot, int addresses) {
     if constexpr (kFp8)
       load_fp8_raw_tile(smem_base + L::kRaw + slot * kRawTileBytes, key_data + addresses * kTileKeys,
