@@ -218,8 +218,8 @@ std::vector<CaseResult> hc_suite(const Ceilings&, const Options& options) {
     if (options.wants(shape("q norm + rope (64 x 512)", tokens)))
       results.push_back(q_norm_rope_case(tokens, iterations));
   }
-  // Where the one-launch hand-over stops paying (the default takes it at one token; at 8 it is slower): the two
-  // forms at the batch sizes between.
+  // The two forms at the batch sizes between 1 and 8 too (the one launch, default up to 8 tokens, measured faster
+  // at each: docs/PERF.md "One token a hand-over group, timed").
   if (!options.quick)
     for (const int64_t tokens : {int64_t{2}, int64_t{4}}) hand_over_forms(tokens);
   return results;
