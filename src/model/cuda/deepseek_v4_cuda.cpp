@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -151,6 +152,37 @@ struct LayerDevice {
   void *shared_w13 = nullptr, *shared_w2 = nullptr;
 };
 
+// Steps of at least this many tokens run the bf16 MoE as per-expert cuBLASLt GEMMs (moe_host_grouped), the rest
+// the grouped mma.sync kernel. Per-expert cuBLASLt measured faster once its plans stopped paying a heuristic
+// query per expert load (ops/cuda/gemm.h's row buckets): 4-layer V4-Flash cut, 16 experts, H100, whole
+// prefill 37.5 → 34.8 ms at 4K tokens, 18.3 → 16.9 at 2K and 10.59 → 10.25 ms at 1K, but 5.8 → 6.6 ms at 512
+// (docs/PERF.md): the host sync and the small per-expert GEMMs lose below ~1K tokens.
+// DSV4_HOST_GROUPED_MOE_MIN_TOKENS=N moves the threshold (0 turns the host-grouped path off);
+// CudaModelOptions::per_expert_moe_min_tokens overrides both.
+int64_t host_grouped_moe_min_tokens() {
+  static const int64_t value = [] {
+    const char* text = std::getenv("DSV4_HOST_GROUPED_MOE_MIN_TOKENS");
+    if (text == nullptr || *text == 0) return int64_t{1024};
+    const int64_t tokens = std::atoll(text);
+    return tokens <= 0 ? std::numeric_limits<int64_t>::max() : tokens;
+  }();
+  return value;
+}
+
+// The streams moe_host_grouped spreads its expert GEMM pairs over. An expert's GEMM of ~1.5K rows (a 4K-token
+// prefill of V4-Flash's cut: 6 of 16 experts a token) is 12 × 16 output tiles of 128 × 256, 192 tiles on 132 SMs:
+// its second wave runs 60 CTAs with 72 SMs idle, unless the next expert's GEMM, on another stream, fills them.
+constexpr int kMaxExpertLanes = 4;
+// DSV4_MOE_EXPERT_LANES=N (1-4; CudaModelOptions::per_expert_moe_lanes overrides it).
+int default_expert_lanes() {
+  static const int value = [] {
+    const char* text = std::getenv("DSV4_MOE_EXPERT_LANES");
+    if (text == nullptr || *text == 0) return 1;
+    return std::clamp(std::atoi(text), 1, kMaxExpertLanes);
+  }();
+  return value;
+}
+
 }  // namespace
 
 struct DeepseekV4CudaModel::Impl {
@@ -168,6 +200,9 @@ struct DeepseekV4CudaModel::Impl {
   cudaEvent_t index_fork = nullptr, index_join = nullptr, kv_fork = nullptr, kv_join = nullptr;
   cudaEvent_t shared_expert_fork = nullptr, shared_expert_join = nullptr;
   std::unique_ptr<cu::Gemm> gemm, index_gemm, kv_gemm, shared_gemm;
+  // moe_host_grouped's expert lanes (lane 0 is `stream`): the fork after the gather, each other lane's join.
+  cudaEvent_t expert_lanes_fork = nullptr;
+  std::array<cudaEvent_t, kMaxExpertLanes> expert_lane_join{};
   DeviceAllocations weights_memory;
   int multiprocessors = 0;
 
@@ -237,6 +272,9 @@ struct DeepseekV4CudaModel::Impl {
     if (shared_expert_fork) cudaEventDestroy(shared_expert_fork);
     if (shared_expert_join) cudaEventDestroy(shared_expert_join);
     if (shared_expert_stream) cudaStreamDestroy(shared_expert_stream);
+    if (expert_lanes_fork) cudaEventDestroy(expert_lanes_fork);
+    for (cudaEvent_t e : expert_lane_join)
+      if (e) cudaEventDestroy(e);
     if (stream) cudaStreamDestroy(stream);
   }
 
@@ -409,9 +447,16 @@ struct DeepseekV4CudaModel::Impl {
   void compress(int64_t layer, EntryKind kind, const Step& step, const void* x_operand, cudaStream_t on,
                 cu::Gemm& with);
   void moe(int64_t layer, const Step& step, const float* x, const void* x_operand, float* out);
-  // Large steps, only with DSV4_HOST_GROUPED_MOE_MIN_TOKENS (host_grouped_moe_min_tokens): the routing copied
-  // to the host, rows permuted expert by expert, one cuBLASLt GEMM pair per expert, the weighted combine on
-  // the device. Not capturable (a host sync); slower than ops/cuda/moe_experts at every measured size.
+  // Steps of per_expert_moe_min_tokens() or more tokens: the routing copied to the host, rows permuted expert by
+  // expert, one cuBLASLt GEMM pair per expert on per_expert_moe_lanes() streams, the weighted combine on the
+  // device. Not capturable (a host sync).
+  int64_t per_expert_moe_min_tokens() const {
+    return options.per_expert_moe_min_tokens > 0 ? options.per_expert_moe_min_tokens : host_grouped_moe_min_tokens();
+  }
+  int per_expert_moe_lanes() const {
+    return options.per_expert_moe_lanes > 0 ? std::min(options.per_expert_moe_lanes, kMaxExpertLanes)
+                                            : default_expert_lanes();
+  }
   void moe_host_grouped(int64_t layer, const Step& step, const void* x_operand, const int32_t* chosen,
                         const float* weights, float* out);
   std::vector<int32_t> host_chosen, host_moe_index;
@@ -421,6 +466,10 @@ struct DeepseekV4CudaModel::Impl {
   // `shared_lane`: on the shared expert's stream with its own Gemm and scratch (beside the routed experts).
   void run_expert(const void* w13, const void* w2, const void* input, int64_t n, float* output,
                   bool shared_lane = false);
+  // run_expert's three kernels with the caller's scratch (gate_up [n, 2I] fp32, activated [n, I] in the GEMM
+  // operand's dtype), Gemm and stream.
+  void run_expert_on(const void* w13, const void* w2, const void* input, int64_t n, float* output, float* gate_up,
+                     void* activated, cu::Gemm& with, cudaStream_t on);
   // Sizes run_expert's scratch for up to `n` rows at once, so a sublayer's experts do not grow it one by one.
   void reserve_expert_scratch(int64_t n) {
     buffer<float>("moe_gate_up", n * 2 * config.moe_intermediate_size);
@@ -570,6 +619,8 @@ void DeepseekV4CudaModel::open_device(ModelConfig config, const CudaModelOptions
   DSV4_CU(cudaStreamCreateWithFlags(&m.shared_expert_stream, cudaStreamNonBlocking));
   DSV4_CU(cudaEventCreateWithFlags(&m.shared_expert_fork, cudaEventDisableTiming));
   DSV4_CU(cudaEventCreateWithFlags(&m.shared_expert_join, cudaEventDisableTiming));
+  DSV4_CU(cudaEventCreateWithFlags(&m.expert_lanes_fork, cudaEventDisableTiming));
+  for (cudaEvent_t& e : m.expert_lane_join) DSV4_CU(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   DSV4_CU(cudaEventCreate(&m.forward_start));
   DSV4_CU(cudaEventCreate(&m.forward_end));
   DSV4_CU(cudaEventCreate(&m.sampling_end));
@@ -863,22 +914,6 @@ bool cuda_device_available() {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-
-// Steps of at least this many tokens run the bf16 MoE as per-expert cuBLASLt GEMMs (moe_host_grouped), the rest
-// the grouped mma.sync kernel. Per-expert cuBLASLt measured faster once its plans stopped paying a heuristic
-// query per expert load (ops/cuda/gemm.h's row buckets): 4-layer V4-Flash cut, 16 experts, H100, whole
-// prefill 37.5 → 34.8 ms at 4K tokens, 18.3 → 16.9 at 2K and 10.59 → 10.25 ms at 1K, but 5.8 → 6.6 ms at 512
-// (docs/PERF.md): the host sync and the small per-expert GEMMs lose below ~1K tokens.
-// DSV4_HOST_GROUPED_MOE_MIN_TOKENS=N moves the threshold (0 turns the host-grouped path off).
-int64_t host_grouped_moe_min_tokens() {
-  static const int64_t value = [] {
-    const char* text = std::getenv("DSV4_HOST_GROUPED_MOE_MIN_TOKENS");
-    if (text == nullptr || *text == 0) return int64_t{1024};
-    const int64_t tokens = std::atoll(text);
-    return tokens <= 0 ? std::numeric_limits<int64_t>::max() : tokens;
-  }();
-  return value;
-}
 
 // Smallest power of two ≥ value (≥ 1).
 int64_t round_up_pow2(int64_t value) {
@@ -1670,16 +1705,52 @@ void DeepseekV4CudaModel::Impl::moe_host_grouped(int64_t layer, const Step& step
   DSV4_CU(cu::gather_rows({rows, words}, static_cast<const float*>(x_operand), index, gathered, stream));
   float* expert_rows = buffer<float>("moe_expert_rows", rows * D);
   float* shared_rows = buffer<float>("moe_shared_rows", N * D);
-  reserve_expert_scratch(std::max(rows, N));
+  // Every expert's scratch rows at once (its rows at offset[e], the shared expert's after them), so that experts
+  // on different lanes never share a buffer.
+  float* gate_up = buffer<float>("moe_lane_gate_up", (rows + N) * 2 * I);
+  std::byte* activated = buffer<std::byte>("moe_lane_activated", (rows + N) * I * (bf16 ? 2 : 4));
+  // The lanes: lane 0 is `stream`, the others borrow streams and Gemms that are idle during this sublayer (the
+  // split shared expert runs only below host_grouped's sizes; the K=V and indexer streams joined before the
+  // attention). Each expert goes to the lane with the fewest rows so far, the shared expert first.
+  struct Lane {
+    cudaStream_t on;
+    cu::Gemm* with;
+    int64_t rows = 0;
+  };
+  std::array<Lane, kMaxExpertLanes> lane = {{{stream, gemm.get()},
+                                             {shared_expert_stream, shared_gemm.get()},
+                                             {kv_stream, kv_gemm.get()},
+                                             {index_stream, index_gemm.get()}}};
+  const int lanes = per_expert_moe_lanes();
+  if (lanes > 1) {
+    DSV4_CU(cudaEventRecord(expert_lanes_fork, stream));  // after the gather
+    for (int i = 1; i < lanes; ++i) DSV4_CU(cudaStreamWaitEvent(lane[i].on, expert_lanes_fork));
+  }
+  auto least_loaded = [&] {
+    return &*std::min_element(lane.begin(), lane.begin() + lanes,
+                              [](const Lane& a, const Lane& b) { return a.rows < b.rows; });
+  };
+  auto run_on_lane = [&](const void* w13, const void* w2, const void* input, int64_t n, float* output,
+                         int64_t scratch_row) {
+    Lane* to = least_loaded();
+    to->rows += n;
+    run_expert_on(w13, w2, input, n, output, gate_up + scratch_row * 2 * I,
+                  activated + scratch_row * I * (bf16 ? 2 : 4), *to->with, to->on);
+  };
+  run_on_lane(l.shared_w13, l.shared_w2, x_operand, N, shared_rows, rows);
   const size_t w13_bytes = static_cast<size_t>(2 * I * D) * element, w2_bytes = static_cast<size_t>(D * I) * element;
   for (int64_t e = 0; e < E; ++e) {
     const int64_t n = offset[e + 1] - offset[e];
     if (n == 0) continue;
-    run_expert(static_cast<const std::byte*>(l.experts_w13) + e * w13_bytes,
-               static_cast<const std::byte*>(l.experts_w2) + e * w2_bytes,
-               reinterpret_cast<const std::byte*>(gathered) + offset[e] * words * 4, n, expert_rows + offset[e] * D);
+    run_on_lane(static_cast<const std::byte*>(l.experts_w13) + e * w13_bytes,
+                static_cast<const std::byte*>(l.experts_w2) + e * w2_bytes,
+                reinterpret_cast<const std::byte*>(gathered) + offset[e] * words * 4, n, expert_rows + offset[e] * D,
+                offset[e]);
   }
-  run_expert(l.shared_w13, l.shared_w2, x_operand, N, shared_rows);
+  for (int i = 1; i < lanes; ++i) {
+    DSV4_CU(cudaEventRecord(expert_lane_join[i], lane[i].on));
+    DSV4_CU(cudaStreamWaitEvent(stream, expert_lane_join[i]));
+  }
   DSV4_CU(cu::combine_expert_rows({N, K, D}, index + rows, weights, expert_rows, shared_rows, out, stream));
 }
 
@@ -1744,6 +1815,14 @@ void DeepseekV4CudaModel::Impl::run_expert(const void* w13, const void* w2, cons
                                                                            : "moe_activated_in", n * I))
                          : static_cast<void*>(buffer<float>(shared_lane ? "moe_shared_activated" : "moe_activated",
                                                             n * I));
+  run_expert_on(w13, w2, input, n, output, gate_up, activated, with, on);
+}
+
+void DeepseekV4CudaModel::Impl::run_expert_on(const void* w13, const void* w2, const void* input, int64_t n,
+                                              float* output, float* gate_up, void* activated, cu::Gemm& with,
+                                              cudaStream_t on) {
+  const ModelConfig& c = config;
+  const int64_t D = c.hidden_size, I = c.moe_intermediate_size;
   with.linear({w13, weight_dtype(), 2 * I, D, 0}, input, n, gate_up, on);
   const cu::SwigluParams swiglu{n, I, static_cast<float>(c.swiglu_limit)};
   DSV4_CU(bf16 ? cu::swiglu_clamped_bf16(swiglu, gate_up, static_cast<uint16_t*>(activated), on)
@@ -1915,7 +1994,7 @@ void DeepseekV4CudaModel::Impl::moe(int64_t layer, const Step& step, const float
   // −10 µs a step at batch 1 and 8, but prefill 5 % slower (the two grids contend), hence decode-sized steps.
   // (Low-bit experts: cuBLASLt cannot read them; the grouped kernel decodes them at every size.)
   // (kDeepSeek runs the grouped kernel always: its roundings live there.)
-  const bool host_grouped = N >= host_grouped_moe_min_tokens() && !capturing && !l.low_bit_experts() &&
+  const bool host_grouped = N >= per_expert_moe_min_tokens() && !capturing && !l.low_bit_experts() &&
                             expert_parallel == nullptr && !deepseek;
   constexpr int64_t kSplitSharedMaxTokens = 64;
   const bool split_shared =

@@ -584,6 +584,28 @@ __device__ __forceinline__ void softmax_and_accumulate(float (&o)[128], float (&
   wgmma_wait<0>();
 }
 
+// Completes this thread's two row sums over the 4 lanes of a quad (each warpgroup holds whole rows, so no
+// exchange between the warpgroups).
+__device__ __forceinline__ void reduce_row_sums(float (&l_run)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+  }
+}
+
+// The CTA's 64 staged bf16 rows of 512 channels (row r, channel c at staged + offset(r, c) bytes) to
+// out_rows[r · 512 + c], in 16-byte coalesced copies.
+template <typename Offset>
+__device__ __forceinline__ void copy_out_rows(uint16_t* out_rows, const uint8_t* staged, int tid, Offset offset) {
+#pragma unroll 4
+  for (int i = tid; i < kHeadsPerCta * kKvHeadDim / 8; i += kThreads) {
+    const int row = i / (kKvHeadDim / 8), column = 8 * (i % (kKvHeadDim / 8));
+    *reinterpret_cast<uint4*>(out_rows + row * kKvHeadDim + column) =
+        *reinterpret_cast<const uint4*>(staged + offset(row, column));
+  }
+}
+
 // The finished rows of this thread (sink in the denominator, 1/l, inverse RoPE: factors(pair) gives the rotation
 // of rope pair `pair`) as bf16 pairs into shared memory at staged + offset(row, dim) bytes; the row sums must
 // already be complete (quad-reduced).
@@ -683,12 +705,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 
-  // Row sums over the 4 lanes of a row (each warpgroup holds whole rows, so no exchange between them).
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
-    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
-  }
+  reduce_row_sums(l_run);
   // The output leaves through shared memory: straight from the accumulator layout a lane stores 4-8 bytes per
   // row, which the compiler split into 4-byte stores (16 of every 32 bytes of a sector used, 36 % excess
   // sectors, the partials' stores the main stall of a one-tile CTA: ncu, 2026-12-06). Staged rows are padded
@@ -722,18 +739,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   } else {
     constexpr int kStride = kKvHeadDim + 8;  // bf16: rows 1,040 B apart, 4 banks on
-    uint16_t* staged = reinterpret_cast<uint16_t*>(smem);
+    auto staged_offset = [](int row, int dim) { return (row * kStride + dim) * 2; };
     stage_finished_rows(
         o, m_run, l_run, p, first_head, [&](int pair) { return inverse_rope_factors(p, pair, position); }, smem,
-        group, warp, lane, [](int row, int dim) { return (row * kStride + dim) * 2; });
+        group, warp, lane, staged_offset);
     __syncthreads();
-    uint16_t* base = out + (token * p.heads + first_head) * kKvHeadDim;
-#pragma unroll 4
-    for (int i = tid; i < kHeadsPerCta * kKvHeadDim / 8; i += kThreads) {
-      const int row = i / (kKvHeadDim / 8), column = 8 * (i % (kKvHeadDim / 8));
-      *reinterpret_cast<uint4*>(base + row * kKvHeadDim + column) =
-          *reinterpret_cast<const uint4*>(staged + row * kStride + column);
-    }
+    copy_out_rows(out + (token * p.heads + first_head) * kKvHeadDim, smem, tid, staged_offset);
   }
 #else
   __trap();  // not sm_90a code: use_warpgroup_mma (ops/cuda/warpgroup_dispatch.h) never launches it there
@@ -862,11 +873,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 
     // The item's epilogue, staged in this tile's bf16 stage: rows of 1024 B, 16-byte chunks XORed with row mod 8.
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
-      l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
-    }
+    reduce_row_sums(l_run);
     __syncthreads();  // every warp's S and P·V are complete: Q and the stage are free
     if (next_item < items) {
       load_query_heads(smem_base + L::kQ, q_of(next_item), tid, tile_offset);
@@ -881,13 +888,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         o, m_run, l_run, p, first_head, [&](int pair) { return rope_factors[pair]; }, staged, group, warp,
         opaque_tid() & 31, staged_offset);
     __syncthreads();
-    uint16_t* base = out + (int64_t{item / head_groups} * p.heads + first_head) * kKvHeadDim;
-#pragma unroll 4
-    for (int i = tid; i < kHeadsPerCta * kKvHeadDim / 8; i += kThreads) {
-      const int row = i / (kKvHeadDim / 8), column = 8 * (i % (kKvHeadDim / 8));
-      *reinterpret_cast<uint4*>(base + row * kKvHeadDim + column) =
-          *reinterpret_cast<const uint4*>(staged + staged_offset(row, column));
-    }
+    copy_out_rows(out + (int64_t{item / head_groups} * p.heads + first_head) * kKvHeadDim, staged, tid,
+                  staged_offset);
     if (next_item >= items) break;
     item = next_item;
     start_item();

@@ -576,6 +576,34 @@ TEST(CudaModel, Bf16TunedKernelsTrackCpuOnAV4ShapedModel) {
   expect_bf16_tolerance(compare(config, weights, CudaPrecision::kBf16, scripts));
 }
 
+// Prefill steps of at least per_expert_moe_min_tokens tokens run the MoE as one cuBLASLt GEMM pair per expert
+// (moe_host_grouped; 1,024 tokens by default, so the other tests never reach it). On four streams it gives one
+// stream's logits bit for bit (each expert's GEMMs are the same, only their overlap differs); in fp32 it matches
+// the CPU model as every fp32 path does, in bf16 it tracks it.
+TEST(CudaModel, PerExpertMoeOnFourStreamsEqualsOneStream) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig config = v4_shaped_config();
+  const ModelWeights weights = random_weights(config, 3);
+  // A first step of 350 + 300 = 650 tokens over 8 experts (2 a token), then decode steps.
+  const std::vector<Script> scripts = {{random_ids(700, config.vocab_size, 8), 350, 4},
+                                       {random_ids(300, config.vocab_size, 9), 300, 4}};
+  CudaModelOptions options;
+  options.per_expert_moe_min_tokens = 256;
+  for (const CudaPrecision precision : {CudaPrecision::kF32, CudaPrecision::kBf16}) {
+    options.per_expert_moe_lanes = 1;
+    const Comparison one = compare(config, weights, precision, scripts, true, true, true, options);
+    options.per_expert_moe_lanes = 4;
+    const Comparison four = compare(config, weights, precision, scripts, true, true, true, options);
+    expect_bitwise_equal_logits(one, four);
+    if (precision == CudaPrecision::kF32) {
+      EXPECT_LE(four.worst_relative_l2, 1e-4);
+      EXPECT_EQ(four.agreed, four.compared);
+    } else {
+      expect_bf16_tolerance(four);
+    }
+  }
+}
+
 // --kv-cache-dtype fp8: every main K=V entry (window, compressed, the step's own rows) stored as DeepSeek's
 // 584-byte FP8 entry and read so by the tuned attention, and the index keys as 132-byte FP8 keys read by the tuned
 // scores kernel; prefill and graph-replayed decode. Against the CPU twin
