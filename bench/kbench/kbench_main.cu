@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kbench.h"
+#include "ops/cuda/device.h"
 
 namespace dsv4::kbench {
 namespace {
@@ -42,18 +43,6 @@ __global__ void fill_random_bf16(__nv_bfloat16* out, size_t n, uint32_t seed) {
     h ^= h >> 13;
     out[i] = __float2bfloat16(static_cast<float>(h) * 0x1p-31f - 1.0f);
   }
-}
-
-double measure_copy_bandwidth() {
-  const size_t bytes = size_t{2} << 30;
-  void *src, *dst;
-  check(cudaMalloc(&src, bytes), "copy source");
-  check(cudaMalloc(&dst, bytes), "copy destination");
-  check(cudaMemset(src, 0x3c, bytes), "memset");
-  const double us = time_kernel_us([&] { cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice); }, 10, false);
-  cudaFree(src);
-  cudaFree(dst);
-  return 2.0 * bytes / (us * 1e-6);  // read + write
 }
 
 double measure_bf16_gemm() {
@@ -144,7 +133,7 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop{};
   check(cudaGetDeviceProperties(&prop, 0), "no CUDA device");
   Ceilings ceilings;
-  ceilings.copy_bytes_per_second = measure_copy_bandwidth();
+  ceilings.copy_bytes_per_second = dsv4::ops::cuda::measure_copy_bandwidth(size_t{2} << 30);
   ceilings.bf16_flops_per_second = measure_bf16_gemm();
   std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
   std::printf("ceilings: D2D copy %.0f GB/s (2 GiB cudaMemcpy, read + write), bf16 GEMM %.0f TFLOP/s (cuBLAS "

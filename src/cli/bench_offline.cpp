@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench/latency_stats.h"
+#include "cache/decode_roofline.h"
 #include "cache/planner.h"
 #include "cli/commands.h"
 #include "cli/model_loading.h"
@@ -19,6 +20,7 @@
 #include "engine/engine.h"
 #ifdef DSV4_HAVE_CUDA
 #include "model/cuda/deepseek_v4_cuda.h"
+#include "ops/cuda/device.h"
 #endif
 
 namespace dsv4::cli {
@@ -152,6 +154,12 @@ std::pair<CLI::App*, CLI::App*> add_bench_offline_commands(CLI::App& bench, Benc
       ->capture_default_str();
   latency_cmd->add_option("--num-iters-warmup", latency.warmup_iters, "untimed iterations")->capture_default_str();
   latency_cmd->add_option("--num-iters", latency.iters, "timed iterations")->capture_default_str();
+  latency_cmd->add_flag("--roofline", latency.roofline,
+                        "print each batch's decode roofline: bytes of the weights one step touches and of the KV it "
+                        "reads, over the copy bandwidth measured on the CUDA device (or --roofline-bandwidth)");
+  latency_cmd->add_option("--roofline-bandwidth", latency.roofline_bandwidth_gbps,
+                          "GB/s for --roofline instead of the measured copy bandwidth")
+      ->check(CLI::PositiveNumber);
   auto* throughput_cmd = bench.add_subcommand(
       "throughput", "Offline: requests/s and tokens/s of --num-prompts requests submitted at once");
   add_common(throughput_cmd, throughput);
@@ -193,6 +201,20 @@ int bench_latency(const BenchOfflineOptions& o) {
 #ifdef DSV4_HAVE_CUDA
   auto* cuda_model = setup.loaded.on_cuda ? static_cast<DeepseekV4CudaModel*>(setup.loaded.backend.get()) : nullptr;
 #endif
+  // The bandwidth a decode step's bytes are divided by: given, or the device's copy rate measured here (1 GiB
+  // device to device, after the KV arena is allocated: 2 GiB must still be free).
+  double roofline_bytes_per_second = o.roofline_bandwidth_gbps * 1e9;
+  if (o.roofline || o.roofline_bandwidth_gbps > 0) {
+#ifdef DSV4_HAVE_CUDA
+    if (roofline_bytes_per_second <= 0 && cuda_model) roofline_bytes_per_second = ops::cuda::measure_copy_bandwidth();
+#endif
+    if (roofline_bytes_per_second > 0)
+      std::printf("Roofline bandwidth: %.0f GB/s (%s)\n", roofline_bytes_per_second / 1e9,
+                  o.roofline_bandwidth_gbps > 0 ? "--roofline-bandwidth" : "device-to-device copy, measured");
+    else
+      std::printf("Roofline: no bandwidth (give --roofline-bandwidth GB/s off a CUDA device)\n");
+  }
+  const WeightBytes held{setup.loaded.dense_bytes_per_param, setup.loaded.routed_expert_bytes_per_param};
   for (const int64_t batch_size : batch_sizes) {
     for (int64_t i = 0; i < o.warmup_iters; ++i)
       run_batch(engine, random_prompts(batch_size, o.input_len, vocab, rng), o.output_len);
@@ -219,6 +241,21 @@ int bench_latency(const BenchOfflineOptions& o) {
     std::printf("Prefill: %.2f ms (%.0f tokens/s)   Decode: %.3f ms/step (%.1f tokens/s)\n", prefill * 1e3,
                 static_cast<double>(batch_size * o.input_len) / prefill, step * 1e3,
                 step > 0 ? static_cast<double>(batch_size) / step : 0.0);
+    nlohmann::json roofline_json;
+    if (roofline_bytes_per_second > 0 && step > 0) {
+      // The step decodes at context input_len … input_len + output_len − 1: the middle one stands for them.
+      const DecodeRoofline r = decode_roofline(setup.loaded.backend->config(), held, storage,
+                                               setup.loaded.backend->index_storage(), batch_size,
+                                               o.input_len + o.output_len / 2);
+      const double floor_s = r.seconds_at(roofline_bytes_per_second);
+      std::printf("Decode roofline: %.2f GB a step (weights %.2f, of them routed experts %.2f; KV %.3f) / %.0f GB/s = "
+                  "%.3f ms; the step runs at %.1f %% of it\n",
+                  r.bytes() / 1e9, r.weight_bytes / 1e9, r.routed_expert_bytes / 1e9, r.kv_bytes / 1e9,
+                  roofline_bytes_per_second / 1e9, floor_s * 1e3, 100.0 * floor_s / step);
+      roofline_json = {{"bytes", r.bytes()}, {"weight_bytes", r.weight_bytes}, {"kv_bytes", r.kv_bytes},
+                       {"bandwidth_bytes_per_s", roofline_bytes_per_second}, {"floor_s", floor_s},
+                       {"fraction", floor_s / step}};
+    }
 #ifdef DSV4_HAVE_CUDA
     if (cuda_model) {
       const auto profile = cuda_model->step_profile();
@@ -236,6 +273,7 @@ int bench_latency(const BenchOfflineOptions& o) {
                    {"latencies", latencies},
                    {"avg_prefill_s", prefill},
                    {"avg_decode_step_s", step}});
+    if (!roofline_json.is_null()) all.back()["decode_roofline"] = roofline_json;
   }
   write_json(o.output_json, all.size() == 1 ? all[0] : all);
   return 0;

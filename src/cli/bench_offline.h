@@ -29,6 +29,10 @@ struct BenchOfflineOptions {
   bool enable_prefix_caching = false;  // random prompts share nothing; off keeps checkpoints out of the timing
   uint64_t seed = 0;
   std::string output_json;
+  // latency: each batch's decode step against its bandwidth roofline (cache/decode_roofline.h), at the copy
+  // bandwidth measured on the CUDA device or at roofline_bandwidth_gbps when given (> 0).
+  bool roofline = false;
+  double roofline_bandwidth_gbps = 0;
 };
 
 // Adds `latency` and `throughput` under the `bench` subcommand; returns them.

@@ -50,6 +50,17 @@ for dummy_model in "$work/config.json" "$work/config_only"; do
 done
 expect_success "bench latency --load-format dummy" "$dsv4" bench latency --model "$work/config.json" --load-format dummy \
   --input-len 8 --output-len 4 --batch-size 2 --num-iters 1 --device cpu
+# The decode roofline at a given bandwidth: printed per batch and in the JSON (cache/decode_roofline.h has the
+# byte count's own test); a non-positive bandwidth is refused.
+expect_success "bench latency --roofline-bandwidth" "$dsv4" bench latency --model "$work/config.json" \
+  --load-format dummy --input-len 8 --output-len 4 --batch-size 1,2 --num-iters 1 --device cpu \
+  --roofline-bandwidth 50 --output-json "$work/latency.json"
+if [ "$(grep -c "^Decode roofline: .* / 50 GB/s" "$work/out")" != 2 ] ||
+   ! python3 -c "import json,sys; r=json.load(open(sys.argv[1])); assert all(0 < x['decode_roofline']['fraction'] and x['decode_roofline']['bandwidth_bytes_per_s'] == 5e10 for x in r)" "$work/latency.json"; then
+  echo "FAIL bench latency --roofline-bandwidth printed no roofline per batch"; cat "$work/out"; failures=$((failures + 1))
+fi
+expect_failure "non-positive roofline bandwidth" "roofline-bandwidth" "$dsv4" bench latency --model "$work/config.json" \
+  --load-format dummy --input-len 8 --output-len 2 --batch-size 1 --num-iters 1 --device cpu --roofline-bandwidth 0
 # DeepSeek's numerics through the offline benchmark's engine (the CPU recipe), and a bad value named.
 expect_success "bench latency --numerics deepseek" "$dsv4" bench latency --model "$work/config.json" \
   --load-format dummy --input-len 8 --output-len 4 --batch-size 2 --num-iters 1 --device cpu --numerics deepseek

@@ -1,5 +1,6 @@
 // CUDA device discovery for the backend switch: which GPUs this process can use.
 #pragma once
+#include <cstddef>
 #include <string>
 #include <vector>
 
@@ -19,5 +20,10 @@ std::vector<DeviceInfo> list_devices();
 // Multiprocessors of the calling thread's current device, asked on every call (a process may drive several
 // devices); 0 when the runtime cannot say.
 int current_device_multiprocessors();
+
+// The current device's copy bandwidth in bytes/s: `bytes` copied device to device (read + write counted), the
+// median of `repeats` timed copies after one untimed. What the decode rooflines divide by (dsv4_kbench's
+// ceiling, `dsv4 bench latency --roofline`). Returns 0 when the buffers cannot be allocated or a call fails.
+double measure_copy_bandwidth(size_t bytes = size_t{1} << 30, int repeats = 10);
 
 }  // namespace dsv4::ops::cuda
