@@ -170,14 +170,16 @@ int64_t host_grouped_moe_min_tokens() {
 }
 
 // The streams moe_host_grouped spreads its expert GEMM pairs over. An expert's GEMM of ~1.5K rows (a 4K-token
-// prefill of V4-Flash's cut: 6 of 16 experts a token) is 12 × 16 output tiles of 128 × 256, 192 tiles on 132 SMs:
-// its second wave runs 60 CTAs with 72 SMs idle, unless the next expert's GEMM, on another stream, fills them.
+// prefill of V4-Flash's cut: 6 of 16 experts a token) is a few waves of output tiles with the last one part empty
+// (e.g. 192 tiles of 128 × 256 on 132 SMs), unless the next expert's GEMM, on another stream, fills the idle SMs.
+// Measured (H100, 4K prefill of the 4-layer cut, two rounds): 1 lane 27.98 / 28.04 ms, 2 lanes 26.72 / 26.94,
+// 4 lanes 26.61 / 26.55 (docs/PERF.md "The per-expert MoE on four streams").
 constexpr int kMaxExpertLanes = 4;
 // DSV4_MOE_EXPERT_LANES=N (1-4; CudaModelOptions::per_expert_moe_lanes overrides it).
 int default_expert_lanes() {
   static const int value = [] {
     const char* text = std::getenv("DSV4_MOE_EXPERT_LANES");
-    if (text == nullptr || *text == 0) return 1;
+    if (text == nullptr || *text == 0) return kMaxExpertLanes;
     return std::clamp(std::atoi(text), 1, kMaxExpertLanes);
   }();
   return value;

@@ -62,7 +62,7 @@ struct CudaModelOptions {
   int expert_parallel_rank = 0;
   // Steps of at least this many tokens run the MoE (bf16 / fp32 experts) as one cuBLASLt GEMM pair per expert;
   // 0: DSV4_HOST_GROUPED_MOE_MIN_TOKENS, else 1,024. Those pairs are spread over per_expert_moe_lanes streams
-  // (1-4; 0: DSV4_MOE_EXPERT_LANES, else 1) so that one expert's last wave of tiles overlaps the next one's.
+  // (1-4; 0: DSV4_MOE_EXPERT_LANES, else 4) so that one expert's last wave of tiles overlaps the next one's.
   int64_t per_expert_moe_min_tokens = 0;
   int per_expert_moe_lanes = 0;
 };

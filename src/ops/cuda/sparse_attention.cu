@@ -1007,15 +1007,12 @@ cudaError_t launch_prefill(const SparseAttentionParams& p, const uint16_t* q, ui
 }
 
 // The persistent prefill kernel where it pays: one split, more (token, head group) items than two waves of the
-// GPU, sm_90a code on a Hopper. BF16 keys by default (measured: docs/PERF.md "A persistent prefill attention
-// kernel"); FP8 keys only with DSV4_ATTENTION_PREFILL=1 until that form has run on a GPU (written after the
-// session's device time ran out). DSV4_ATTENTION_PREFILL=0 keeps one CTA an item.
+// GPU, sm_90a code on a Hopper; BF16 and FP8 keys (measured: docs/PERF.md "A persistent prefill attention
+// kernel" and "FP8 keys through the persistent prefill kernel"). DSV4_ATTENTION_PREFILL=0 keeps one CTA an item.
 bool use_prefill_kernel(const SparseAttentionParams& p, int multiprocessors) {
   if (p.tokens * (p.heads / kHeadsPerCta) <= 2 * int64_t{multiprocessors}) return false;
   const char* choice = std::getenv("DSV4_ATTENTION_PREFILL");
   if (choice != nullptr && std::strcmp(choice, "0") == 0) return false;
-  const bool fp8_too = choice != nullptr && std::strcmp(choice, "1") == 0;
-  if (p.format == KvEntryFormat::kFp8 && !fp8_too) return false;
   return use_warpgroup_mma("DSV4_ATTENTION_KERNEL");
 }
 
