@@ -26,7 +26,7 @@ for case in "${cases[@]}"; do
   start=$(date +%s)
   DSV4_LOAD_PROGRESS=1 LD_LIBRARY_PATH="$LIBS" timeout "${timeout_s:-300}" stdbuf -oL "$CARRY/dsv4" bench latency --model "$config" \
     --load-format dummy --device cuda --input-len "$input" --output-len "$output" --batch-size "$batches" \
-    --max-num-batched-tokens 16384 $extra > "$OUT/latency_$name.log" 2>&1
+    --max-num-batched-tokens 16384 --roofline $extra > "$OUT/latency_$name.log" 2>&1
   echo "latency $name rc=$? in $(( $(date +%s) - start )) s" >> "$OUT/latency_rc.txt"
 done
 grep -E "^\[  (PASSED|FAILED) |^\[  FAILED|Failure|Expected|Which is|ulp off" "$OUT/gpu_tests.log" 2>/dev/null | head -40
@@ -36,5 +36,5 @@ for case in "${cases[@]}"; do
   name=${case%%:*}
   echo "== $name"
   grep -iE "error|what" "$OUT/latency_$name.log" | head -3
-  grep -E "^load: (globals|layer (1|2|10|43)/)|^Loaded|^bench latency|^Prefill|^Per step|KV cache|weights" "$OUT/latency_$name.log"
+  grep -E "^load: (globals|layer (1|2|10|43)/)|^Loaded|^bench latency|^Prefill|^Per step|KV cache|weights|roofline" "$OUT/latency_$name.log"
 done

@@ -2,7 +2,7 @@
 # Issue 8's headline comparison in one device run: the 4-layer V4-Flash cut (bench/configs/v4_flash_4layer.json)
 # written once as a bf16 checkpoint (`dsv4 init-random`), then `dsv4 bench latency` and HF transformers'
 # DeepseekV4ForCausalLM (tools/reference/hf_speed.py) on the same weights and card: decode at batch 1 and 8 with
-# 1K context, prefill of 4K tokens. Prints the table of docs/PERF.md "HF on the same H100" with the ratios last.
+# 1K context (with each step's share of its bandwidth roofline), prefill of 4K tokens. Prints the table of docs/PERF.md "HF on the same H100" with the ratios last.
 #   CARRY=.devcarry/new bench/run_hf_side_by_side_device.sh      (a carried, stripped dsv4)
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/device_env.sh"
@@ -14,7 +14,7 @@ timeout 120 "$CARRY/dsv4" init-random --config bench/configs/v4_flash_4layer.jso
 echo "init-random rc=$? t=$SECONDS"
 for run in 1 2; do
   timeout 120 "$CARRY/dsv4" bench latency --model "$MODEL_DIR" --device cuda --input-len 1024 --output-len 64 \
-    --batch-size 1,8 --num-iters 2 > "$OUT/dsv4_decode_$run.log" 2>&1
+    --batch-size 1,8 --num-iters 2 --roofline > "$OUT/dsv4_decode_$run.log" 2>&1
   echo "dsv4 decode run $run rc=$? t=$SECONDS"
 done
 timeout 120 "$CARRY/dsv4" bench latency --model "$MODEL_DIR" --device cuda --input-len 4096 --output-len 2 \
@@ -24,6 +24,7 @@ timeout 300 python3 tools/reference/hf_speed.py "$MODEL_DIR" --context 1024 --st
   --json "$OUT/hf.json" > "$OUT/hf.log" 2>&1
 echo "hf rc=$? t=$SECONDS"
 rm -rf "$MODEL_DIR"
+grep -h "Decode roofline" "$OUT"/dsv4_decode_*.log  # each decode step against its bandwidth roofline (docs/bench.md)
 python3 - "$OUT" <<'EOF'
 import json, re, sys
 out = sys.argv[1]
