@@ -2,15 +2,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <string>
 
 #include "cache/planner.h"
 #include "core/error.h"
-#include "model/weights.h"
 
 namespace dsv4 {
 
-DecodeRoofline decode_roofline(const ModelConfig& config, const WeightBytes& weights, KvStorage kv,
+DecodeRoofline decode_roofline(const ModelConfig& config, const WeightFormat& weights, KvStorage kv,
                                IndexStorage index, int64_t batch, int64_t context) {
   DSV4_CHECK(batch >= 1, "decode roofline: batch must be >= 1, got " + std::to_string(batch));
   DSV4_CHECK(context >= 1, "decode roofline: context must be >= 1, got " + std::to_string(context));
@@ -18,24 +18,17 @@ DecodeRoofline decode_roofline(const ModelConfig& config, const WeightBytes& wei
   const double picked = static_cast<double>(config.num_experts_per_tok);
   // Expected distinct experts of a layer over the batch's tokens, each picking `picked` of `experts`.
   const double distinct = experts * (1.0 - std::pow(1.0 - picked / experts, static_cast<double>(batch)));
+  // The weight planner's classes: routed experts, dense (FP8) linears, bf16 tensors (the embedding among them),
+  // fp32 tensors, hash tables (read a row a token: not counted).
+  const WeightPlan held = plan_weights(config, weights);
+  const double vocab = static_cast<double>(config.vocab_size), hidden = static_cast<double>(config.hidden_size);
+  const double unread_embedding = (vocab - std::min(static_cast<double>(batch), vocab)) * hidden *
+                                  held.classes[2].bits / 8.0;
   DecodeRoofline r;
-  for (const TensorSpec& spec : checkpoint_tensors(config)) {
-    double params = 1;
-    for (const int64_t d : spec.shape) params *= static_cast<double>(d);
-    const std::string& name = spec.name;
-    if (spec.role == TensorRole::kEmbedding) {
-      r.weight_bytes += weights.dense_per_param * static_cast<double>(std::min<int64_t>(batch, spec.shape[0])) *
-                        static_cast<double>(spec.shape[1]);
-    } else if (name.find(".ffn.experts.") != std::string::npos) {
-      const double bytes = params * weights.routed_expert_per_param * distinct / experts;
-      r.weight_bytes += bytes;
-      r.routed_expert_bytes += bytes;
-    } else if (spec.role == TensorRole::kLinear && name.find(".ffn.gate.") == std::string::npos) {
-      r.weight_bytes += params * weights.dense_per_param;
-    } else if (spec.role != TensorRole::kHashTable) {
-      r.weight_bytes += params * 4.0;  // fp32: mHC weights, router, norms, sinks, biases
-    }
-  }
+  r.routed_expert_bytes = static_cast<double>(held.classes[0].bytes) * distinct / experts;
+  r.weight_bytes = r.routed_expert_bytes + static_cast<double>(held.classes[1].bytes) +
+                   static_cast<double>(held.classes[2].bytes) - unread_embedding +
+                   static_cast<double>(held.classes[3].bytes);
   const CapacityPlan plan = plan_capacity(config, kv, index, context);
   double per_request = 0;
   for (const GroupPlan& g : plan.groups) {
@@ -55,6 +48,13 @@ DecodeRoofline decode_roofline(const ModelConfig& config, const WeightBytes& wei
   }
   r.kv_bytes = per_request * static_cast<double>(batch);
   return r;
+}
+
+std::string format_decode_roofline(const DecodeRoofline& r) {
+  char text[160];
+  std::snprintf(text, sizeof text, "%.2f GB a step (weights %.2f, of them routed experts %.2f; KV %.3f)",
+                r.bytes() / 1e9, r.weight_bytes / 1e9, r.routed_expert_bytes / 1e9, r.kv_bytes / 1e9);
+  return text;
 }
 
 }  // namespace dsv4

@@ -8,24 +8,18 @@
 //   KV       per request and layer: the sliding window (min(context, window) raw entries, every layer); on a
 //            CSA layer the top-k compressed entries (min(index_topk, entries)) and every indexer key (the
 //            lightning indexer scans them all); on an HCA layer every compressed entry.
-// The entry sizes are the cache's (cache/cache_spec.h: bf16 1,024 B or FP8 584 B main entries, 256 / 132 B
-// index keys), from the capacity planner (cache/planner.h). Activations, norms and the per-step metadata are
-// not counted (≪ 1 % at V4 widths).
+// The weights' sizes are the weight planner's (cache/weight_plan.h: the format's bits per class), the entry sizes
+// the cache's (cache/cache_spec.h: bf16 1,024 B or FP8 584 B main entries, 256 / 132 B index keys) from the
+// capacity planner (cache/planner.h). Activations and the per-step metadata are not counted (≪ 1 % at V4 widths).
 #pragma once
 #include <cstdint>
+#include <string>
 
 #include "cache/cache_spec.h"
+#include "cache/weight_plan.h"
 #include "model/model_config.h"
 
 namespace dsv4 {
-
-// How the device holds the weights: bytes per parameter of the dense projections (bf16 2, fp32 4, FP8 ≈ 1)
-// and of the routed experts (the same, or MXFP4 4.25 / 8, Q3 3.5 / 8, Q2 2.5 / 8). mHC and router weights are
-// fp32 on every backend.
-struct WeightBytes {
-  double dense_per_param = 2.0;
-  double routed_expert_per_param = 2.0;
-};
 
 struct DecodeRoofline {
   double weight_bytes = 0;         // touched by one step
@@ -37,7 +31,9 @@ struct DecodeRoofline {
 
 // One decode token for each of `batch` requests at `context` tokens of history. Throws dsv4::Error when batch
 // or context is not positive.
-DecodeRoofline decode_roofline(const ModelConfig& config, const WeightBytes& weights, KvStorage kv,
+DecodeRoofline decode_roofline(const ModelConfig& config, const WeightFormat& weights, KvStorage kv,
                                IndexStorage index, int64_t batch, int64_t context);
+
+std::string format_decode_roofline(const DecodeRoofline& roofline);
 
 }  // namespace dsv4

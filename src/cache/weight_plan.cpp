@@ -33,10 +33,13 @@ WeightPlan plan_weights(const ModelConfig& config, const WeightFormat& format) {
              "expert bits " + std::to_string(format.expert_bits) + ": must be in [1, 32]");
   WeightPlan plan;
   plan.format = format;
+  DSV4_CHECK(format.dense_bits == 16.0 || format.dense_bits == 32.0,
+             "dense bits " + std::to_string(format.dense_bits) + ": must be 16 (bf16) or 32 (fp32)");
+  const bool bf16 = format.dense_bits == 16.0;
   plan.classes = {{"routed experts", 0, format.expert_bits, 0},
-                  {format.dense_fp8 ? "dense FP8 linears" : "dense linears (bf16)", 0,
-                   format.dense_fp8 ? kFp8BlockBits : 16.0, 0},
-                  {"bf16 tensors", 0, 16.0, 0},
+                  {format.dense_fp8 ? "dense FP8 linears" : bf16 ? "dense linears (bf16)" : "dense linears (fp32)", 0,
+                   format.dense_fp8 ? kFp8BlockBits : format.dense_bits, 0},
+                  {bf16 ? "bf16 tensors" : "dense tensors (fp32)", 0, format.dense_bits, 0},
                   {"fp32 tensors", 0, 32.0, 0},
                   {"hash tables (int32)", 0, 32.0, 0}};
   for (const TensorSpec& spec : checkpoint_tensors(config)) {

@@ -21,7 +21,10 @@ namespace dsv4 {
 
 struct WeightFormat {
   double expert_bits = 4.25;
-  bool dense_fp8 = true;  // false: the FP8 linears held as bf16
+  bool dense_fp8 = true;  // false: the FP8 linears held in the dense dtype
+  // The dense dtype's bits: the "bf16 tensors" class (embedding, LM head, compressor and indexer projections,
+  // norms) and the FP8 linears when dense_fp8 is false. 16 (bf16), or 32 for a device holding everything fp32.
+  double dense_bits = 16.0;
 };
 
 struct WeightClass {

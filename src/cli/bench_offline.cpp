@@ -214,7 +214,6 @@ int bench_latency(const BenchOfflineOptions& o) {
     else
       std::printf("Roofline: no bandwidth (give --roofline-bandwidth GB/s off a CUDA device)\n");
   }
-  const WeightBytes held{setup.loaded.dense_bytes_per_param, setup.loaded.routed_expert_bytes_per_param};
   for (const int64_t batch_size : batch_sizes) {
     for (int64_t i = 0; i < o.warmup_iters; ++i)
       run_batch(engine, random_prompts(batch_size, o.input_len, vocab, rng), o.output_len);
@@ -244,14 +243,13 @@ int bench_latency(const BenchOfflineOptions& o) {
     nlohmann::json roofline_json;
     if (roofline_bytes_per_second > 0 && step > 0) {
       // The step decodes at context input_len … input_len + output_len − 1: the middle one stands for them.
-      const DecodeRoofline r = decode_roofline(setup.loaded.backend->config(), held, storage,
+      const DecodeRoofline r = decode_roofline(setup.loaded.backend->config(), setup.loaded.held_weights, storage,
                                                setup.loaded.backend->index_storage(), batch_size,
                                                o.input_len + o.output_len / 2);
       const double floor_s = r.seconds_at(roofline_bytes_per_second);
-      std::printf("Decode roofline: %.2f GB a step (weights %.2f, of them routed experts %.2f; KV %.3f) / %.0f GB/s = "
-                  "%.3f ms; the step runs at %.1f %% of it\n",
-                  r.bytes() / 1e9, r.weight_bytes / 1e9, r.routed_expert_bytes / 1e9, r.kv_bytes / 1e9,
-                  roofline_bytes_per_second / 1e9, floor_s * 1e3, 100.0 * floor_s / step);
+      std::printf("Decode roofline: %s / %.0f GB/s = %.3f ms; the step runs at %.1f %% of it\n",
+                  format_decode_roofline(r).c_str(), roofline_bytes_per_second / 1e9, floor_s * 1e3,
+                  100.0 * floor_s / step);
       roofline_json = {{"bytes", r.bytes()}, {"weight_bytes", r.weight_bytes}, {"kv_bytes", r.kv_bytes},
                        {"bandwidth_bytes_per_s", roofline_bytes_per_second}, {"floor_s", floor_s},
                        {"fraction", floor_s / step}};

@@ -13,6 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cache/decode_roofline.h"
 #include "cache/planner.h"
 #include "cache/weight_plan.h"
 #include "core/error.h"
@@ -301,6 +302,10 @@ int plan(const PlanOptions& options) {
                options.reserve_gib;
     if (left_gib > 0) kv_budget_gib = left_gib;
   }
+  DSV4_CHECK(!options.bandwidth_gbps || options.decode_batch, "--bandwidth needs --decode-batch");
+  std::optional<DecodeRoofline> roofline;
+  if (options.decode_batch)
+    roofline = decode_roofline(config, weights.format, kv, index, *options.decode_batch, context);
   CapacityPlan result = plan_capacity(config, kv, index, context, kv_budget_gib, options.requests);
   result.model = options.preset.empty() ? options.model_dir : options.preset;
   if (options.device_memory_gib && left_gib <= 0) result.requests_fit = 0;
@@ -312,6 +317,14 @@ int plan(const PlanOptions& options) {
       out["reserve_gib"] = options.reserve_gib;
       out["kv_budget_gib"] = std::max(left_gib, 0.0);
       out["requests_fit"] = result.requests_fit.value_or(0);
+    }
+    if (roofline) {
+      out["decode_roofline"] = {{"batch", *options.decode_batch}, {"bytes", roofline->bytes()},
+                                {"weight_bytes", roofline->weight_bytes},
+                                {"routed_expert_bytes", roofline->routed_expert_bytes},
+                                {"kv_bytes", roofline->kv_bytes}};
+      if (options.bandwidth_gbps)
+        out["decode_roofline"]["floor_s"] = roofline->seconds_at(*options.bandwidth_gbps * 1e9);
     }
     std::printf("%s\n", out.dump(2).c_str());
     return 0;
@@ -329,6 +342,14 @@ int plan(const PlanOptions& options) {
                   "%lld tokens\n",
                   *options.device_memory_gib, weights_gib, options.reserve_gib, left_gib,
                   static_cast<long long>(result.requests_fit.value_or(0)), static_cast<long long>(context));
+  }
+  if (roofline) {
+    std::printf("\ndecode roofline, batch %lld at %lld tokens: %s", static_cast<long long>(*options.decode_batch),
+                static_cast<long long>(context), format_decode_roofline(*roofline).c_str());
+    if (options.bandwidth_gbps)
+      std::printf(" / %.0f GB/s = %.3f ms a step at best", *options.bandwidth_gbps,
+                  roofline->seconds_at(*options.bandwidth_gbps * 1e9) * 1e3);
+    std::printf("\n");
   }
   return 0;
 }

@@ -63,6 +63,10 @@ struct PlanOptions {
   std::optional<double> device_memory_gib;
   std::string expert_bits = "fp4", dense_dtype = "fp8";
   double reserve_gib = 6.0;
+  // The decode roofline of `decode_batch` requests at the context (cache/decode_roofline.h), and its floor at
+  // `bandwidth_gbps` when given.
+  std::optional<int64_t> decode_batch;
+  std::optional<double> bandwidth_gbps;
 };
 int plan(const PlanOptions& options);
 

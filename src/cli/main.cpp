@@ -122,6 +122,13 @@ int main(int argc, char** argv) {
                        "routed-expert storage: fp4 (MXFP4, 4.25 bits, as released), fp8, bf16 or bits/param (e.g. 2.5)");
   plan_cmd->add_option("--dense-dtype", plan.dense_dtype, "the release's FP8 linears: fp8 or bf16");
   plan_cmd->add_option("--reserve-gib", plan.reserve_gib, "with --device-memory: activations, workspace, context");
+  plan_cmd
+      ->add_option("--decode-batch", plan.decode_batch,
+                   "also the decode roofline: bytes one step of this many requests at --context reads (weights "
+                   "at --expert-bits / --dense-dtype, KV)")
+      ->check(CLI::PositiveNumber);
+  plan_cmd->add_option("--bandwidth", plan.bandwidth_gbps, "with --decode-batch: GB/s, for the step's floor in ms")
+      ->check(CLI::PositiveNumber);
 
   std::string tokenizer_path, text_file, detok_ids;
   bool add_bos = false;

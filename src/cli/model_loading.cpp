@@ -272,13 +272,14 @@ LoadedBackend load_backend(const std::string& model_dir, const BackendOptions& o
     return source;
   };
   loaded.on_cuda = true;
-  loaded.dense_bytes_per_param = cuda_options.precision == CudaPrecision::kBf16 ? 2.0 : 4.0;
-  loaded.routed_expert_bytes_per_param =
-      expert_encoding == WeightEncoding::kQ3G32   ? 3.5 / 8
-      : expert_encoding == WeightEncoding::kQ2G32 ? 2.5 / 8
-      : config.fp4_routed_experts && cuda_options.low_bit_experts && cuda_options.precision == CudaPrecision::kBf16
-          ? 4.25 / 8
-          : loaded.dense_bytes_per_param;
+  const double dense_bits = cuda_options.precision == CudaPrecision::kBf16 ? 16.0 : 32.0;
+  loaded.held_weights = {
+      expert_encoding == WeightEncoding::kQ3G32   ? 3.5
+      : expert_encoding == WeightEncoding::kQ2G32 ? 2.5
+      : config.fp4_routed_experts && cuda_options.low_bit_experts && dense_bits == 16.0
+          ? 4.25
+          : dense_bits,
+      false, dense_bits};
   if (options.expert_parallel_ranks > 1) {
     load_expert_parallel_ranks(loaded, config, cuda_options, options, make_source);
     return loaded;

