@@ -1710,7 +1710,7 @@ void DeepseekV4CudaModel::Impl::moe_host_grouped(int64_t layer, const Step& step
   // Every expert's scratch rows at once (its rows at offset[e], the shared expert's after them), so that experts
   // on different lanes never share a buffer.
   float* gate_up = buffer<float>("moe_lane_gate_up", (rows + N) * 2 * I);
-  std::byte* activated = buffer<std::byte>("moe_lane_activated", (rows + N) * I * (bf16 ? 2 : 4));
+  std::byte* activated = buffer<std::byte>("moe_lane_activated", (rows + N) * I * element);
   // The lanes: lane 0 is `stream`, the others borrow streams and Gemms that are idle during this sublayer (the
   // split shared expert runs only below host_grouped's sizes; the K=V and indexer streams joined before the
   // attention). Each expert goes to the lane with the fewest rows so far, the shared expert first.
@@ -1737,7 +1737,7 @@ void DeepseekV4CudaModel::Impl::moe_host_grouped(int64_t layer, const Step& step
     Lane* to = least_loaded();
     to->rows += n;
     run_expert_on(w13, w2, input, n, output, gate_up + scratch_row * 2 * I,
-                  activated + scratch_row * I * (bf16 ? 2 : 4), *to->with, to->on);
+                  activated + scratch_row * I * element, *to->with, to->on);
   };
   run_on_lane(l.shared_w13, l.shared_w2, x_operand, N, shared_rows, rows);
   const size_t w13_bytes = static_cast<size_t>(2 * I * D) * element, w2_bytes = static_cast<size_t>(D * I) * element;
@@ -1806,8 +1806,7 @@ void DeepseekV4CudaModel::Impl::routed_experts_gemv(int64_t layer, const void* x
 
 void DeepseekV4CudaModel::Impl::run_expert(const void* w13, const void* w2, const void* input, int64_t n,
                                            float* output, bool shared_lane) {
-  const ModelConfig& c = config;
-  const int64_t D = c.hidden_size, I = c.moe_intermediate_size;
+  const int64_t I = config.moe_intermediate_size;
   const cudaStream_t on = shared_lane ? shared_expert_stream : stream;
   cu::Gemm& with = shared_lane ? *shared_gemm : *gemm;
   float* gate_up = buffer<float>(shared_lane ? "moe_shared_gate_up" : "moe_gate_up", n * 2 * I);

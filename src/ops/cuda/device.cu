@@ -38,7 +38,8 @@ double measure_copy_bandwidth(size_t bytes, int repeats) {
             cudaEventCreate(&stop) == cudaSuccess;
   for (int i = 0; ok && i <= repeats; ++i) {
     float elapsed = 0;
-    ok = cudaEventRecord(start) == cudaSuccess && cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice) == cudaSuccess &&
+    ok = cudaEventRecord(start) == cudaSuccess &&
+         cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice) == cudaSuccess &&
          cudaEventRecord(stop) == cudaSuccess && cudaEventSynchronize(stop) == cudaSuccess &&
          cudaEventElapsedTime(&elapsed, start, stop) == cudaSuccess;
     if (ok && i > 0) ms.push_back(elapsed);  // the first copy warms up
